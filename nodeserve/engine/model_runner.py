@@ -1,0 +1,80 @@
+"""ModelRunner: turns one step's sequence chunks into tensors, runs the model over a device's KV pool, returns logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from nodeserve.attention.base import AttentionBackend, AttentionMetadata
+from nodeserve.kv.pool import KVPool
+from nodeserve.model.llama import LlamaModel
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's share of a step: feed `token_ids` at positions [start_pos, start_pos + len)."""
+
+    token_ids: Sequence[int]
+    start_pos: int             # tokens of this sequence already in the pool (num_computed_tokens)
+    block_table: Sequence[int]  # its pages in this pool, covering at least start_pos + len tokens
+    want_logits: bool = True    # whether to return logits for the last token fed
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend):
+        self.model, self.pool, self.backend = model, pool, backend
+        self.device = pool.device
+
+    def prepare(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Chunks must be ordered with every single-token chunk first (those attend as one batched decode)."""
+        page_size = self.pool.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens, seq_lens, logits_rows = [], [], []
+        max_pages = max(len(c.block_table) for c in chunks)
+        block_tables = torch.zeros(len(chunks), max_pages, dtype=torch.int64)
+        for b, c in enumerate(chunks):
+            n = len(c.token_ids)
+            input_ids.extend(c.token_ids)
+            pos = range(c.start_pos, c.start_pos + n)
+            positions.extend(pos)
+            table = c.block_table
+            slots.extend(table[p // page_size] * page_size + p % page_size for p in pos)
+            block_tables[b, :len(table)] = torch.as_tensor(table, dtype=torch.int64)
+            query_lens.append(n)
+            seq_lens.append(c.start_pos + n)
+            if c.want_logits:
+                logits_rows.append(len(input_ids) - 1)
+        num_decodes = 0
+        while num_decodes < len(chunks) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=block_tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            query_lens=query_lens,
+            seq_lens_host=seq_lens,
+            num_decodes=num_decodes,
+            page_size=page_size,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos_t, meta, logits_rows
+
+    def run(self, chunks: Sequence[SeqChunk],
+            on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Returns float32 logits [N, vocab], one row per chunk with want_logits, in chunk order."""
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)  # stable: decodes first
+        ordered = [chunks[i] for i in order]
+        ids, positions, meta, rows = self.prepare(ordered)
+        hidden = self.model(ids, positions, meta, self.pool.layers, self.backend, on_layer_done)
+        logits = self.model.compute_logits(hidden[rows])  # [N, V], in `ordered` order
+        wanted = [i for i in order if chunks[i].want_logits]
+        if wanted == sorted(wanted):
+            return logits
+        # row k of `logits` belongs to chunk wanted[k]; put the rows back in chunk order
+        return logits[torch.tensor(sorted(range(len(wanted)), key=wanted.__getitem__))]

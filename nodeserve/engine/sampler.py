@@ -1,0 +1,207 @@
+"""Sampler: turn one step's batch of next-token logits into one token per row.
+
+Per row, with vLLM's semantics: penalties, then either greedy argmax or
+temperature -> top-k -> top-p -> min-p -> random draw, plus optional logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nodeserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]                                # one per row
+    logprobs: list[float] | None                        # chosen token's logprob per row; None when no row asked
+    top_logprobs: list[list[tuple[int, float]]] | None  # per row: that row's top-k (token_id, logprob), [] if it didn't ask
+
+
+def apply_penalties(
+    logits: torch.Tensor,                  # [B, V]
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """Return a new [B, V] tensor with each row's repetition/frequency/presence penalties applied.
+
+    Repetition penalty covers prompt + output tokens (positive logits divided, others multiplied);
+    frequency (* count) and presence (* seen) penalties cover output tokens only and are subtracted.
+    The input is never modified; rows without penalties come back unchanged.
+    """
+    B, V = logits.shape
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return logits.clone()
+    device = logits.device
+    ps = [params[i] for i in rows]
+    rows_t = torch.tensor(rows, device=device)
+    x = logits[rows_t]                                                   # [R, V] (a copy)
+
+    counts = _token_counts([output_ids[i] for i in rows], V, device)     # [R, V]
+    rep = [p.repetition_penalty for p in ps]
+    if any(r != 1.0 for r in rep):
+        seen = counts > 0
+        seen |= _token_counts([prompt_ids[i] for i in rows], V, device) > 0
+        rep_t = torch.tensor(rep, device=device, dtype=x.dtype)[:, None]   # [R, 1]
+        penalty = torch.where(seen, rep_t, 1.0)                             # [R, V]
+        x = torch.where(x > 0, x / penalty, x * penalty)
+
+    freq = torch.tensor([p.frequency_penalty for p in ps], device=device, dtype=x.dtype)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in ps], device=device, dtype=x.dtype)[:, None]
+    x = x - freq * counts - pres * (counts > 0)
+
+    if len(rows) == B:
+        return x
+    return logits.index_copy(0, rows_t, x)
+
+
+def _token_counts(seqs: Sequence[Sequence[int]], V: int, device: torch.device) -> torch.Tensor:
+    """[R, V] float counts of each token id per sequence."""
+    R = len(seqs)
+    L = max((len(s) for s in seqs), default=0)
+    if L == 0:
+        return torch.zeros(R, V, device=device)
+    # Pad with the out-of-vocab id V so one scatter_add handles ragged rows; the pad column is dropped.
+    padded = [list(s) + [V] * (L - len(s)) for s in seqs]
+    ids = torch.tensor(padded, dtype=torch.long).to(device, non_blocking=True)       # [R, L]
+    counts = torch.zeros(R, V + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones(R, L, device=device))
+    return counts[:, :V]
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus.
+
+    logits [R, V] (temperature already applied), top_k [R] in 1..V, top_p [R] (> 1 means off).
+    """
+    V = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)             # [R, V]
+    pos = torch.arange(V, device=logits.device)[None, :]                    # [1, V]
+    drop = pos >= top_k[:, None]                                            # [R, V]
+    # top-p sees the top-k-renormalised distribution, as in vLLM.
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)  # [R, V]
+    mass_before = probs.cumsum(dim=-1) - probs
+    # A token is kept while the mass ranked above it is still short of top_p: the smallest set reaching top_p.
+    drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False  # the most likely token always survives
+    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+class Sampler:
+    """Samples one token per row. Stateless apart from the shared generator for unseeded rows."""
+
+    def __init__(self, device: torch.device, seed: int | None = None):
+        self.device = torch.device(device)
+        # Shared by every row without its own generator; seed it to make unseeded runs reproducible.
+        self._generator = torch.Generator(device=self.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    def new_generator(self, seed: int | None) -> torch.Generator | None:
+        """A per-request generator, so a seeded request's draws depend on nothing else in the batch."""
+        if seed is None:
+            return None
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        return g
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        logits: torch.Tensor,                       # [B, V] float32; never modified
+        params: Sequence[SamplingParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+    ) -> SamplerOutput:
+        B, V = logits.shape
+        want_logprobs = any(p.logprobs is not None for p in params)
+        if not want_logprobs and all(p.greedy and not p.has_penalties for p in params):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
+
+        logits = logits.float()
+        if any(p.has_penalties for p in params):
+            logits = apply_penalties(logits, params, prompt_ids, output_ids)
+
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if len(random_rows) == B:
+            token_ids = self._sample(logits, params, generators)            # [B]
+        else:
+            token_ids = logits.argmax(dim=-1)                               # [B]
+        if 0 < len(random_rows) < B:
+            idx = torch.tensor(random_rows, device=logits.device)
+            sampled = self._sample(logits[idx], [params[i] for i in random_rows],
+                                   [generators[i] for i in random_rows])
+            token_ids = token_ids.index_copy(0, idx, sampled)
+
+        if not want_logprobs:
+            return SamplerOutput(token_ids.tolist(), None, None)
+        return SamplerOutput(token_ids.tolist(), *self._logprobs(logits, token_ids, params))
+
+    def _sample(
+        self,
+        logits: torch.Tensor,                       # [R, V] penalised logits of the random rows
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:                              # [R] sampled token ids
+        R, V = logits.shape
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        logits = logits / temperature[:, None]                              # [R, V]
+
+        top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
+        top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
+        if any(k < V for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _apply_top_k_top_p(logits, torch.tensor(top_k, device=device),
+                                        torch.tensor(top_p, device=device))
+
+        probs = logits.softmax(dim=-1)                                      # [R, V]
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            # Relative to the max prob, so it is unaffected by the renormalisation after top-k/top-p.
+            threshold = torch.tensor(min_p, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+            # No renormalising needed: the argmax below is invariant to scaling a row.
+
+        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i / sum(p).
+        # Each seeded row fills its own noise from its own generator, independent of batch position.
+        noise = torch.empty_like(probs)                                     # [R, V]
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if len(unseeded) == R:
+            noise.exponential_(generator=self._generator)
+        else:
+            if unseeded:
+                idx = torch.tensor(unseeded, device=device)
+                shared = torch.empty(len(unseeded), V, device=device).exponential_(generator=self._generator)
+                noise.index_copy_(0, idx, shared)
+            for i, g in enumerate(generators):
+                if g is not None:
+                    noise[i].exponential_(generator=g)
+        # exponential_ can return exactly 0; 0/0 = nan would win argmax and could pick a masked token.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor,                       # [B, V] penalised logits
+        token_ids: torch.Tensor,                    # [B]
+        params: Sequence[SamplingParams],
+    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        # Reported logprobs are of the penalised logits, before temperature/top-k/top-p/min-p.
+        logprobs = logits.log_softmax(dim=-1)                               # [B, V]
+        chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+        ks = [min(p.logprobs or 0, logprobs.shape[-1]) for p in params]
+        max_k = max(ks)
+        if max_k == 0:
+            return chosen, [[] for _ in params]
+        top_vals, top_ids = logprobs.topk(max_k, dim=-1)                    # [B, max_k], sorted descending
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        top = [list(zip(top_ids[i][:k], top_vals[i][:k])) for i, k in enumerate(ks)]
+        return chosen, top

@@ -1,0 +1,491 @@
+"""OpenAI wire format: request parsing and validation, response and SSE builders, errors.
+
+Pure functions and dataclasses only (no aiohttp, no engine), so every rule here is unit-testable.
+Conventions follow /work/shared/notes/openai-api.md and vLLM's OpenAI server.
+
+Validation is hand-written rather than pydantic: it keeps the dependency list to what the project
+already has, and gives OpenAI-shaped 400s whose message and `param` name the offending field.
+
+Rules shared by both routes:
+  - A field sent as JSON null counts as absent (SDK-generated clients send nulls for unset fields).
+  - Unknown fields are accepted and ignored.
+  - Integers must be JSON integers (5.0 is accepted as 5; true, 5.5 and "5" are not).
+  - Floats accept integers; NaN and infinities are rejected (Python's json parser accepts them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from nodeserve.sampling_params import SamplingParams
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """An error the client should see, with its HTTP status and OpenAI-shaped body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        # Statuses without their own name (413, 422, ...) fall back by class, like the openai SDK.
+        self.type = type or _ERROR_TYPES.get(status) or (
+            "InternalServerError" if status >= 500 else "BadRequestError")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.status}}
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def parse_json(raw: bytes) -> object:
+    """Decode a request body. Bad JSON is a 400, not the 500 an uncaught ValueError would become."""
+    try:
+        return json.loads(raw)
+    # JSONDecodeError and UnicodeDecodeError are ValueErrors; very deep nesting is a RecursionError.
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"Request body is not valid JSON: {e}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Field readers: each takes the raw JSON value and the param name to blame.
+# --------------------------------------------------------------------------------------------
+
+_JSON_TYPE = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+              dict: "object", type(None): "null"}
+
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+INT32_MAX = 2**31 - 1
+
+
+def _kind(value: object) -> str:
+    return _JSON_TYPE.get(type(value), type(value).__name__)
+
+
+def _show(value: object) -> str:
+    # Clients can send 4,000-digit numbers; don't echo them back in full.
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _range_error(param: str, value: object, lo, hi, lo_open: bool = False) -> APIError:
+    low = f"greater than {lo}" if lo_open else f"at least {lo}"
+    if hi is None:
+        return _bad(param, f"'{param}' must be {low}, got {_show(value)}")
+    return _bad(param, f"'{param}' must be {low} and at most {hi}, got {_show(value)}")
+
+
+def _as_int(value: object, param: str, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)  # some clients serialize every number as a float
+    # type() not isinstance(): bool is an int in Python, but `true` is not a number to a client.
+    if type(value) is not int:
+        raise _bad(param, f"'{param}' must be an integer, got {_kind(value)}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise _range_error(param, value, lo, hi)
+    return value
+
+
+def _as_float(value: object, param: str, lo: float, hi: float | None = None,
+              lo_open: bool = False) -> float:
+    if type(value) not in (int, float):
+        raise _bad(param, f"'{param}' must be a number, got {_kind(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _bad(param, f"'{param}' must be a finite number, got {value}")
+    # Compare before float(): float(10**400) would raise OverflowError.
+    if value < lo or (lo_open and value == lo) or (hi is not None and value > hi):
+        raise _range_error(param, value, lo, hi, lo_open)
+    return float(value)
+
+
+def _as_bool(value: object, param: str) -> bool:
+    if type(value) is not bool:
+        raise _bad(param, f"'{param}' must be a boolean, got {_kind(value)}")
+    return value
+
+
+def _as_str(value: object, param: str) -> str:
+    if type(value) is not str:
+        raise _bad(param, f"'{param}' must be a string, got {_kind(value)}")
+    return value
+
+
+def _as_list(value: object, param: str) -> list:
+    if type(value) is not list:
+        raise _bad(param, f"'{param}' must be an array, got {_kind(value)}")
+    return value
+
+
+def _as_object(value: object, param: str) -> dict:
+    if type(value) is not dict:
+        raise _bad(param, f"'{param}' must be an object, got {_kind(value)}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-server caps on what one request may ask for (from config)."""
+
+    max_n: int = 16
+    max_stop: int = 16
+    max_logprobs: int = 20
+    max_tokens: int = 1_000_000  # hard cap; the engine later checks prompt + max_tokens vs context
+    max_prompts: int = 64        # prompts in one completions batch
+
+    def __post_init__(self):
+        for name in ("max_n", "max_stop", "max_tokens", "max_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Limits.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"Limits.max_logprobs must be >= 0, got {self.max_logprobs}")
+
+
+@dataclass
+class CompletionRequest:
+    """POST /v1/completions, validated."""
+
+    model: str | None                 # None: the served model
+    prompts: list[str | list[int]]    # each prompt is text or token ids
+    params: SamplingParams            # max_tokens defaults to 16, as in OpenAI and vLLM
+    n: int
+    stream: bool
+    include_usage: bool
+    echo: bool
+    max_tokens_given: bool = True     # completions always have a max_tokens (default 16)
+
+
+@dataclass
+class ChatRequest:
+    """POST /v1/chat/completions, validated."""
+
+    model: str | None                 # None: the served model
+    messages: list[dict]              # roles checked; text parts joined so content is str (or None)
+    params: SamplingParams
+    max_tokens_given: bool            # False: max_tokens is a cap; the engine fills ctx - prompt
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: bool                    # when true, params.logprobs = top_logprobs (default 0)
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _get(body: dict, name: str, reader, *args, default=None, **kwargs):
+    """Read an optional field; JSON null counts as absent."""
+    value = body.get(name)
+    return default if value is None else reader(value, name, *args, **kwargs)
+
+
+def _parse_stop(value: object, limits: Limits) -> list[str]:
+    stops = [value] if isinstance(value, str) else _as_list(value, "stop")
+    if len(stops) > limits.max_stop:
+        raise _bad("stop", f"'stop' may have at most {limits.max_stop} entries, got {len(stops)}")
+    for s in stops:
+        # An empty stop string would match at every position and end generation at once.
+        if type(s) is not str or not s:
+            raise _bad("stop", "'stop' must be a non-empty string or an array of non-empty strings")
+    return stops
+
+
+def _parse_stop_token_ids(value: object) -> list[int]:
+    ids = _as_list(value, "stop_token_ids")
+    return [_as_int(t, f"stop_token_ids[{i}]", 0, INT32_MAX) for i, t in enumerate(ids)]
+
+
+def _parse_max_tokens(body: dict, name: str, limits: Limits) -> int | None:
+    return _get(body, name, _as_int, 1, limits.max_tokens)
+
+
+def _parse_stream(body: dict) -> tuple[bool, bool]:
+    """Returns (stream, include_usage)."""
+    stream = _get(body, "stream", _as_bool, default=False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    # vLLM and OpenAI both 400 here rather than silently dropping the usage the client asked for.
+    if not stream:
+        raise _bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    options = _as_object(options, "stream_options")
+    include_usage = options.get("include_usage")
+    if include_usage is None:
+        return stream, False
+    return stream, _as_bool(include_usage, "stream_options.include_usage")
+
+
+def _check_body(body: object) -> dict:
+    if type(body) is not dict:
+        raise APIError(400, f"Request body must be a JSON object, got {_kind(body)}")
+    return body
+
+
+def _parse_common(body: dict, limits: Limits) -> tuple[str | None, int, SamplingParams]:
+    """Fields both routes share. Returns (model, n, params); the caller sets max_tokens/logprobs."""
+    model = _get(body, "model", _as_str)
+    n = _get(body, "n", _as_int, 1, limits.max_n, default=1)
+    top_k = _get(body, "top_k", _as_int, -1, INT32_MAX, default=0)
+    stop = body.get("stop")
+    stop_token_ids = body.get("stop_token_ids")
+    params = SamplingParams(
+        # vLLM allows temperatures above OpenAI's 2; 100 is already a uniform distribution.
+        temperature=_get(body, "temperature", _as_float, 0.0, 100.0, default=1.0),
+        top_p=_get(body, "top_p", _as_float, 0.0, 1.0, lo_open=True, default=1.0),
+        top_k=max(top_k, 0),  # -1 and 0 both mean off; store 0 so -1 never travels further
+        min_p=_get(body, "min_p", _as_float, 0.0, 1.0, default=0.0),
+        seed=_get(body, "seed", _as_int, INT64_MIN, INT64_MAX),
+        presence_penalty=_get(body, "presence_penalty", _as_float, -2.0, 2.0, default=0.0),
+        frequency_penalty=_get(body, "frequency_penalty", _as_float, -2.0, 2.0, default=0.0),
+        repetition_penalty=_get(body, "repetition_penalty", _as_float, 0.0, 10.0, lo_open=True,
+                                default=1.0),
+        stop=[] if stop is None else _parse_stop(stop, limits),
+        stop_token_ids=[] if stop_token_ids is None else _parse_stop_token_ids(stop_token_ids),
+        ignore_eos=_get(body, "ignore_eos", _as_bool, default=False),
+    )
+    return model, n, params
+
+
+# ---- completions ----
+
+def _parse_token_ids(ids: list, param: str) -> list[int]:
+    if not ids:
+        raise _bad(param, f"'{param}' must not be empty")
+    for j, t in enumerate(ids):
+        if not (type(t) is int and 0 <= t <= INT32_MAX):
+            raise _bad(f"{param}[{j}]", f"'{param}[{j}]' must be a token id (an integer from 0 to "
+                                        f"{INT32_MAX}), got {_show(t)}")
+    return ids
+
+
+def _parse_prompts(value: object, limits: Limits) -> list[str | list[int]]:
+    """Accepts a string, a list of strings, a list of token ids, or a list of token id lists."""
+    if value is None:
+        raise _bad("prompt", "'prompt' is required")
+    if type(value) is str:
+        if not value:
+            raise _bad("prompt", "'prompt' must not be empty")
+        return [value]
+    if type(value) is not list:
+        raise _bad("prompt", "'prompt' must be a string, an array of strings, an array of token "
+                             f"ids or an array of token id arrays, got {_kind(value)}")
+    if not value:
+        raise _bad("prompt", "'prompt' must not be empty")
+    if type(value[0]) not in (str, list):
+        return [_parse_token_ids(value, "prompt")]  # one prompt given as token ids
+    if len(value) > limits.max_prompts:
+        raise _bad("prompt", f"'prompt' may have at most {limits.max_prompts} prompts, "
+                             f"got {len(value)}")
+    prompts: list[str | list[int]] = []
+    for i, p in enumerate(value):
+        name = f"prompt[{i}]"
+        if type(p) is list:
+            prompts.append(_parse_token_ids(p, name))
+        elif type(p) is str and p:
+            prompts.append(p)
+        else:
+            raise _bad(name, f"'{name}' must be a non-empty string or an array of token ids, "
+                             f"got {_show(p) if type(p) is str else _kind(p)}")
+    return prompts
+
+
+def parse_completion_request(body: object, limits: Limits) -> CompletionRequest:
+    """Validate a /v1/completions body. Raises APIError(400) naming the first bad field."""
+    body = _check_body(body)
+    model, n, params = _parse_common(body, limits)
+    prompts = _parse_prompts(body.get("prompt"), limits)
+    max_tokens = _parse_max_tokens(body, "max_tokens", limits)
+    params.max_tokens = 16 if max_tokens is None else max_tokens
+    params.logprobs = _get(body, "logprobs", _as_int, 0, limits.max_logprobs)
+    stream, include_usage = _parse_stream(body)
+    echo = _get(body, "echo", _as_bool, default=False)
+    return CompletionRequest(model=model, prompts=prompts, params=params, n=n, stream=stream,
+                             include_usage=include_usage, echo=echo)
+
+
+# ---- chat ----
+
+def _parse_content(value: object, param: str, role: str) -> str | None:
+    if value is None:
+        # Assistant turns that only carried tool calls have null content.
+        if role == "assistant":
+            return None
+        raise _bad(param, f"'{param}' is required for role '{role}'")
+    if type(value) is str:
+        return value
+    parts = _as_list(value, param)
+    texts = []
+    for j, part in enumerate(parts):
+        part = _as_object(part, f"{param}[{j}]")
+        if part.get("type") != "text":
+            raise _bad(f"{param}[{j}]", f"'{param}[{j}]': only text content is supported, "
+                                        f"got part type {_show(part.get('type'))}")
+        texts.append(_as_str(part.get("text"), f"{param}[{j}].text"))
+    # Most chat templates expect a string; vLLM joins text parts with newlines too.
+    return "\n".join(texts)
+
+
+def _parse_messages(value: object) -> list[dict]:
+    if value is None:
+        raise _bad("messages", "'messages' is required")
+    messages = _as_list(value, "messages")
+    if not messages:
+        raise _bad("messages", "'messages' must not be empty")
+    out = []
+    for i, m in enumerate(messages):
+        m = _as_object(m, f"messages[{i}]")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            roles = ", ".join(f"'{r}'" for r in CHAT_ROLES)
+            raise _bad(f"messages[{i}].role",
+                       f"'messages[{i}].role' must be one of {roles}, got {_show(role)}")
+        # Keep other keys (name, tool_calls, tool_call_id): chat templates may read them.
+        content = _parse_content(m.get("content"), f"messages[{i}].content", role)
+        out.append({**m, "content": content})
+    return out
+
+
+def parse_chat_request(body: object, limits: Limits) -> ChatRequest:
+    """Validate a /v1/chat/completions body. Raises APIError(400) naming the first bad field."""
+    body = _check_body(body)
+    model, n, params = _parse_common(body, limits)
+    messages = _parse_messages(body.get("messages"))
+    # max_completion_tokens replaced max_tokens in OpenAI's API (LangChain sends it); it wins.
+    max_tokens = _parse_max_tokens(body, "max_tokens", limits)
+    max_completion_tokens = _parse_max_tokens(body, "max_completion_tokens", limits)
+    max_tokens = max_completion_tokens if max_completion_tokens is not None else max_tokens
+    params.max_tokens = limits.max_tokens if max_tokens is None else max_tokens
+    logprobs = _get(body, "logprobs", _as_bool, default=False)
+    top_logprobs = _get(body, "top_logprobs", _as_int, 0, limits.max_logprobs)
+    if top_logprobs is not None and not logprobs:
+        raise _bad("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
+    params.logprobs = (top_logprobs or 0) if logprobs else None
+    stream, include_usage = _parse_stream(body)
+    return ChatRequest(model=model, messages=messages, params=params,
+                       max_tokens_given=max_tokens is not None, n=n, stream=stream,
+                       include_usage=include_usage, logprobs=logprobs)
+
+
+# --------------------------------------------------------------------------------------------
+# Responses
+# --------------------------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None,
+                      logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(request_id: str, model: str, created: int, choices: list[dict],
+                        usage: dict) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage}
+
+
+def completion_chunk(request_id: str, model: str, created: int, index: int, text: str,
+                     finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [completion_choice(index, text, finish_reason, logprobs)]}
+
+
+def chat_choice(index: int, content: str, finish_reason: str | None,
+                logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": content},
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_response(request_id: str, model: str, created: int, choices: list[dict],
+                  usage: dict) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage}
+
+
+def chat_chunk(request_id: str, model: str, created: int, index: int, delta: dict,
+               finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                         "finish_reason": finish_reason}]}
+
+
+def usage_chunk(request_id: str, model: str, created: int, object: str, usage: dict) -> dict:
+    """The extra last chunk of a stream with stream_options.include_usage: usage, no choices."""
+    return {"id": request_id, "object": object, "created": created, "model": model,
+            "choices": [], "usage": usage}
+
+
+# vLLM's floor: a -inf logprob (a token masked by top-k/top-p) would serialize as invalid JSON.
+_MIN_LOGPROB = -9999.0
+
+
+def _lp(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
+
+
+def _chat_token(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": _lp(logprob),
+            "bytes": list(token.encode("utf-8", errors="replace"))}
+
+
+def chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> dict:
+    """Chat logprobs from (token, logprob, [(alt_token, alt_logprob), ...]) per generated token."""
+    return {"content": [
+        {**_chat_token(tok, lp), "top_logprobs": [_chat_token(t, l) for t, l in top]}
+        for tok, lp, top in entries]}
+
+
+def completion_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]],
+                        text_offset_start: int) -> dict:
+    """Legacy completions logprobs. text_offset_start is where the first token starts in the
+    choice's text (non-zero for later stream chunks, or after an echoed prompt)."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    offset = text_offset_start
+    for tok, lp, top in entries:
+        tokens.append(tok)
+        token_logprobs.append(_lp(lp))
+        alts = {t: _lp(l) for t, l in top}
+        # OpenAI's legacy format always includes the sampled token (up to logprobs + 1 entries).
+        alts.setdefault(tok, _lp(lp))
+        top_logprobs.append(alts)
+        text_offset.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def to_json(payload: dict) -> str:
+    """Compact UTF-8 JSON. allow_nan=False: a NaN/inf that slipped through is a bug, not output."""
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def sse(payload: dict | str) -> bytes:
+    """One server-sent event: exactly b"data: <json>\\n\\n".
+
+    Never \\r\\n: some benchmark clients split frames on \\n\\n only.
+    """
+    data = payload if isinstance(payload, str) else to_json(payload)
+    return b"data: " + data.encode("utf-8") + b"\n\n"

@@ -1,0 +1,275 @@
+"""Tests for nodeserve.engine.sampler: greedy, filters, distribution, seeding, penalties, logprobs."""
+
+import math
+
+import pytest
+import torch
+
+from nodeserve.engine.sampler import Sampler, apply_penalties
+from nodeserve.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def run(sampler, logits, params, prompt_ids=None, output_ids=None, generators=None):
+    B = logits.shape[0]
+    return sampler(
+        logits,
+        params,
+        prompt_ids if prompt_ids is not None else [[] for _ in range(B)],
+        output_ids if output_ids is not None else [[] for _ in range(B)],
+        generators if generators is not None else [None] * B,
+    )
+
+
+def draw_many(logits_row, params, n, seed=0):
+    """n independent draws from one row's distribution: n copies of the row in one batch."""
+    sampler = Sampler(CPU, seed=seed)
+    logits = logits_row[None, :].expand(n, -1).contiguous()
+    return torch.tensor(run(sampler, logits, [params] * n).token_ids)
+
+
+# Critical value of chi-square with 4 degrees of freedom at p = 1e-6: the survival function is
+# exp(-x/2) * (1 + x/2); a correct sampler fails this one in a million runs.
+CHI2_DF4_P1E6 = 33.38
+
+
+def chi_square(tokens, probs):
+    n = len(tokens)
+    observed = torch.bincount(tokens, minlength=len(probs)).double()
+    expected = probs.double() * n
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+def test_chi2_critical_value():
+    x = CHI2_DF4_P1E6
+    assert math.exp(-x / 2) * (1 + x / 2) == pytest.approx(1e-6, rel=0.02)
+
+
+# ---- greedy ---------------------------------------------------------------------------------------
+
+def test_greedy_fast_path_is_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 100)
+    out = run(Sampler(CPU), logits, [SamplingParams(temperature=0.0)] * 8)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs is None and out.top_logprobs is None
+
+
+def test_greedy_ties_pick_lowest_index():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, 5.0, 5.0, 5.0]])
+    out = run(Sampler(CPU), logits, [SamplingParams(temperature=0.0)] * 2)
+    assert out.token_ids == [1, 0]
+    # Same answer off the fast path (logprobs requested).
+    out = run(Sampler(CPU), logits, [SamplingParams(temperature=0.0, logprobs=0)] * 2)
+    assert out.token_ids == [1, 0]
+
+
+def test_greedy_rows_in_mixed_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(6, 50)
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0) for i in range(6)]
+    out = run(Sampler(CPU, seed=0), logits, params)
+    for i in range(0, 6, 2):
+        assert out.token_ids[i] == int(logits[i].argmax())
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=1),
+    SamplingParams(temperature=1.0, top_p=1e-6),
+    SamplingParams(temperature=1.0, min_p=1.0),
+])
+def test_filters_that_collapse_to_greedy(params):
+    torch.manual_seed(2)
+    logits = torch.randn(256, 300)
+    out = run(Sampler(CPU, seed=0), logits, [params] * 256)
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+# ---- filters exclude exactly the right tokens -------------------------------------------------------
+
+PROBS = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.10])
+LOGITS = PROBS.log()
+
+
+@pytest.mark.parametrize("params, allowed", [
+    (SamplingParams(top_k=2), {0, 1}),
+    (SamplingParams(top_p=0.5), {0, 1}),          # 0.30 < 0.5 <= 0.55
+    (SamplingParams(top_p=0.6), {0, 1, 2}),       # 0.55 < 0.6 <= 0.75
+    (SamplingParams(min_p=0.6), {0, 1, 2}),       # keep p >= 0.18
+    (SamplingParams(min_p=0.5), {0, 1, 2, 3}),    # keep p >= 0.15
+    (SamplingParams(top_k=3, top_p=0.5), {0, 1}),  # top-p of the top-3 renormalised: 0.4, 0.33, 0.27
+    (SamplingParams(top_k=4, min_p=0.6), {0, 1, 2}),
+    (SamplingParams(temperature=3.0, top_k=3), {0, 1, 2}),
+])
+def test_filters_never_sample_excluded_tokens(params, allowed):
+    tokens = draw_many(LOGITS, params, 5000)
+    assert set(tokens.tolist()) == allowed
+
+
+# ---- sampled frequencies match the distribution --------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+def test_frequencies_match_softmax(temperature):
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.5])
+    expected = (logits / temperature).softmax(-1)
+    tokens = draw_many(logits, SamplingParams(temperature=temperature), 20_000)
+    assert chi_square(tokens, expected) < CHI2_DF4_P1E6
+    # The test can fail: the untempered distribution must be rejected when temperature matters.
+    if temperature != 1.0:
+        assert chi_square(tokens, logits.softmax(-1)) > CHI2_DF4_P1E6
+
+
+def test_frequencies_after_top_k_renormalise():
+    tokens = draw_many(LOGITS, SamplingParams(top_k=3), 20_000)
+    kept = PROBS[:3] / PROBS[:3].sum()
+    observed = torch.bincount(tokens, minlength=5)
+    assert observed[3:].sum() == 0
+    n = len(tokens)
+    for i in range(3):
+        sigma = math.sqrt(n * kept[i] * (1 - kept[i]))
+        assert abs(observed[i] - n * kept[i]) < 5 * sigma
+
+
+def test_frequencies_with_per_row_generators():
+    # The seeded path draws noise row by row; it must give the same distribution.
+    n = 5000
+    sampler = Sampler(CPU)
+    logits = LOGITS[None, :].expand(n, -1).contiguous()
+    gens = [sampler.new_generator(1000 + i) for i in range(n)]
+    tokens = torch.tensor(run(sampler, logits, [SamplingParams()] * n, generators=gens).token_ids)
+    assert chi_square(tokens, PROBS) < CHI2_DF4_P1E6
+
+
+# ---- seeding -------------------------------------------------------------------------------------
+
+def seeded_sequence(seed, position, batch_size, steps=12, V=1000):
+    """Tokens a seeded request gets over `steps` steps when it sits at `position` in a batch of others."""
+    sampler = Sampler(CPU)
+    target_logits = torch.randn(steps, V, generator=torch.Generator().manual_seed(7))
+    other = torch.Generator().manual_seed(1000 + batch_size)
+    target = SamplingParams(temperature=1.2, top_k=200, top_p=0.95, seed=seed)
+    gen = sampler.new_generator(seed)
+    other_gens = [sampler.new_generator(i) if i % 2 else None for i in range(batch_size)]
+    tokens = []
+    for step in range(steps):
+        logits = torch.randn(batch_size, V, generator=other) * 3
+        logits[position] = target_logits[step]
+        params = [SamplingParams(temperature=0.8, top_p=0.9) for _ in range(batch_size)]
+        params[position] = target
+        gens = list(other_gens)
+        gens[position] = gen
+        out = run(sampler, logits, params, generators=gens)
+        tokens.append(out.token_ids[position])
+    return tokens
+
+
+def test_same_seed_same_tokens_regardless_of_batch():
+    alone = seeded_sequence(seed=1234, position=0, batch_size=1)
+    assert seeded_sequence(seed=1234, position=2, batch_size=5) == alone
+    assert seeded_sequence(seed=1234, position=6, batch_size=7) == alone
+
+
+def test_different_seeds_differ():
+    assert seeded_sequence(seed=1, position=0, batch_size=3) != seeded_sequence(seed=2, position=0, batch_size=3)
+
+
+def test_new_generator_none_without_seed():
+    assert Sampler(CPU).new_generator(None) is None
+
+
+# ---- penalties -----------------------------------------------------------------------------------
+
+BASE = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0]])
+PROMPT = [[0, 1]]
+OUTPUT = [[1, 2, 2]]
+
+
+def test_repetition_penalty_over_prompt_and_output():
+    got = apply_penalties(BASE, [SamplingParams(repetition_penalty=2.0)], PROMPT, OUTPUT)
+    expected = torch.tensor([[1.0, -2.0, 0.25, -0.5, 3.0, 0.0]])
+    torch.testing.assert_close(got, expected)
+
+
+def test_frequency_and_presence_over_output_only():
+    params = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.3)]
+    got = apply_penalties(BASE, params, PROMPT, OUTPUT)
+    # token 0 is only in the prompt: untouched. token 1 seen once, token 2 twice.
+    expected = torch.tensor([[2.0, -1.0 - 0.5 - 0.3, 0.5 - 1.0 - 0.3, -0.5, 3.0, 0.0]])
+    torch.testing.assert_close(got, expected)
+
+
+def test_all_penalties_combined_repetition_first():
+    params = [SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.3)]
+    got = apply_penalties(BASE, params, PROMPT, OUTPUT)
+    expected = torch.tensor([[1.0, -2.0 - 0.8, 0.25 - 1.3, -0.5, 3.0, 0.0]])
+    torch.testing.assert_close(got, expected)
+
+
+def test_penalties_per_row_and_input_untouched():
+    logits = BASE.repeat(3, 1)
+    before = logits.clone()
+    params = [SamplingParams(), SamplingParams(presence_penalty=1.0), SamplingParams(repetition_penalty=0.5)]
+    got = apply_penalties(logits, params, [[0, 1], [], [4]], [[1], [3, 3], []])
+    torch.testing.assert_close(logits, before)
+    torch.testing.assert_close(got[0], BASE[0])
+    torch.testing.assert_close(got[1], torch.tensor([2.0, -1.0, 0.5, -1.5, 3.0, 0.0]))
+    torch.testing.assert_close(got[2], torch.tensor([2.0, -1.0, 0.5, -0.5, 6.0, 0.0]))
+
+
+def test_penalties_reach_the_sampler():
+    # Reported logprobs are of the penalised logits, so they expose the penalty end to end.
+    logits = BASE.clone()
+    params = [SamplingParams(temperature=0.0, presence_penalty=10.0, logprobs=6)]
+    out = run(Sampler(CPU), logits, params, PROMPT, [[4]])
+    torch.testing.assert_close(logits, BASE)
+    assert out.token_ids == [0]  # token 4 (the argmax) is pushed down by the presence penalty
+    expected = torch.tensor([[2.0, -1.0, 0.5, -0.5, -7.0, 0.0]]).log_softmax(-1)[0]
+    got = dict(out.top_logprobs[0])
+    for tok in range(6):
+        assert got[tok] == pytest.approx(float(expected[tok]), abs=1e-5)
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+
+def test_logprobs_and_top_logprobs():
+    torch.manual_seed(3)
+    logits = torch.randn(4, 64)
+    before = logits.clone()
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.5, logprobs=5),
+        SamplingParams(temperature=1.0),             # didn't ask
+        SamplingParams(temperature=1.0, top_k=4, logprobs=0),
+    ]
+    out = run(Sampler(CPU, seed=0), logits, params)
+    torch.testing.assert_close(logits, before)
+    # Before temperature and filters: plain log_softmax of the logits.
+    ref = logits.log_softmax(-1)
+    assert len(out.logprobs) == 4
+    for i, tok in enumerate(out.token_ids):
+        assert out.logprobs[i] == pytest.approx(float(ref[i, tok]), abs=1e-6)
+    assert [len(t) for t in out.top_logprobs] == [3, 5, 0, 0]
+    for i, top in enumerate(out.top_logprobs):
+        values = [v for _, v in top]
+        assert values == sorted(values, reverse=True)
+        assert [t for t, _ in top] == ref[i].topk(len(top)).indices.tolist()
+        for tok, v in top:
+            assert v == pytest.approx(float(ref[i, tok]), abs=1e-6)
+    assert out.top_logprobs[0][0][0] == out.token_ids[0]  # greedy pick is the top logprob
+
+
+def test_no_logprobs_when_none_asked():
+    out = run(Sampler(CPU, seed=0), torch.randn(3, 10), [SamplingParams(top_k=3)] * 3)
+    assert out.logprobs is None and out.top_logprobs is None
+    assert len(out.token_ids) == 3
+
+
+def test_sampler_does_not_mutate_logits():
+    torch.manual_seed(4)
+    logits = torch.randn(4, 32)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.8, min_p=0.1, repetition_penalty=1.3,
+                             frequency_penalty=0.2, presence_penalty=0.1)] * 4
+    run(Sampler(CPU, seed=0), logits, params, [[1, 2]] * 4, [[3, 3, 4]] * 4)
+    torch.testing.assert_close(logits, before, rtol=0, atol=0)
