@@ -56,18 +56,14 @@ _QWEN2_SPLIT = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_DIGITS_THEN_GPT2 = [r"\p{N}", _GPT2_SPLIT]
+# llama.cpp's "llama3" pre-tokenizer family also looks whole words up before merging, and adds BOS by default.
+_LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")
 _PRE_SPLITS = {
-    "smollm": _DIGITS_THEN_GPT2, "starcoder": _DIGITS_THEN_GPT2, "refact": _DIGITS_THEN_GPT2,
-    "command-r": _DIGITS_THEN_GPT2, "codeshell": _DIGITS_THEN_GPT2, "exaone": _DIGITS_THEN_GPT2,
-    "minerva-7b": _DIGITS_THEN_GPT2,
-    "llama-bpe": [_LLAMA3_SPLIT], "llama3": [_LLAMA3_SPLIT], "dbrx": [_LLAMA3_SPLIT],
-    "smaug-bpe": [_LLAMA3_SPLIT],
-    "qwen2": [_QWEN2_SPLIT], "stablelm2": [_QWEN2_SPLIT], "deepseek-r1-qwen": [_QWEN2_SPLIT],
-    "hunyuan": [_QWEN2_SPLIT], "megrez": [_QWEN2_SPLIT],
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+                    [r"\p{N}", _GPT2_SPLIT]),
+    **dict.fromkeys(_LLAMA3_PRES + ("dbrx", "smaug-bpe"), [_LLAMA3_SPLIT]),
+    **dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen", "hunyuan", "megrez"), [_QWEN2_SPLIT]),
 }
-# llama.cpp looks whole pre-split words up in the vocabulary before merging, for these only.
-_IGNORE_MERGES_PRE = {"llama-bpe", "llama3"}
 
 # How many prompt tokens seed the detokenizer, so the first output token decodes in context (vLLM uses 5).
 _DETOKENIZE_CONTEXT = 5
@@ -84,7 +80,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.chat_template = chat_template
         self._bos_token = backend.special_text(bos_token_id)
-        eos_ids = [i for i in eos_ids if i is not None and 0 <= i < self.vocab_size]
+        eos_ids = [i for i in eos_ids if isinstance(i, int) and 0 <= i < self.vocab_size]
         self._eos_token = backend.special_text(eos_ids[0]) if eos_ids else ""
         ends = set(eos_ids)
         for marker in _END_OF_TURN_MARKERS:
@@ -106,16 +102,16 @@ class Tokenizer:
         if not tokens:
             raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens")
         types = list(meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
+        pre = meta.get("tokenizer.ggml.pre") or "default"
         if kind == "gpt2":
-            backend = _byte_level_bpe(tokens, types, meta.get("tokenizer.ggml.merges") or [],
-                                      meta.get("tokenizer.ggml.pre") or "default")
+            backend = _byte_level_bpe(tokens, types, meta.get("tokenizer.ggml.merges") or [], pre)
         else:
             scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
             backend = _sentencepiece_from_vocab(tokens, scores, types,
                                                 meta.get("tokenizer.ggml.add_space_prefix", True))
         eos_ids = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
-        # llama.cpp's defaults when the file doesn't say: SentencePiece vocabularies add BOS, BPE ones don't.
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+        # llama.cpp's defaults when the file doesn't say: SentencePiece vocabularies add BOS, most BPE ones don't.
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or pre in _LLAMA3_PRES))
         return cls(backend, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_ids=eos_ids,
                    add_bos=add_bos, chat_template=meta.get("tokenizer.chat_template"))
 
@@ -219,9 +215,9 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        window = self._ids[self._prefix_offset:]
-        prefix = self._tokenizer.decode(window[:self._read_offset - self._prefix_offset], self._skip_special_tokens)
-        full = self._tokenizer.decode(window, self._skip_special_tokens)
+        skip = self._skip_special_tokens
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset], skip)
+        full = self._tokenizer.decode(self._ids[self._prefix_offset:], skip)
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return ""
         new = full[len(prefix):]
@@ -278,7 +274,8 @@ class _SentencePieceBackend:
         self._added = added                      # text -> id, matched whole in the input
         self._added_text = {i: t for t, i in added.items()}
         self._special_ids = special_ids          # dropped by decode(skip_special_tokens=True)
-        self.vocab_size = max([sp.get_piece_size(), *(i + 1 for i in added.values())])
+        self._piece_count = sp.get_piece_size()
+        self.vocab_size = max([self._piece_count, *(i + 1 for i in added.values())])
         alternatives = sorted(added, key=len, reverse=True)  # longest first, so "<|a|>b" beats "<|a|>"
         self._split = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")") if added else None
 
@@ -296,27 +293,37 @@ class _SentencePieceBackend:
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        out: list[str] = []
-        run: list[int] = []
-        for token_id in ids + [-1]:  # -1 flushes the last run
-            if token_id >= 0 and token_id not in self._added_text:
-                run.append(token_id)
-                continue
-            if run:
-                text = self.sp.decode(run)
-                # SentencePiece drops the word-start space at the start of every decode call,
-                # but only the start of the whole text should lose it.
-                if out and self.sp.id_to_piece(run[0]).startswith("▁") and not text.startswith(" "):
-                    text = " " + text
-                out.append(text)
+        out: list[str] = []  # non-empty pieces of text only
+        run: list[int] = []  # ordinary pieces, decoded together so bytes join into characters
+        for token_id in ids:
+            if token_id in self._added_text:
+                text = self._decode_run(run, after_text=bool(out))
+                if text:
+                    out.append(text)
                 run = []
-            if token_id >= 0 and not (skip_special_tokens and token_id in self._special_ids):
-                out.append(self._added_text[token_id])
+                if not (skip_special_tokens and token_id in self._special_ids):
+                    out.append(self._added_text[token_id])
+            elif 0 <= token_id < self._piece_count:
+                run.append(token_id)
+            # Other ids (padding rows of an embedding past the vocabulary) decode to nothing, as in `tokenizers`.
+        out.append(self._decode_run(run, after_text=bool(out)))
         return "".join(out)
+
+    def _decode_run(self, run: list[int], after_text: bool) -> str:
+        if not run:
+            return ""
+        text = self.sp.decode(run)
+        # SentencePiece drops the word-start space at the start of every decode call,
+        # but only the start of the whole text should lose it.
+        if after_text and self.sp.id_to_piece(run[0]).startswith("▁") and not text.startswith(" "):
+            text = " " + text
+        return text
 
     def token_text(self, token_id: int) -> str:
         if token_id in self._added_text:
             return self._added_text[token_id]
+        if not 0 <= token_id < self._piece_count:
+            return ""
         piece = self.sp.id_to_piece(token_id)
         if self.sp.is_byte(token_id):  # "<0xE2>": one byte of a character
             return bytes([int(piece[3:5], 16)]).decode("utf-8", errors="replace")
@@ -351,7 +358,7 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre:
     vocab = {token: i for i, token in enumerate(tokens)}
     pairs = [tuple(merge.split(" ", 1)) for merge in merges]
     try:
-        tk = tokenizers.Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES_PRE))
+        tk = tokenizers.Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, ignore_merges=pre in _LLAMA3_PRES))
     except Exception as e:
         raise TokenizerError(f"bad GGUF BPE vocabulary: {e}") from e
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_SPLITS.get(pre, [_GPT2_SPLIT])]
@@ -487,7 +494,8 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, indent: int | None = None, separators: tuple | None = None, sort_keys: bool = False) -> str:
+def _tojson(value: Any, indent: int | None = None, separators: tuple | None = None,
+            sort_keys: bool = False) -> str:
     # HF's override: jinja's own tojson escapes HTML and non-ASCII, which changes the prompt.
     return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 

@@ -1,0 +1,207 @@
+"""nodeserve.toml: frozen config dataclasses and a strict loader whose errors name the key and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """The config is invalid; the message names the key and how to fix it."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str = "smollm2-135m-instruct"   # a .gguf file, an HF checkpoint dir, or a bundled model name
+    name: str = ""                        # the served model id; defaults to the path's base name
+    dtype: str = "bfloat16"               # float32 | bfloat16 | float16
+    max_model_len: int = 0                # 0: the checkpoint's context length
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_waiting: int = 256                # requests queued for pages before new ones get 503
+    default_max_tokens: int = 2048        # chat requests that give no max_tokens get min(this, context - prompt)
+    max_n: int = 16
+    max_stop: int = 16
+    max_logprobs: int = 20
+    max_body_bytes: int = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class DevicesSection:
+    mode: str = "disaggregated"           # disaggregated | colocated
+    prefill: tuple[str, ...] = ("cpu:0",)
+    decode: tuple[str, ...] = ("cpu:1",)
+    devices: tuple[str, ...] = ()         # colocated mode only
+    local_prefill_threshold: int = 0      # disaggregated: prompts shorter than this prefill on the decode device
+
+
+@dataclass(frozen=True)
+class KVSection:
+    page_size: int = 16
+    memory_gib: float = 2.0               # KV pool size per device
+
+
+@dataclass(frozen=True)
+class SchedulerSection:
+    max_num_seqs: int = 64                # most sequences in one step on a device
+    max_num_batched_tokens: int = 1024    # most tokens in one step: long prompts are chunked to fit
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    server: ServerSection = field(default_factory=ServerSection)
+    devices: DevicesSection = field(default_factory=DevicesSection)
+    kv: KVSection = field(default_factory=KVSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+
+    @property
+    def prefill_devices(self) -> tuple[str, ...]:
+        return self.devices.prefill if self.devices.mode == "disaggregated" else ()
+
+    @property
+    def decode_devices(self) -> tuple[str, ...]:
+        return self.devices.decode if self.devices.mode == "disaggregated" else self.devices.devices
+
+    @property
+    def served_model_name(self) -> str:
+        if self.model.name:
+            return self.model.name
+        base = os.path.basename(os.path.normpath(self.model.path))
+        return base.removesuffix(".gguf")
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+_SECTION_TYPES = {"model": ModelSection, "server": ServerSection, "devices": DevicesSection,
+                  "kv": KVSection, "scheduler": SchedulerSection}
+
+
+def _type_name(v: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "float", str: "string", list: "array", dict: "table"}.get(
+        type(v), type(v).__name__)
+
+
+def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
+    where = f"'{section}.{key}'"
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {_type_name(value)} {value!r}")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {_type_name(value)} {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {_type_name(value)} {value!r}")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {_type_name(value)} {value!r}")
+        return value
+    if isinstance(default, tuple):
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            raise ConfigError(f'{where} must be an array of strings like ["cpu:0"], got {value!r}')
+        return tuple(value)
+    raise ConfigError(f"{where}: unsupported value {value!r}")  # pragma: no cover
+
+
+def config_from_dict(raw: dict[str, Any], check_devices: bool = True) -> Config:
+    sections = {}
+    for name, body in raw.items():
+        if name not in _SECTION_TYPES:
+            raise ConfigError(f"unknown section [{name}]; valid sections: {', '.join(f'[{s}]' for s in _SECTION_TYPES)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"'{name}' must be a table: write it as [{name}] followed by key = value lines")
+        cls = _SECTION_TYPES[name]
+        defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                    for f in dataclasses.fields(cls)}
+        values = {}
+        for key, value in body.items():
+            if key not in defaults:
+                raise ConfigError(f"unknown key '{name}.{key}'; valid keys in [{name}]: {', '.join(defaults)}")
+            values[key] = _coerce(name, key, value, defaults[key])
+        sections[name] = cls(**values)
+    cfg = Config(**sections)
+    validate(cfg, check_devices)
+    return cfg
+
+
+def load_config(path: str, check_devices: bool = True) -> Config:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    return config_from_dict(raw, check_devices)
+
+
+def validate(cfg: Config, check_devices: bool = True) -> None:
+    from nodeserve.device import parse_device_name, DeviceNameError, available_devices
+
+    m, s, d, kv, sch = cfg.model, cfg.server, cfg.devices, cfg.kv, cfg.scheduler
+    if m.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"'model.dtype' must be one of float32, bfloat16, float16, got {m.dtype!r}")
+    if not m.path:
+        raise ConfigError("'model.path' is empty: give a .gguf file, an HF checkpoint directory or a bundled model name")
+    for key, value, low in (("server.port", s.port, 0), ("server.max_waiting", s.max_waiting, 1),
+                            ("server.default_max_tokens", s.default_max_tokens, 1), ("server.max_n", s.max_n, 1),
+                            ("server.max_stop", s.max_stop, 0), ("server.max_logprobs", s.max_logprobs, 0),
+                            ("server.max_body_bytes", s.max_body_bytes, 1024), ("kv.page_size", kv.page_size, 1),
+                            ("scheduler.max_num_seqs", sch.max_num_seqs, 1),
+                            ("scheduler.max_num_batched_tokens", sch.max_num_batched_tokens, 16),
+                            ("model.max_model_len", m.max_model_len, 0),
+                            ("devices.local_prefill_threshold", d.local_prefill_threshold, 0)):
+        if value < low:
+            raise ConfigError(f"'{key}' must be at least {low}, got {value}")
+    if s.port > 65535:
+        raise ConfigError(f"'server.port' must be at most 65535, got {s.port}")
+    if kv.memory_gib <= 0:
+        raise ConfigError(f"'kv.memory_gib' must be positive, got {kv.memory_gib}")
+    if d.mode == "disaggregated":
+        if d.devices:
+            raise ConfigError("'devices.devices' is for colocated mode; in disaggregated mode list "
+                              "'devices.prefill' and 'devices.decode' instead")
+        if not d.prefill or not d.decode:
+            raise ConfigError("disaggregated mode needs at least one device in both 'devices.prefill' and "
+                              "'devices.decode', e.g. prefill = [\"cpu:0\"], decode = [\"cpu:1\"]")
+        both = sorted(set(d.prefill) & set(d.decode))
+        if both:
+            raise ConfigError(f"'{both[0]}' is listed in both 'devices.prefill' and 'devices.decode'; a device has "
+                              "one role: remove it from one list, or use mode = \"colocated\"")
+        names = [("devices.prefill", x) for x in d.prefill] + [("devices.decode", x) for x in d.decode]
+    elif d.mode == "colocated":
+        if not d.devices:
+            raise ConfigError("colocated mode needs 'devices.devices', e.g. devices = [\"cpu:0\", \"cpu:1\"]")
+        names = [("devices.devices", x) for x in d.devices]
+    else:
+        raise ConfigError(f"'devices.mode' must be \"disaggregated\" or \"colocated\", got {d.mode!r}")
+    seen = set()
+    for key, name in names:
+        try:
+            parsed = parse_device_name(name)
+        except DeviceNameError as e:
+            raise ConfigError(f"'{key}': {e}") from None
+        if parsed in seen:
+            raise ConfigError(f"'{key}' lists '{name}' twice; each device appears once")
+        seen.add(parsed)
+        if check_devices:
+            have = available_devices()
+            if parsed not in have:
+                listed = ", ".join(have)
+                raise ConfigError(f"'{key}' lists '{name}', which this machine does not have "
+                                  f"(available: {listed}); remove it or pick one of those")

@@ -1,0 +1,68 @@
+"""The device interface: what the scheduler, workers and KV transfer need from CPU cores or CUDA GPUs.
+
+Everything stream- or event-shaped goes through here, so a CUDA path (streams, P2P copies, graphs) and the
+CPU path (one pinned thread per core, synchronous ops) share the same worker and transfer code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+
+
+class DeviceNameError(ValueError):
+    pass
+
+
+_NAME = re.compile(r"^(cpu|cuda):(\d+)$")
+
+
+def parse_device_name(name: str) -> str:
+    m = _NAME.match(name.strip().lower())
+    if not m:
+        raise DeviceNameError(f"'{name}' is not a device name; write cpu:N (a CPU core) or cuda:N (a GPU)")
+    return f"{m.group(1)}:{int(m.group(2))}"
+
+
+def available_devices() -> list[str]:
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    names = [f"cpu:{c}" for c in cores]
+    if torch.cuda.is_available():
+        names += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return names
+
+
+class Device:
+    """One compute device. Methods that take or return events are no-ops on CPU, where every op has
+    finished by the time the issuing thread moves on."""
+
+    name: str
+    torch_device: torch.device
+
+    def init_worker_thread(self) -> None:
+        """Called first thing in the worker thread that owns this device."""
+
+    def init_copy_thread(self) -> None:
+        """Called first thing in a KV transfer thread that copies out of this device."""
+
+    def record_event(self) -> Any:
+        """An event marking the work issued so far on the current stream."""
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        """Make the current stream wait for `event` without blocking the host."""
+
+    def synchronize_event(self, event: Any) -> None:
+        """Block the host until `event` has completed."""
+
+    def copy_stream_context(self):
+        """Context manager under which transfer copies are issued (a dedicated stream on CUDA)."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def __repr__(self) -> str:
+        return self.name

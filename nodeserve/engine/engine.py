@@ -1,0 +1,196 @@
+"""Engine: owns the devices' workers and transfers; the event loop's way to add, stream and abort requests."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import torch
+
+from nodeserve.attention.torch_ref import TorchAttention
+from nodeserve.config import Config
+from nodeserve.device import make_device
+from nodeserve.engine.model_runner import ModelRunner
+from nodeserve.engine.router import QueueFull, Router, TooLarge
+from nodeserve.engine.sampler import Sampler
+from nodeserve.engine.transfer import KVTransfer
+from nodeserve.engine.worker import Worker, WorkerLimits
+from nodeserve.kv.pool import KVPool
+from nodeserve.model.loader import LoadedModel
+from nodeserve.request import Request, TokenEvent
+from nodeserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "RequestStream", "QueueFull", "TooLarge", "PromptTooLong"]
+
+
+class PromptTooLong(Exception):
+    """The prompt does not fit in the model's context (400)."""
+
+
+class RequestStream:
+    """The tokens of one request as they are produced; iterate with `async for`. Ends after the event
+    that carries a finish_reason."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.done = False
+
+    def put(self, event: TokenEvent) -> None:
+        if not self.done:
+            self._queue.put_nowait(event)
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[TokenEvent]:
+        while not self.done:
+            event = await self._queue.get()
+            if event.finish_reason is not None:
+                self.done = True
+            yield event
+
+
+@dataclass
+class PoolStats:
+    device: str
+    role: str
+    num_pages: int
+    num_free: int
+    num_running: int
+    num_waiting: int
+
+
+class Engine:
+    def __init__(self, config: Config, loaded: LoadedModel):
+        self.config, self.loaded = config, loaded
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(config.model.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.prefill_workers: list[Worker] = []
+        self.decode_workers: list[Worker] = []
+        self.transfers: list[KVTransfer] = []
+        self.streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.router: Router | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        cfg = self.config
+        dtype = self.loaded.model.embed_tokens.weight.dtype
+        limits = WorkerLimits(cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, self.max_model_len)
+        replicas: dict[torch.device, object] = {}
+
+        def make_worker(name: str, role: str) -> Worker:
+            device = make_device(name)
+            if device.torch_device not in replicas:
+                # CPU workers share one set of weights (read-only); each GPU gets its own replica.
+                replicas[device.torch_device] = self.loaded.model.to(device.torch_device) \
+                    if device.torch_device.type == "cpu" else _replica(self.loaded.model, device.torch_device)
+            num_pages = KVPool.num_pages_for_bytes(self.loaded.config, int(cfg.kv.memory_gib * 2**30),
+                                                   cfg.kv.page_size, dtype)
+            pool = KVPool(self.loaded.config, num_pages, cfg.kv.page_size, dtype, device.torch_device)
+            runner = ModelRunner(replicas[device.torch_device], pool, TorchAttention())
+            return Worker(device, role, runner, Sampler(device.torch_device), self.tokenizer.eos_token_ids, limits,
+                          self._emit_batch_threadsafe, self._pages_freed_threadsafe)
+
+        self.prefill_workers = [make_worker(n, "prefill") for n in cfg.prefill_devices]
+        role = "decode" if self.prefill_workers else "colocated"
+        self.decode_workers = [make_worker(n, role) for n in cfg.decode_devices]
+        for p in self.prefill_workers:
+            for d in self.decode_workers:
+                t = KVTransfer(p.device, p.pool, d.device, d.pool)
+                p.transfers[d] = t
+                self.transfers.append(t)
+        self.router = Router(self.prefill_workers, self.decode_workers,
+                             cfg.devices.local_prefill_threshold, cfg.server.max_waiting)
+        for t in self.transfers:
+            t.start()
+        for w in self.workers:
+            w.start()
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+        for t in self.transfers:
+            t.stop()
+
+    @property
+    def workers(self) -> list[Worker]:
+        return self.prefill_workers + self.decode_workers
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Admits a request. Raises PromptTooLong, TooLarge (both 400) or QueueFull (503)."""
+        if not prompt_ids:
+            raise PromptTooLong("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"your request has {len(prompt_ids)} input tokens. Please reduce the length "
+                                "of the input.")
+        if any(t < 0 or t >= self.loaded.config.vocab_size for t in prompt_ids):
+            raise PromptTooLong(f"the prompt has token ids outside the vocabulary [0, {self.loaded.config.vocab_size})")
+        room = self.max_model_len - len(prompt_ids)
+        if params.max_tokens > room:
+            params.max_tokens = room  # generation stops with "length" at the context limit
+        req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params)
+        req.generator = self.decode_workers[0].sampler.new_generator(params.seed)
+        stream = RequestStream(req)
+        req.emit = stream.put
+        self.streams[req.request_id] = stream
+        try:
+            self.router.admit(req)
+        except (QueueFull, TooLarge):
+            del self.streams[req.request_id]
+            raise
+        return stream
+
+    def abort(self, stream: RequestStream, reason: str = "abort") -> None:
+        """Ends a request now; its pages on every device are freed by whoever holds it, at its next step."""
+        req = stream.request
+        self.streams.pop(req.request_id, None)
+        if stream.done:
+            return
+        stream.done = True
+        if self.router.abort_pending(req):
+            return
+        req.aborted = True
+        for w in self.workers:
+            w.wake()
+
+    # ---- from worker threads ---------------------------------------------------------------------------
+    def _emit_batch_threadsafe(self, events: list[tuple[Request, TokenEvent]]) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, events)
+
+    def _deliver(self, events: list[tuple[Request, TokenEvent]]) -> None:
+        for req, event in events:
+            req.emit(event)
+            if event.finish_reason is not None:
+                self.streams.pop(req.request_id, None)
+
+    def _pages_freed_threadsafe(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.router.dispatch)
+
+    # ---- introspection -------------------------------------------------------------------------------
+    def pool_stats(self) -> list[PoolStats]:
+        return [PoolStats(w.name, w.role, w.pool.num_pages, w.pool.allocator.num_free, len(w.running),
+                          len(w.waiting)) for w in self.workers]
+
+    @property
+    def num_pending(self) -> int:
+        return self.router.num_pending if self.router else 0
+
+
+def _replica(model, device: torch.device):
+    import copy
+
+    return copy.deepcopy(model).to(device)

@@ -1,0 +1,81 @@
+"""Router: admits requests, reserves their decode pages up front, and picks the devices.
+
+Runs on the event loop thread. Reserving the decode pages at admission means a finished prefill never waits
+for space and an abort has exactly one reservation to give back.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from nodeserve.engine.worker import Worker
+from nodeserve.kv.allocator import OutOfPages
+from nodeserve.kv.pool import pages_for
+from nodeserve.request import Request
+
+
+class QueueFull(Exception):
+    """Too many requests are waiting for pages; the client should retry later (503)."""
+
+
+class TooLarge(Exception):
+    """The request can never fit in a device's KV pool (400)."""
+
+
+class Router:
+    def __init__(self, prefill_workers: list[Worker], decode_workers: list[Worker],
+                 local_prefill_threshold: int, max_waiting: int):
+        self.prefill_workers, self.decode_workers = prefill_workers, decode_workers
+        self.local_prefill_threshold, self.max_waiting = local_prefill_threshold, max_waiting
+        self.pending: deque[Request] = deque()
+
+    def admit(self, req: Request) -> None:
+        need = pages_for(req.max_total_tokens, self.decode_workers[0].pool.page_size)
+        capacity = max(w.pool.num_pages for w in self.decode_workers)
+        if need > capacity:
+            raise TooLarge(f"the request needs {req.max_total_tokens} tokens of KV cache "
+                           f"(prompt plus max_tokens) but a device holds at most "
+                           f"{capacity * self.decode_workers[0].pool.page_size}; lower max_tokens")
+        if self.prefill_workers and req.num_prompt_tokens >= self.local_prefill_threshold:
+            prefill_capacity = min(w.pool.num_pages for w in self.prefill_workers)
+            if pages_for(req.num_prompt_tokens, self.prefill_workers[0].pool.page_size) > prefill_capacity:
+                raise TooLarge(f"the prompt has {req.num_prompt_tokens} tokens but a prefill device holds at most "
+                               f"{prefill_capacity * self.prefill_workers[0].pool.page_size}")
+        if len(self.pending) >= self.max_waiting:
+            raise QueueFull(f"{len(self.pending)} requests are already waiting")
+        self.pending.append(req)
+        self.dispatch()
+
+    def abort_pending(self, req: Request) -> bool:
+        """Drops a request that has not been placed yet. Returns False if it already left the router."""
+        try:
+            self.pending.remove(req)
+            return True
+        except ValueError:
+            return False
+
+    def dispatch(self) -> None:
+        """Places waiting requests, oldest first, while their decode pages can be reserved."""
+        while self.pending:
+            req = self.pending[0]
+            need = pages_for(req.max_total_tokens, self.decode_workers[0].pool.page_size)
+            # Decode: the most free pages, then the fewest requests.
+            candidates = sorted(self.decode_workers, key=lambda w: (-w.pool.allocator.num_free, w.num_assigned))
+            try:
+                worker = candidates[0]
+                req.pages = worker.pool.allocator.allocate(need)
+            except OutOfPages:
+                return
+            self.pending.popleft()
+            req.decode_worker = worker
+            worker.assign(req)
+            if self.prefill_workers and req.num_prompt_tokens >= self.local_prefill_threshold:
+                # Prefill: the fewest outstanding prompt tokens.
+                req.prefill_worker = min(self.prefill_workers, key=lambda w: w.num_outstanding_prefill_tokens)
+            else:
+                req.prefill_worker = worker
+            req.prefill_worker.add_prefill(req)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.pending)
