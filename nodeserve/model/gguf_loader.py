@@ -139,7 +139,7 @@ def load_gguf(path: str, dtype: torch.dtype,
             w = _unpermute(w, cfg.num_heads)
         elif cfg.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute(w, cfg.num_kv_heads)
-        state[name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype)
+        state[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(dtype)
         if progress is not None:
             progress(i + 1, len(reader.tensors))
     if "lm_head.weight" not in state:

@@ -1,0 +1,7 @@
+"""python -m nodeserve."""
+
+import sys
+
+from nodeserve.cli import main
+
+sys.exit(main())

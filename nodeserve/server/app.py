@@ -1,0 +1,270 @@
+"""The aiohttp application: OpenAI-compatible routes, SSE streaming, health and KV debug endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+import uuid
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+
+from nodeserve.config import Config
+from nodeserve.engine.engine import Engine, PromptTooLong, QueueFull, TooLarge
+from nodeserve.server import protocol as P
+from nodeserve.server.generation import Generation, GenerationError, Piece
+from nodeserve.tokenizer import TemplateError
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ServerState:
+    """What the routes need: the engine once loaded, and whether we are loading, ready or draining."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.status = "loading"
+        self.engine: Engine | None = None
+        self.model_name = config.served_model_name
+        self.created = int(time.time())
+        s = config.server
+        self.limits = P.Limits(max_n=s.max_n, max_stop=max(s.max_stop, 1), max_logprobs=s.max_logprobs)
+
+
+def error_response(err: P.APIError) -> web.Response:
+    headers = {"Retry-After": "1"} if err.status == 503 else None
+    return web.json_response(err.body(), status=err.status, headers=headers, dumps=P.to_json)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except P.APIError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status == 413:
+            return error_response(P.APIError(413, "request body too large"))
+        if exc.status >= 400:
+            return error_response(P.APIError(exc.status, exc.reason or "error"))
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error in %s", request.path)
+        return error_response(P.APIError(500, "internal server error"))
+
+
+def _state(request: web.Request) -> ServerState:
+    return request.app["state"]
+
+
+async def _read_body(request: web.Request) -> Any:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise P.APIError(413, f"request body is larger than {request.app['state'].config.server.max_body_bytes} bytes")
+    return P.parse_json(raw)
+
+
+def _ready_engine(state: ServerState, model: str | None) -> Engine:
+    if state.status != "ready" or state.engine is None:
+        raise P.APIError(503, "the server is loading the model" if state.status == "loading"
+                         else "the server is shutting down")
+    if model is not None and model != state.model_name:
+        raise P.APIError(404, f"The model '{model}' does not exist; this server serves '{state.model_name}'",
+                         param="model")
+    return state.engine
+
+
+# ---- routes --------------------------------------------------------------------------------------------
+
+async def health(request: web.Request) -> web.Response:
+    state = _state(request)
+    body: dict[str, Any] = {"status": state.status}
+    if state.engine is not None and state.engine.router is not None:
+        body["kv"] = [asdict(s) for s in state.engine.pool_stats()]
+        body["num_pending"] = state.engine.num_pending
+    return web.json_response(body, status=200 if state.status == "ready" else 503)
+
+
+async def debug_kv(request: web.Request) -> web.Response:
+    state = _state(request)
+    if state.engine is None or state.engine.router is None:
+        raise P.APIError(503, "the server is loading the model")
+    return web.json_response({"pools": [asdict(s) for s in state.engine.pool_stats()],
+                              "num_pending": state.engine.num_pending})
+
+
+async def models(request: web.Request) -> web.Response:
+    state = _state(request)
+    max_len = state.engine.max_model_len if state.engine else None
+    return web.json_response({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "nodeserve",
+        "max_model_len": max_len}]})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = _state(request)
+    req = P.parse_completion_request(await _read_body(request), state.limits)
+    engine = _ready_engine(state, req.model)
+    tok = engine.tokenizer
+    prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
+    echo_texts = [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in req.prompts]
+    jobs = [(pi, prompts[pi], echo_texts[pi]) for pi in range(len(prompts)) for _ in range(req.n)]
+    gens = _start(engine, [(ids, req.params) for _, ids, _ in jobs], seed_offsets=True,
+                  want_logprobs=req.params.logprobs is not None)
+    rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+    if req.stream:
+        def chunk(i: int, piece: Piece, first: bool) -> dict:
+            text = (jobs[i][2] if first else "") + piece.text
+            lp = P.completion_logprobs(piece.logprobs, 0) if req.params.logprobs is not None else None
+            return P.completion_chunk(rid, model, created, i, text, piece.finish_reason, lp)
+        return await _stream(request, engine, gens, chunk, None, "text_completion", rid, model, created,
+                             req.include_usage, req.n)
+    results = await _collect(engine, gens)
+    choices = []
+    for i, (text, finish, lps) in enumerate(results):
+        lp = P.completion_logprobs(lps, len(jobs[i][2])) if req.params.logprobs is not None else None
+        choices.append(P.completion_choice(i, jobs[i][2] + text, finish, lp))
+    return web.json_response(P.completion_response(rid, model, created, choices, _usage(gens, req.n)),
+                             dumps=P.to_json)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = _state(request)
+    req = P.parse_chat_request(await _read_body(request), state.limits)
+    engine = _ready_engine(state, req.model)
+    tok = engine.tokenizer
+    try:
+        prompt = tok.encode(tok.apply_chat_template(req.messages, add_generation_prompt=True))
+    except TemplateError as e:
+        raise P.APIError(400, f"chat template error: {e}", param="messages")
+    if not req.max_tokens_given:
+        req.params.max_tokens = state.config.server.default_max_tokens
+    gens = _start(engine, [(prompt, req.params)] * req.n, seed_offsets=True, want_logprobs=req.logprobs)
+    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+    if req.stream:
+        def chunk(i: int, piece: Piece, first: bool) -> dict:
+            lp = P.chat_logprobs(piece.logprobs) if req.logprobs else None
+            delta = {"content": piece.text} if piece.text else {}
+            return P.chat_chunk(rid, model, created, i, delta, piece.finish_reason, lp)
+
+        def role_chunk(i: int) -> dict:
+            return P.chat_chunk(rid, model, created, i, {"role": "assistant", "content": ""})
+        return await _stream(request, engine, gens, chunk, role_chunk, "chat.completion.chunk", rid, model,
+                             created, req.include_usage, req.n)
+    results = await _collect(engine, gens)
+    choices = [P.chat_choice(i, text, finish, P.chat_logprobs(lps) if req.logprobs else None)
+               for i, (text, finish, lps) in enumerate(results)]
+    return web.json_response(P.chat_response(rid, model, created, choices, _usage(gens, req.n)), dumps=P.to_json)
+
+
+# ---- plumbing ------------------------------------------------------------------------------------------
+
+def _start(engine: Engine, jobs: list[tuple[list[int], Any]], seed_offsets: bool,
+           want_logprobs: bool) -> list[Generation]:
+    """Admits every choice, or none: if one is refused, the ones already admitted are aborted."""
+    gens: list[Generation] = []
+    try:
+        for i, (ids, params) in enumerate(jobs):
+            p = copy.deepcopy(params)
+            if seed_offsets and p.seed is not None:
+                p.seed += i  # n > 1 with a seed: distinct but reproducible choices
+            stream = engine.add_request(ids, p)
+            gens.append(Generation(engine, engine.tokenizer, stream, p.stop, want_logprobs))
+    except (PromptTooLong, TooLarge) as e:
+        _abort_all(engine, gens)
+        raise P.APIError(400, str(e), param="messages" if "context" in str(e) else None)
+    except QueueFull as e:
+        _abort_all(engine, gens)
+        raise P.APIError(503, f"the server is overloaded ({e}); retry later")
+    return gens
+
+
+def _abort_all(engine: Engine, gens: list[Generation]) -> None:
+    for g in gens:
+        engine.abort(g.stream)
+
+
+def _usage(gens: list[Generation], n: int) -> dict:
+    """Each distinct prompt counts once however many choices (n) it has, as OpenAI counts."""
+    prompt_tokens = sum(g.num_prompt_tokens for g in gens[::n])
+    return P.usage(prompt_tokens, sum(g.num_completion_tokens for g in gens))
+
+
+async def _collect(engine: Engine, gens: list[Generation]) -> list[tuple[str, str, list]]:
+    async def one(g: Generation) -> tuple[str, str, list]:
+        texts, lps, finish = [], [], None
+        async for piece in g.pieces():
+            texts.append(piece.text)
+            lps.extend(piece.logprobs)
+            finish = piece.finish_reason or finish
+        return "".join(texts), finish, lps
+    try:
+        return await asyncio.gather(*(one(g) for g in gens))
+    except GenerationError as e:
+        raise P.APIError(500, f"generation failed: {e}")
+    finally:
+        _abort_all(engine, gens)  # no-op for finished ones; frees the rest on error or disconnect
+
+
+async def _stream(request: web.Request, engine: Engine, gens: list[Generation], chunk, role_chunk,
+                  obj: str, rid: str, model: str, created: int, include_usage: bool, n: int) -> web.StreamResponse:
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, g: Generation) -> None:
+        try:
+            async for piece in g.pieces():
+                await queue.put((i, piece))
+        except GenerationError as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        if role_chunk is not None:
+            for i in range(len(gens)):
+                await resp.write(P.sse(role_chunk(i)))
+        first = [True] * len(gens)
+        remaining = len(gens)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, GenerationError):
+                err = P.APIError(500, f"generation failed: {item}")
+                await resp.write(P.sse(err.body()))
+                await resp.write(P.sse("[DONE]"))
+                return resp
+            elif item.text or item.finish_reason is not None or item.logprobs:
+                await resp.write(P.sse(chunk(i, item, first[i])))
+                first[i] = False
+        if include_usage:
+            await resp.write(P.sse(P.usage_chunk(rid, model, created, obj, _usage(gens, n))))
+        await resp.write(P.sse("[DONE]"))
+        await resp.write_eof()
+        return resp
+    finally:
+        for t in tasks:
+            t.cancel()
+        _abort_all(engine, gens)  # on disconnect (ConnectionResetError / CancelledError) frees every device
+
+
+def create_app(state: ServerState) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware], client_max_size=state.config.server.max_body_bytes)
+    app["state"] = state
+    app.router.add_get("/health", health)
+    app.router.add_get("/debug/kv", debug_kv)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    return app
