@@ -1,0 +1,147 @@
+"""TorchAttention over a paged KV pool equals plain dense causal attention, sequence by sequence."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nodeserve.attention.base import AttentionMetadata
+from nodeserve.attention.torch_ref import TorchAttention, gather_kv, write_kv
+
+H, KH, D = 8, 2, 32
+SCALE = D ** -0.5
+ATOL = 1e-5
+
+# (cached tokens, new tokens) per sequence. q_len 1 is a decode; the rest are prefill chunks.
+DECODES = [(0, 1), (4, 1), (15, 1), (16, 1), (63, 1), (64, 1), (99, 1)]
+PREFILLS = [(0, 7), (0, 64), (20, 13), (3, 64), (63, 2), (1, 1 + 1), (100, 37)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The tensors here are tiny: thread start-up and contention cost more than they save."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [Lq, H, D], k/v [L, KH, D] (the whole sequence); query i sits at position L - Lq + i. float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    lq, length = q.shape[0], k.shape[0]
+    k = k.repeat_interleave(H // KH, dim=1)  # [L, H, D]
+    v = v.repeat_interleave(H // KH, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE  # [H, Lq, L]
+    q_pos = torch.arange(length - lq, length)[:, None]
+    k_pos = torch.arange(length)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # [Lq, H, D]
+
+
+def _run(seqs: list[tuple[int, int]], page_size: int, seed: int):
+    """Builds a pool holding each sequence's cached prefix on shuffled pages, runs one step, checks it."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    seqs = sorted(seqs, key=lambda s: s[1] != 1)  # the backend's contract: decodes first
+    pages_needed = [-(-(c + n) // page_size) for c, n in seqs]
+    num_pages = sum(pages_needed) + 5
+    # Garbage everywhere: a read past a sequence's length, or from a page it doesn't own, would show.
+    kv_layer = torch.randn(num_pages, 2, page_size, KH, D, generator=gen) * 100
+    ids = list(range(num_pages))
+    rng.shuffle(ids)
+    tables, full_k, full_v, qs, new_k, new_v, slots = [], [], [], [], [], [], []
+    for (cached, new), n_pages in zip(seqs, pages_needed):
+        table, ids = ids[:n_pages], ids[n_pages:]
+        tables.append(table)
+        length = cached + new
+        k = torch.randn(length, KH, D, generator=gen)
+        v = torch.randn(length, KH, D, generator=gen)
+        full_k.append(k)
+        full_v.append(v)
+        qs.append(torch.randn(new, H, D, generator=gen))
+        seq_slots = [table[p // page_size] * page_size + p % page_size for p in range(length)]
+        # The cached prefix is already in the pool.
+        for p in range(cached):
+            page, off = divmod(seq_slots[p], page_size)
+            kv_layer[page, 0, off], kv_layer[page, 1, off] = k[p], v[p]
+        new_k.append(k[cached:])
+        new_v.append(v[cached:])
+        slots.extend(seq_slots[cached:])
+    max_pages = max(len(t) for t in tables)
+    block_tables = torch.zeros(len(seqs), max_pages, dtype=torch.int64)
+    for b, t in enumerate(tables):
+        block_tables[b, :len(t)] = torch.tensor(t)
+    seq_lens = [c + n for c, n in seqs]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+        query_lens=[n for _, n in seqs],
+        seq_lens_host=seq_lens,
+        num_decodes=sum(1 for _, n in seqs if n == 1),
+        page_size=page_size,
+    )
+    untouched = set(range(num_pages)) - {p for t in tables for p in t}
+    before = kv_layer[sorted(untouched)].clone()
+    q = torch.cat(qs)
+    out = TorchAttention().forward(q, torch.cat(new_k), torch.cat(new_v), kv_layer, meta, SCALE)
+    assert out.shape == q.shape and out.dtype == torch.float32
+
+    start = 0
+    for b, (cached, new) in enumerate(seqs):
+        expected = _dense(qs[b], full_k[b], full_v[b])
+        torch.testing.assert_close(out[start:start + new].double(), expected, atol=ATOL, rtol=0,
+                                   msg=lambda m: f"seq {b} (cached={cached}, new={new}): {m}")
+        start += new
+        # This step's K/V landed in the pool: the whole sequence reads back from its pages.
+        k_back, v_back = gather_kv(kv_layer, block_tables[b:b + 1, :pages_needed[b]], cached + new)
+        torch.testing.assert_close(k_back[0], full_k[b], atol=0, rtol=0)
+        torch.testing.assert_close(v_back[0], full_v[b], atol=0, rtol=0)
+    assert torch.equal(kv_layer[sorted(untouched)], before), "wrote to pages no sequence owns"
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 64])
+def test_ragged_mixed_batch(page_size):
+    _run(DECODES + PREFILLS, page_size, seed=page_size)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 64])
+def test_decodes_only(page_size):
+    _run(DECODES, page_size, seed=100 + page_size)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 64])
+def test_prefills_only(page_size):
+    _run(PREFILLS, page_size, seed=200 + page_size)
+
+
+@pytest.mark.parametrize("page_size", [3, 16])
+def test_single_sequence_cases(page_size):
+    _run([(0, 1)], page_size, seed=1)           # the very first token
+    _run([(0, 50)], page_size, seed=2)          # a whole prompt, no cache
+    _run([(47, 3)], page_size, seed=3)          # a chunk after a cached prefix
+    _run([(page_size, 1)], page_size, seed=4)   # a decode opening a fresh page
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 64])
+def test_random_batches(page_size):
+    rng = random.Random(page_size)
+    for trial in range(3):
+        seqs = [(rng.randint(0, 130), 1 if rng.random() < 0.5 else rng.randint(2, 70)) for _ in range(rng.randint(1, 9))]
+        _run(seqs, page_size, seed=1000 * page_size + trial)
+
+
+def test_write_kv_scatters_to_slots():
+    page_size = 4
+    kv_layer = torch.zeros(6, 2, page_size, KH, D)
+    k = torch.randn(3, KH, D)
+    v = torch.randn(3, KH, D)
+    slots = torch.tensor([5 * page_size + 3, 0, 2 * page_size + 1])
+    write_kv(kv_layer, k, v, slots)
+    for i, (page, off) in enumerate([(5, 3), (0, 0), (2, 1)]):
+        assert torch.equal(kv_layer[page, 0, off], k[i])
+        assert torch.equal(kv_layer[page, 1, off], v[i])
+    assert int((kv_layer != 0).any(-1).any(-1).sum()) == 6  # 3 K rows + 3 V rows, nothing else

@@ -1,0 +1,185 @@
+"""nodeserve.toml: the strict schema, its one-line errors, and `nodeserve check-config`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nodeserve.config import Config, ConfigError, config_from_dict, load_config
+from nodeserve.device import available_devices
+
+REPO = Path(__file__).resolve().parent.parent
+HAVE = available_devices()
+DEV_A = HAVE[0]  # a device this machine has, whatever its core numbering
+MISSING_CPU = next(f"cpu:{n}" for n in [99, *range(100, 100000)] if f"cpu:{n}" not in HAVE)
+
+
+def _error(raw: dict, check_devices: bool = True) -> str:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(raw, check_devices)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_defaults_load():
+    cfg = config_from_dict({}, check_devices=False)
+    assert cfg == Config()
+    assert cfg.model.path == "smollm2-135m-instruct" and cfg.model.dtype == "bfloat16"
+    assert cfg.server.port == 8000 and cfg.kv.page_size == 16
+    assert cfg.devices.mode == "disaggregated"
+    assert cfg.prefill_devices == ("cpu:0",) and cfg.decode_devices == ("cpu:1",)
+    assert cfg.served_model_name == "smollm2-135m-instruct"
+
+
+@pytest.mark.skipif(not {"cpu:0", "cpu:1"} <= set(HAVE), reason="the default config names cpu:0 and cpu:1")
+def test_repo_config_loads():
+    cfg = load_config(str(REPO / "nodeserve.toml"))
+    assert cfg.model.name == "smollm2-135m-instruct"
+    assert cfg.devices.prefill == ("cpu:0",) and cfg.devices.decode == ("cpu:1",)
+
+
+def test_valid_config_values():
+    cfg = config_from_dict({
+        "model": {"path": "/models/x.gguf", "dtype": "float32", "max_model_len": 512},
+        "server": {"host": "0.0.0.0", "port": 0},
+        "kv": {"page_size": 8, "memory_gib": 1},  # an integer where a float is expected is fine
+        "scheduler": {"max_num_seqs": 4},
+        "devices": {"mode": "colocated", "devices": [DEV_A]},
+    })
+    assert cfg.model.max_model_len == 512 and cfg.server.port == 0
+    assert cfg.kv.memory_gib == 1.0 and isinstance(cfg.kv.memory_gib, float)
+    assert cfg.devices.devices == (DEV_A,)
+    assert cfg.prefill_devices == () and cfg.decode_devices == (DEV_A,)
+    assert cfg.served_model_name == "x"
+
+
+def test_unknown_section():
+    msg = _error({"sever": {"port": 1}})
+    assert "[sever]" in msg and "[server]" in msg and "[model]" in msg
+
+
+def test_unknown_key_names_it_and_lists_valid_keys():
+    msg = _error({"server": {"prot": 8000}})
+    assert "'server.prot'" in msg
+    for key in ("host", "port", "max_waiting"):
+        assert key in msg.split("valid keys")[1]
+
+
+def test_wrong_type():
+    msg = _error({"server": {"port": "abc"}})
+    assert "'server.port'" in msg and "integer" in msg and "'abc'" in msg
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"server": {"port": True}}, "server.port"),           # a bool is not an integer
+    ({"server": {"port": 8000.0}}, "server.port"),
+    ({"kv": {"memory_gib": "2"}}, "kv.memory_gib"),
+    ({"model": {"path": 7}}, "model.path"),
+    ({"devices": {"prefill": "cpu:0"}}, "devices.prefill"),  # a string where an array is expected
+    ({"devices": {"decode": [1]}}, "devices.decode"),
+])
+def test_wrong_types_name_the_key(raw, key):
+    assert f"'{key}'" in _error(raw, check_devices=False)
+
+
+def test_section_that_is_not_a_table():
+    assert "'server'" in _error({"server": 8000})
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"server": {"port": 70000}}, "server.port"),
+    ({"server": {"port": -1}}, "server.port"),
+    ({"kv": {"page_size": 0}}, "kv.page_size"),
+    ({"kv": {"memory_gib": 0}}, "kv.memory_gib"),
+    ({"model": {"dtype": "float8"}}, "model.dtype"),
+    ({"model": {"path": ""}}, "model.path"),
+    ({"scheduler": {"max_num_batched_tokens": 1}}, "scheduler.max_num_batched_tokens"),
+])
+def test_out_of_range_values(raw, key):
+    assert f"'{key}'" in _error(raw, check_devices=False)
+
+
+def test_device_that_does_not_exist():
+    msg = _error({"devices": {"prefill": [DEV_A], "decode": [MISSING_CPU]}})
+    assert "'devices.decode'" in msg and MISSING_CPU in msg and "available" in msg
+    config_from_dict({"devices": {"prefill": [DEV_A], "decode": [MISSING_CPU]}}, check_devices=False)
+
+
+def test_bad_device_name():
+    msg = _error({"devices": {"prefill": ["gpu0"], "decode": ["cpu:1"]}}, check_devices=False)
+    assert "'devices.prefill'" in msg and "gpu0" in msg
+
+
+def test_device_in_both_roles():
+    msg = _error({"devices": {"prefill": ["cpu:0"], "decode": ["cpu:0", "cpu:1"]}}, check_devices=False)
+    assert "'cpu:0'" in msg and "both" in msg
+
+
+def test_duplicate_device():
+    msg = _error({"devices": {"mode": "colocated", "devices": ["cpu:0", "cpu:0"]}}, check_devices=False)
+    assert "'devices.devices'" in msg and "twice" in msg
+    # The same device spelled two ways is still a duplicate.
+    msg = _error({"devices": {"mode": "colocated", "devices": ["cpu:1", "CPU:01"]}}, check_devices=False)
+    assert "twice" in msg
+
+
+def test_bad_mode():
+    msg = _error({"devices": {"mode": "split"}}, check_devices=False)
+    assert "'devices.mode'" in msg and "'split'" in msg
+
+
+def test_colocated_without_devices():
+    msg = _error({"devices": {"mode": "colocated"}}, check_devices=False)
+    assert "'devices.devices'" in msg and "colocated" in msg
+
+
+def test_disaggregated_needs_both_roles():
+    msg = _error({"devices": {"prefill": []}}, check_devices=False)
+    assert "'devices.prefill'" in msg
+    msg = _error({"devices": {"devices": ["cpu:0"]}}, check_devices=False)
+    assert "'devices.devices'" in msg
+
+
+def test_load_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server\nport = 1\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(str(bad))
+
+
+# ---- nodeserve check-config ----
+
+def _check_config(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nodeserve", "check-config", str(path)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+@pytest.mark.skipif(not {"cpu:0", "cpu:1"} <= set(HAVE), reason="the repo config names cpu:0 and cpu:1")
+def test_check_config_ok_on_repo_config():
+    proc = _check_config(REPO / "nodeserve.toml")
+    assert proc.returncode == 0, proc.stderr
+    assert "OK" in proc.stdout and "mode=disaggregated" in proc.stdout
+    assert proc.stderr == ""
+
+
+@pytest.mark.parametrize("body, key", [
+    ('[server]\nprot = 8000\n', "server.prot"),
+    ('[server]\nport = "abc"\n', "server.port"),
+    ('[devices]\nmode = "sideways"\n', "devices.mode"),
+])
+def test_check_config_rejects_bad_config(tmp_path, body, key):
+    path = tmp_path / "nodeserve.toml"
+    path.write_text(body)
+    proc = _check_config(path)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert f"'{key}'" in lines[0] and str(path) in lines[0]
+    assert "Traceback" not in proc.stderr
