@@ -60,3 +60,9 @@ def hf_greedy(gguf_path, prompt_ids) -> list[list[int]]:
                                max_new_tokens=NUM_NEW_TOKENS, do_sample=False, pad_token_id=0)
             out.append(g[0, len(ids):].tolist())
     return out
+
+
+@pytest.fixture(scope="session")
+def chat_prompts() -> list[str]:
+    """The user messages behind prompt_ids[:4] (rendered with the chat template)."""
+    return CHAT_PROMPTS

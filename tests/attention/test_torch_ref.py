@@ -16,7 +16,7 @@ ATOL = 1e-5
 
 # (cached tokens, new tokens) per sequence. q_len 1 is a decode; the rest are prefill chunks.
 DECODES = [(0, 1), (4, 1), (15, 1), (16, 1), (63, 1), (64, 1), (99, 1)]
-PREFILLS = [(0, 7), (0, 64), (20, 13), (3, 64), (63, 2), (1, 1 + 1), (100, 37)]
+PREFILLS = [(0, 7), (0, 64), (20, 13), (3, 64), (63, 2), (1, 2), (100, 37)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -130,7 +130,8 @@ def test_single_sequence_cases(page_size):
 def test_random_batches(page_size):
     rng = random.Random(page_size)
     for trial in range(3):
-        seqs = [(rng.randint(0, 130), 1 if rng.random() < 0.5 else rng.randint(2, 70)) for _ in range(rng.randint(1, 9))]
+        seqs = [(rng.randint(0, 130), 1 if rng.random() < 0.5 else rng.randint(2, 70))
+                for _ in range(rng.randint(1, 9))]
         _run(seqs, page_size, seed=1000 * page_size + trial)
 
 

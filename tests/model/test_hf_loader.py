@@ -62,7 +62,7 @@ def _corpus() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def sp_model(tmp_path_factory) -> bytes:
+def sp_model() -> bytes:
     import io
 
     buf = io.BytesIO()

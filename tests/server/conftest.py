@@ -1,0 +1,83 @@
+"""A real nodeserve server in a subprocess on a free loopback port, float32, for the API tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp_dir, devices: str, extra: str = ""):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = os.path.join(tmp_dir, "nodeserve.toml")
+        with open(self.config, "w") as f:
+            f.write(f"""
+[model]
+path = "smollm2-135m-instruct"
+name = "smollm2"
+dtype = "float32"
+[server]
+host = "127.0.0.1"
+port = {self.port}
+[devices]
+{devices}
+[kv]
+memory_gib = 1.0
+{extra}
+""")
+        self.log = open(os.path.join(tmp_dir, "server.log"), "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "nodeserve", "run", "--config", self.config],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.output()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server did not become ready: {self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("disagg"), 'mode = "disaggregated"\nprefill = ["cpu:0"]\ndecode = ["cpu:1"]')
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def colocated_server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("coloc"), 'mode = "colocated"\ndevices = ["cpu:0", "cpu:1"]')
+    yield s
+    s.stop()
