@@ -12,23 +12,33 @@ What it runs, per dtype, on the CPU, with torch.set_num_threads(--threads) (defa
     each prompt's last token, as the server does. Reported as tokens/s and step time;
   * decode: one step of B = 1, 8, 32 sequences, one new token each, each with a 128-token context already
     in the KV pool (the pool is filled with random K/V; values do not change the cost), so seq_len = 129.
-Every timing: warm-up runs, then several runs timed with time.perf_counter; the median is reported.
+Timing: a short warm-up run through the same kernels (32-token prompts / one decode row), then runs timed with
+time.perf_counter until --budget seconds (default 6) of samples, at most 5 (prefill) / 20 (decode); the median
+is reported, n = samples. A first full run under 1 s is also discarded as warm-up; a longer one is kept, so
+that very slow cases (bf16 on a CPU without hardware bf16 matmul: ~13 s per 512-token prefill) fit a ~2-minute
+run. Whole run on the 2-core CI machine: about 2 minutes, of which ~20 s is loading the model twice.
 
 Bounds, measured in the same process and with the same thread count:
   * bandwidth: sum() over a 1 GiB float32 tensor filled with ones (written, so its pages are real), best of 5;
-  * peak: a 2048^3 matmul in the benchmark dtype, best of 5 (GFLOP/s);
+  * peak: an n^3 matmul in the benchmark dtype, best of 3, the fastest of three operand layouts (a@b, a@b.T,
+    which F.linear uses, and a.T@b); n = 2048 unless a 512^3 probe says one run would exceed 1.5 s, then 1024
+    or 512. Without hardware bf16 (AVX2-only CPUs) bf16 matmul is a slow, layout-dependent software path
+    (a@b at 2048^3 takes ~90 s, 0.2 GFLOP/s), so there the bf16 "peak" is that of the software path and
+    is far below fp32's; the line above the table says which size and layout gave the peak;
   * memory time = bytes a step must read / bandwidth. Bytes = every parameter once in the dtype (embedding and
     lm_head are tied, counted once) + the K/V of all contexts read by attention (decode: B * 129 tokens;
-    prefill: the prompt's own K/V, negligible);
+    prefill: the prompt's K/V written, negligible);
   * compute time = FLOPs / peak. FLOPs = 2 * matmul params * tokens (layer projections for every token, lm_head
     only for rows that produce logits) + attention: 4 * heads * head_dim * (query, key) pairs per layer,
     counting only causal pairs (L(L+1)/2 for a prompt of L, seq_len per decode row);
-  * bound = max(memory time, compute time), the roofline. Prefill is compute-bound and decode at small batch
-    memory-bound, as one expects; where the other term is larger (fp32 decode at B=32 is compute-bound) the
-    max is used so the ratio is not flattered or unfair.
+  * bound = max(memory time, compute time), the roofline; "bound by" says which term it was. Prefill is
+    compute-bound and small-batch decode memory-bound, as expected; where the other term is larger (e.g. fp32
+    decode at B=32, or every bf16 case on a CPU whose bf16 peak is a software path) the max is used.
 
 The ratio column is  bound / achieved  = the fraction of the roofline reached: 1.0 would be at the bound,
 0.25 means the step takes 4x the bound. Example: "achieved 4.1 ms, bound 1.9 ms, 0.46 of bound".
+Other columns: tok/s = tokens processed per second in that step (decode: B / step time); GFLOP/s and GB/s are
+the counted FLOPs and bytes divided by the achieved time. JSON (--json) holds every figure plus the machine.
 """
 
 from __future__ import annotations
@@ -216,20 +226,21 @@ def main(argv=None) -> int:
     date = datetime.date.today().isoformat()
     print(f"# nodeserve micro-benchmark  {date}")
     print(f"# cpu: {cpu_name()} ({os.cpu_count()} logical CPUs), torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()}")
+          f"threads {torch.get_num_threads()}, ISA {torch.backends.cpu.get_cpu_capability()}")
     print(f"# model {MODEL}; decode context {DECODE_CONTEXT} tokens/seq; page size {PAGE_SIZE}")
     print(f"# bandwidth (sum over 1 GiB of ones): {bw / 1e9:.1f} GB/s")
 
     results = {"date": date, "cpu": cpu_name(), "logical_cpus": os.cpu_count(), "torch": torch.__version__,
-               "python": sys.version.split()[0], "threads": torch.get_num_threads(), "model": MODEL,
-               "bandwidth_Bps": bw, "dtypes": {}, "rows": []}
+               "python": sys.version.split()[0], "isa": torch.backends.cpu.get_cpu_capability(),
+               "threads": torch.get_num_threads(), "model": MODEL, "bandwidth_Bps": bw, "dtypes": {}, "rows": []}
     rows = []
     for name in args.dtype.split(","):
         name = name.strip()
         b = Bench(name, args)
         print(f"# {name}: load {b.load_s:.1f} s, weights {b.param_bytes / 1e6:.0f} MB, "
               f"matmul peak {b.peak / 1e9:.1f} GFLOP/s ({b.peak_desc})")
-        results["dtypes"][name] = {"load_s": b.load_s, "param_bytes": b.param_bytes, "peak_flops": b.peak, "peak_matmul": b.peak_desc,
+        results["dtypes"][name] = {"load_s": b.load_s, "param_bytes": b.param_bytes, "peak_flops": b.peak,
+                                   "peak_matmul": b.peak_desc,
                                    "layer_matmul_params": b.layer_matmul_params,
                                    "lm_head_params": b.lm_head_params}
         for case, lens in PREFILLS:
@@ -248,6 +259,10 @@ def main(argv=None) -> int:
         print(f"{r['dtype']:5} {r['case']:14} {fmt_t(r['median_s'])} {r['tokens_per_s']:8.0f} "
               f"{fmt_t(r['bound_s'])} {r['bound_kind']:>8} {r['fraction_of_bound']:6.2f} "
               f"{r['achieved_gflops']:8.1f} {r['achieved_gbps']:6.2f} {r['iters']:3d}")
+    peaks = {n: d["peak_flops"] for n, d in results["dtypes"].items()}
+    if "bf16" in peaks and "fp32" in peaks and peaks["bf16"] < peaks["fp32"]:
+        print(f"note: bf16 matmul peak {peaks['bf16'] / 1e9:.1f} < fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s: no hardware "
+              f"bf16 matmul here, so bf16 ratios are against a software path")
     total = time.perf_counter() - t_start
     print(f"\n# total run time {total:.0f} s")
     results["rows"] = rows

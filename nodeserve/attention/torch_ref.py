@@ -17,11 +17,17 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 
 def gather_kv(kv_layer: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one or more sequences: block_table [B, P] -> ([B, length, KH, D], [B, length, KH, D])."""
+    """K and V of one or more sequences: block_table [B, P] -> ([B, length, KH, D], [B, length, KH, D]).
+
+    index_select per K and V writes each straight into a contiguous [B, P * page_size, KH, D] buffer:
+    4-8x faster on CPU than advanced indexing of the whole [.., 2, ..] page followed by a transpose copy.
+    """
     b, num_pages = block_table.shape
-    kv = kv_layer[block_table]  # [B, P, 2, page_size, KH, D]
-    kv = kv.transpose(1, 2).reshape(b, 2, num_pages * kv_layer.shape[2], *kv_layer.shape[3:])
-    return kv[:, 0, :length], kv[:, 1, :length]
+    flat = block_table.reshape(-1)
+    shape = (b, num_pages * kv_layer.shape[2], *kv_layer.shape[3:])
+    k = kv_layer[:, 0].index_select(0, flat).view(shape)
+    v = kv_layer[:, 1].index_select(0, flat).view(shape)
+    return k[:, :length], v[:, :length]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -36,8 +42,36 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(1, 2)
 
 
+def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+    """One query token per sequence: q [B, H, D], k/v [B, L, KH, D] -> [B, H, D].
+
+    The G query heads that share a KV head become G query rows against that head, so K/V are never
+    repeated: each row's softmax is the same computation as with repeated KV.
+    """
+    b, h, d = q.shape
+    kh = k.shape[2]
+    qg = q.view(b, kh, h // kh, d)                  # [B, KH, G, D]
+    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    return out.reshape(b, h, d)
+
+
+def length_groups(seq_lens: list[int], max_waste: float = 2.0, min_len: int = 256) -> list[list[int]]:
+    """Splits decode rows into groups of similar length, so that padding to a group's longest row costs at
+    most `max_waste` times the work (short rows below `min_len` all go together: they are cheap)."""
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and seq_lens[i] <= max(max_waste * seq_lens[groups[-1][0]], min_len):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 class TorchAttention:
-    """Decodes are batched in one padded SDPA call; each prefill chunk runs alone so no one pads to the longest prompt."""
+    """Decodes are batched in padded SDPA calls over groups of similar length; each prefill chunk runs
+    alone, so no one pads to the longest prompt."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -45,12 +79,15 @@ class TorchAttention:
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            max_len = max(meta.seq_lens_host[:nd])
-            num_pages = -(-max_len // meta.page_size)
-            kd, vd = gather_kv(kv_layer, meta.block_tables[:nd, :num_pages], max_len)  # [nd, L, KH, D]
-            positions = torch.arange(max_len, device=q.device)
-            mask = (positions[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]  # [nd, 1, 1, L]
-            out[:nd] = attend(q[:nd, None], kd, vd, mask, False, scale)[:, 0]
+            groups = length_groups(meta.seq_lens_host[:nd])
+            for rows in groups:
+                max_len = max(meta.seq_lens_host[i] for i in rows)
+                num_pages = -(-max_len // meta.page_size)
+                idx = torch.tensor(rows, device=q.device) if len(groups) > 1 else slice(0, nd)
+                kd, vd = gather_kv(kv_layer, meta.block_tables[idx, :num_pages], max_len)  # [n, L, KH, D]
+                positions = torch.arange(max_len, device=q.device)
+                mask = (positions[None, :] < meta.seq_lens[idx, None])[:, None, None, :]  # [n, 1, 1, L]
+                out[idx] = attend_decode(q[idx], kd, vd, mask, scale)
         start = nd
         for b in range(nd, meta.num_seqs):
             q_len, seq_len = meta.query_lens[b], meta.seq_lens_host[b]
