@@ -39,7 +39,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     d = config.devices
     devices = f"prefill={list(d.prefill)} decode={list(d.decode)}" if d.mode == "disaggregated" \
         else f"devices={list(d.devices)}"
-    print(f"{args.config}: OK: model={config.model.path} ({config.model.dtype}) mode={d.mode} {devices} "
+    print(f"{args.config}: OK: model={config.model.path} ({config.dtype}) mode={d.mode} {devices} "
           f"listen={config.server.host}:{config.server.port}")
     return 0
 

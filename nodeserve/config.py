@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 class ModelSection:
     path: str = "smollm2-135m-instruct"   # a .gguf file, an HF checkpoint dir, or a bundled model name
     name: str = ""                        # the served model id; defaults to the path's base name
-    dtype: str = "bfloat16"               # float32 | bfloat16 | float16
+    dtype: str = "auto"                   # auto | float32 | bfloat16 | float16 (auto: bf16 where the hardware has it)
     max_model_len: int = 0                # 0: the checkpoint's context length
 
 
@@ -31,6 +31,13 @@ class ServerSection:
     host: str = "127.0.0.1"
     port: int = 8000
     max_waiting: int = 256                # requests queued for pages before new ones get 503
+    max_queued_tokens: int = 262_144      # prompt tokens waiting to be prefilled before new requests get 503
+    request_timeout: float = 600.0        # seconds a request may run before it is ended with an error (0: never)
+    drain_timeout: float = 30.0           # on SIGTERM, seconds in-flight requests get to finish
+    api_key: str = ""                     # if set (or NODESERVE_API_KEY is), clients must send Authorization: Bearer
+    open_health: bool = True              # /health answers without the API key
+    open_metrics: bool = True             # /metrics answers without the API key
+    max_tokens_limit: int = 1_000_000     # largest max_tokens a request may ask for
     default_max_tokens: int = 2048        # chat requests that give no max_tokens get min(this, context - prompt)
     max_n: int = 16
     max_stop: int = 16
@@ -74,6 +81,20 @@ class Config:
     @property
     def decode_devices(self) -> tuple[str, ...]:
         return self.devices.decode if self.devices.mode == "disaggregated" else self.devices.devices
+
+    @property
+    def dtype(self) -> str:
+        """model.dtype with "auto" resolved for these devices."""
+        from nodeserve.device import auto_dtype
+
+        if self.model.dtype != "auto":
+            return self.model.dtype
+        return auto_dtype(self.prefill_devices + self.decode_devices)
+
+    @property
+    def api_key(self) -> str:
+        """server.api_key, or the NODESERVE_API_KEY environment variable (which keeps it out of the file)."""
+        return self.server.api_key or os.environ.get("NODESERVE_API_KEY", "")
 
     @property
     def served_model_name(self) -> str:
@@ -154,14 +175,16 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
     from nodeserve.device import parse_device_name, DeviceNameError, available_devices
 
     m, s, d, kv, sch = cfg.model, cfg.server, cfg.devices, cfg.kv, cfg.scheduler
-    if m.dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"'model.dtype' must be one of float32, bfloat16, float16, got {m.dtype!r}")
+    if m.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"'model.dtype' must be one of auto, float32, bfloat16, float16, got {m.dtype!r}")
     if not m.path:
         raise ConfigError("'model.path' is empty: give a .gguf file, an HF checkpoint directory or a bundled model name")
     for key, value, low in (("server.port", s.port, 0), ("server.max_waiting", s.max_waiting, 1),
                             ("server.default_max_tokens", s.default_max_tokens, 1), ("server.max_n", s.max_n, 1),
                             ("server.max_stop", s.max_stop, 0), ("server.max_logprobs", s.max_logprobs, 0),
                             ("server.max_body_bytes", s.max_body_bytes, 1024), ("kv.page_size", kv.page_size, 1),
+                            ("server.max_queued_tokens", s.max_queued_tokens, 1),
+                            ("server.max_tokens_limit", s.max_tokens_limit, 1),
                             ("scheduler.max_num_seqs", sch.max_num_seqs, 1),
                             ("scheduler.max_num_batched_tokens", sch.max_num_batched_tokens, 16),
                             ("model.max_model_len", m.max_model_len, 0),
@@ -170,6 +193,9 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
             raise ConfigError(f"'{key}' must be at least {low}, got {value}")
     if s.port > 65535:
         raise ConfigError(f"'server.port' must be at most 65535, got {s.port}")
+    for key, value in (("server.request_timeout", s.request_timeout), ("server.drain_timeout", s.drain_timeout)):
+        if value < 0:
+            raise ConfigError(f"'{key}' must be 0 or more seconds, got {value}")
     if kv.memory_gib <= 0:
         raise ConfigError(f"'kv.memory_gib' must be positive, got {kv.memory_gib}")
     if d.mode == "disaggregated":

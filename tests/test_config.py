@@ -28,7 +28,8 @@ def _error(raw: dict, check_devices: bool = True) -> str:
 def test_defaults_load():
     cfg = config_from_dict({}, check_devices=False)
     assert cfg == Config()
-    assert cfg.model.path == "smollm2-135m-instruct" and cfg.model.dtype == "bfloat16"
+    assert cfg.model.path == "smollm2-135m-instruct" and cfg.model.dtype == "auto"
+    assert cfg.dtype in ("bfloat16", "float32")  # auto: bf16 only where the CPU multiplies it in hardware
     assert cfg.server.port == 8000 and cfg.kv.page_size == 16
     assert cfg.devices.mode == "disaggregated"
     assert cfg.prefill_devices == ("cpu:0",) and cfg.decode_devices == ("cpu:1",)
@@ -183,3 +184,14 @@ def test_check_config_rejects_bad_config(tmp_path, body, key):
     assert len(lines) == 1, proc.stderr
     assert f"'{key}'" in lines[0] and str(path) in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_auto_dtype_follows_the_hardware(monkeypatch):
+    import nodeserve.device.cpu as cpu
+
+    cfg = config_from_dict({}, check_devices=False)
+    monkeypatch.setattr(cpu, "has_fast_bf16", lambda: True)
+    assert cfg.dtype == "bfloat16"
+    monkeypatch.setattr(cpu, "has_fast_bf16", lambda: False)
+    assert cfg.dtype == "float32"
+    assert config_from_dict({"model": {"dtype": "float16"}}, check_devices=False).dtype == "float16"

@@ -16,4 +16,14 @@ def make_device(name: str) -> Device:
     return CUDADevice(int(parsed[5:]))
 
 
-__all__ = ["Device", "DeviceNameError", "available_devices", "make_device", "parse_device_name"]
+def auto_dtype(device_names: list[str] | tuple[str, ...]) -> str:
+    """The serving dtype for model.dtype = "auto": bfloat16 on GPUs and on CPUs with hardware bf16 matmuls
+    (AMX or AVX512-BF16); float32 elsewhere, where bf16 runs in software and is several times slower."""
+    if any(parse_device_name(n).startswith("cuda:") for n in device_names):
+        return "bfloat16"
+    from nodeserve.device.cpu import has_fast_bf16
+
+    return "bfloat16" if has_fast_bf16() else "float32"
+
+
+__all__ = ["auto_dtype", "Device", "DeviceNameError", "available_devices", "make_device", "parse_device_name"]

@@ -9,6 +9,16 @@ import torch
 from nodeserve.device.base import Device
 
 
+def has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
 class CPUDevice(Device):
     def __init__(self, core: int):
         self.core = core

@@ -7,7 +7,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 
@@ -68,8 +68,11 @@ class PoolStats:
 
 
 class Engine:
-    def __init__(self, config: Config, loaded: LoadedModel):
+    def __init__(self, config: Config, loaded: LoadedModel,
+                 on_transfer: Callable[[float, int], None] | None = None):
+        """on_transfer(seconds, bytes) is called from transfer threads once per handed-off request."""
         self.config, self.loaded = config, loaded
+        self.on_transfer = on_transfer
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.model.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
@@ -107,11 +110,12 @@ class Engine:
         self.decode_workers = [make_worker(n, role) for n in cfg.decode_devices]
         for p in self.prefill_workers:
             for d in self.decode_workers:
-                t = KVTransfer(p.device, p.pool, d.device, d.pool)
+                t = KVTransfer(p.device, p.pool, d.device, d.pool, self.on_transfer)
                 p.transfers[d] = t
                 self.transfers.append(t)
         self.router = Router(self.prefill_workers, self.decode_workers,
-                             cfg.devices.local_prefill_threshold, cfg.server.max_waiting)
+                             cfg.devices.local_prefill_threshold, cfg.server.max_waiting,
+                             cfg.server.max_queued_tokens)
         for t in self.transfers:
             t.start()
         for w in self.workers:
@@ -152,6 +156,12 @@ class Engine:
             del self.streams[req.request_id]
             raise
         return stream
+
+    def fail_all(self, message: str) -> None:
+        """Ends every in-flight request with an error event (the drain timeout ran out) and frees its pages."""
+        for stream in list(self.streams.values()):
+            stream.put(TokenEvent(None, finish_reason="error", error=message))
+            self.abort(stream)
 
     def abort(self, stream: RequestStream, reason: str = "abort") -> None:
         """Ends a request now; its pages on every device are freed by whoever holds it, at its next step."""

@@ -24,10 +24,17 @@ class TooLarge(Exception):
 
 class Router:
     def __init__(self, prefill_workers: list[Worker], decode_workers: list[Worker],
-                 local_prefill_threshold: int, max_waiting: int):
+                 local_prefill_threshold: int, max_waiting: int, max_queued_tokens: int):
         self.prefill_workers, self.decode_workers = prefill_workers, decode_workers
         self.local_prefill_threshold, self.max_waiting = local_prefill_threshold, max_waiting
+        self.max_queued_tokens = max_queued_tokens
         self.pending: deque[Request] = deque()
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens admitted but not yet prefilled, here and on every worker."""
+        queued = sum(r.num_prompt_tokens for r in self.pending)
+        return queued + sum(w.num_outstanding_prefill_tokens for w in self.prefill_workers + self.decode_workers)
 
     def admit(self, req: Request) -> None:
         need = pages_for(req.max_total_tokens, self.decode_workers[0].pool.page_size)
@@ -41,8 +48,13 @@ class Router:
             if pages_for(req.num_prompt_tokens, self.prefill_workers[0].pool.page_size) > prefill_capacity:
                 raise TooLarge(f"the prompt has {req.num_prompt_tokens} tokens but a prefill device holds at most "
                                f"{prefill_capacity * self.prefill_workers[0].pool.page_size}")
+        if req.num_prompt_tokens > self.max_queued_tokens:
+            raise TooLarge(f"the prompt has {req.num_prompt_tokens} tokens, more than server.max_queued_tokens "
+                           f"({self.max_queued_tokens})")
         if len(self.pending) >= self.max_waiting:
             raise QueueFull(f"{len(self.pending)} requests are already waiting")
+        if self.num_queued_tokens + req.num_prompt_tokens > self.max_queued_tokens:
+            raise QueueFull(f"{self.num_queued_tokens} prompt tokens are already queued")
         self.pending.append(req)
         self.dispatch()
 

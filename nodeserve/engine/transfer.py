@@ -41,10 +41,12 @@ class _Finish:
 
 
 class KVTransfer:
-    def __init__(self, src_device: Device, src_pool: KVPool, dst_device: Device, dst_pool: KVPool):
+    def __init__(self, src_device: Device, src_pool: KVPool, dst_device: Device, dst_pool: KVPool,
+                 on_transfer: Callable[[float, int], None] | None = None):
         self.src_device, self.src_pool = src_device, src_pool
         self.dst_device, self.dst_pool = dst_device, dst_pool
         self.name = f"kv {src_device.name}->{dst_device.name}"
+        self.on_transfer = on_transfer
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self.num_bytes = 0        # bytes copied so far
@@ -102,5 +104,11 @@ class KVTransfer:
         req.prefill_pages = []
         if req.aborted or req.finished:
             job.release(req)
-        else:
-            job.deliver(req, done)
+            return
+        if self.on_transfer is not None:
+            # Time the handoff waited after the last prefill forward: the part of the copy the layer-by-layer
+            # overlap did not hide. Bytes: every layer's K and V of the prompt's pages.
+            waited = time.monotonic() - req.timings.get("prefill_end", time.monotonic())
+            num_pages = -(-req.num_prompt_tokens // self.src_pool.page_size)
+            self.on_transfer(waited, num_pages * self.src_pool.bytes_per_page_per_layer * len(self.src_pool.layers))
+        job.deliver(req, done)

@@ -147,6 +147,7 @@ class Worker:
             if not self._ensure_prefill_pages(req):
                 break  # FIFO: later prompts wait for pages behind this one
             n = min(req.num_prompt_tokens - req.num_computed_tokens, budget)
+            req.timings.setdefault("prefill_start", time.monotonic())
             prefills.append((req, n))
             budget -= n
         if not decodes and not prefills:
@@ -218,7 +219,7 @@ class Worker:
                 first = not req.output_ids
                 req.output_ids.append(out.token_ids[k])
                 if first:
-                    req.timings["first_token"] = now
+                    req.timings["prefill_end"] = now
                     self.waiting.remove(req)
                 finish = self._finish_reason(req)
                 events.append((req, TokenEvent(out.token_ids[k],

@@ -143,6 +143,8 @@ def load_gguf(path: str, dtype: torch.dtype,
         if progress is not None:
             progress(i + 1, len(reader.tensors))
     if "lm_head.weight" not in state:
+        if "embed_tokens.weight" not in state:
+            raise LoadError(f"{path}: GGUF file has neither 'token_embd.weight' nor 'output.weight'")
         state["lm_head.weight"] = state["embed_tokens.weight"]
         cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)

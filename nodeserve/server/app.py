@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hmac
 import logging
 import time
 import uuid
@@ -13,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from nodeserve.config import Config
+from nodeserve.metrics import Metrics
 from nodeserve.engine.engine import Engine, PromptTooLong, QueueFull, TooLarge
 from nodeserve.server import protocol as P
 from nodeserve.server.generation import Generation, GenerationError, Piece
@@ -33,7 +35,10 @@ class ServerState:
         self.model_name = config.served_model_name
         self.created = int(time.time())
         s = config.server
-        self.limits = P.Limits(max_n=s.max_n, max_stop=max(s.max_stop, 1), max_logprobs=s.max_logprobs)
+        self.limits = P.Limits(max_n=s.max_n, max_stop=max(s.max_stop, 1), max_logprobs=s.max_logprobs,
+                               max_tokens=s.max_tokens_limit)
+        self.metrics = Metrics(self.model_name)
+        self.api_key = config.api_key.encode()
 
 
 def error_response(err: P.APIError) -> web.Response:
@@ -41,11 +46,17 @@ def error_response(err: P.APIError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=headers, dumps=P.to_json)
 
 
+_REJECT_REASONS = {400: "bad_request", 413: "bad_request", 401: "unauthorized"}
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except P.APIError as err:
+        reason = _REJECT_REASONS.get(err.status)
+        if reason is not None:
+            request.app["state"].metrics.rejected(reason)
         return error_response(err)
     except web.HTTPException as exc:
         if exc.status == 413:
@@ -58,6 +69,21 @@ async def errors_middleware(request: web.Request, handler):
     except Exception:
         log.exception("unhandled error in %s", request.path)
         return error_response(P.APIError(500, "internal server error"))
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    """Authorization: Bearer <key>, when a key is configured; /health and /metrics may be left open."""
+    state: ServerState = request.app["state"]
+    if state.api_key:
+        open_paths = {"/health": state.config.server.open_health, "/metrics": state.config.server.open_metrics}
+        if not open_paths.get(request.path, False):
+            given = request.headers.get("Authorization", "")
+            scheme, _, token = given.partition(" ")
+            # compare_digest: the time taken does not depend on how much of the key matched
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key):
+                raise P.APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'")
+    return await handler(request)
 
 
 def _state(request: web.Request) -> ServerState:
@@ -74,6 +100,7 @@ async def _read_body(request: web.Request) -> Any:
 
 def _ready_engine(state: ServerState, model: str | None) -> Engine:
     if state.status != "ready" or state.engine is None:
+        state.metrics.rejected("draining")
         raise P.APIError(503, "the server is loading the model" if state.status == "loading"
                          else "the server is shutting down")
     if model is not None and model != state.model_name:
@@ -117,7 +144,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
     echo_texts = [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in req.prompts]
     jobs = [(pi, prompts[pi], echo_texts[pi]) for pi in range(len(prompts)) for _ in range(req.n)]
-    gens = _start(engine, [(ids, req.params) for _, ids, _ in jobs], seed_offsets=True,
+    gens = _start(state, engine, [(ids, req.params) for _, ids, _ in jobs], seed_offsets=True,
                   want_logprobs=req.params.logprobs is not None)
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
     if req.stream:
@@ -127,7 +154,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return P.completion_chunk(rid, model, created, i, text, piece.finish_reason, lp)
         return await _stream(request, engine, gens, chunk, None, "text_completion", rid, model, created,
                              req.include_usage, req.n)
-    results = await _collect(engine, gens)
+    results = await _collect(state, engine, gens)
     choices = []
     for i, (text, finish, lps) in enumerate(results):
         lp = P.completion_logprobs(lps, len(jobs[i][2])) if req.params.logprobs is not None else None
@@ -147,7 +174,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise P.APIError(400, f"chat template error: {e}", param="messages")
     if not req.max_tokens_given:
         req.params.max_tokens = state.config.server.default_max_tokens
-    gens = _start(engine, [(prompt, req.params)] * req.n, seed_offsets=True, want_logprobs=req.logprobs)
+    gens = _start(state, engine, [(prompt, req.params)] * req.n, seed_offsets=True, want_logprobs=req.logprobs)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
     if req.stream:
         def chunk(i: int, piece: Piece, first: bool) -> dict:
@@ -159,7 +186,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             return P.chat_chunk(rid, model, created, i, {"role": "assistant", "content": ""})
         return await _stream(request, engine, gens, chunk, role_chunk, "chat.completion.chunk", rid, model,
                              created, req.include_usage, req.n)
-    results = await _collect(engine, gens)
+    results = await _collect(state, engine, gens)
     choices = [P.chat_choice(i, text, finish, P.chat_logprobs(lps) if req.logprobs else None)
                for i, (text, finish, lps) in enumerate(results)]
     return web.json_response(P.chat_response(rid, model, created, choices, _usage(gens, req.n)), dumps=P.to_json)
@@ -167,7 +194,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 # ---- plumbing ------------------------------------------------------------------------------------------
 
-def _start(engine: Engine, jobs: list[tuple[list[int], Any]], seed_offsets: bool,
+def _start(state: ServerState, engine: Engine, jobs: list[tuple[list[int], Any]], seed_offsets: bool,
            want_logprobs: bool) -> list[Generation]:
     """Admits every choice, or none: if one is refused, the ones already admitted are aborted."""
     gens: list[Generation] = []
@@ -177,12 +204,14 @@ def _start(engine: Engine, jobs: list[tuple[list[int], Any]], seed_offsets: bool
             if seed_offsets and p.seed is not None:
                 p.seed += i  # n > 1 with a seed: distinct but reproducible choices
             stream = engine.add_request(ids, p)
-            gens.append(Generation(engine, engine.tokenizer, stream, p.stop, want_logprobs))
+            gens.append(Generation(engine, engine.tokenizer, stream, p.stop, want_logprobs, state.metrics))
     except (PromptTooLong, TooLarge) as e:
         _abort_all(engine, gens)
+        state.metrics.rejected("too_large")
         raise P.APIError(400, str(e), param="messages" if "context" in str(e) else None)
     except QueueFull as e:
         _abort_all(engine, gens)
+        state.metrics.rejected("queue_full")
         raise P.APIError(503, f"the server is overloaded ({e}); retry later")
     return gens
 
@@ -198,7 +227,12 @@ def _usage(gens: list[Generation], n: int) -> dict:
     return P.usage(prompt_tokens, sum(g.num_completion_tokens for g in gens))
 
 
-async def _collect(engine: Engine, gens: list[Generation]) -> list[tuple[str, str, list]]:
+def _timeout(state: ServerState):
+    seconds = state.config.server.request_timeout
+    return asyncio.timeout(seconds if seconds > 0 else None)
+
+
+async def _collect(state: ServerState, engine: Engine, gens: list[Generation]) -> list[tuple[str, str, list]]:
     async def one(g: Generation) -> tuple[str, str, list]:
         texts, lps, finish = [], [], None
         async for piece in g.pieces():
@@ -207,9 +241,13 @@ async def _collect(engine: Engine, gens: list[Generation]) -> list[tuple[str, st
             finish = piece.finish_reason or finish
         return "".join(texts), finish, lps
     try:
-        return await asyncio.gather(*(one(g) for g in gens))
+        async with _timeout(state):
+            return await asyncio.gather(*(one(g) for g in gens))
     except GenerationError as e:
         raise P.APIError(500, f"generation failed: {e}")
+    except TimeoutError:
+        raise P.APIError(504, f"the request ran longer than server.request_timeout "
+                              f"({state.config.server.request_timeout:g} s)", type="TimeoutError")
     finally:
         _abort_all(engine, gens)  # no-op for finished ones; frees the rest on error or disconnect
 
@@ -230,38 +268,52 @@ async def _stream(request: web.Request, engine: Engine, gens: list[Generation], 
             await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    state: ServerState = request.app["state"]
     try:
-        if role_chunk is not None:
-            for i in range(len(gens)):
-                await resp.write(P.sse(role_chunk(i)))
-        first = [True] * len(gens)
-        remaining = len(gens)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, GenerationError):
-                err = P.APIError(500, f"generation failed: {item}")
-                await resp.write(P.sse(err.body()))
-                await resp.write(P.sse("[DONE]"))
-                return resp
-            elif item.text or item.finish_reason is not None or item.logprobs:
-                await resp.write(P.sse(chunk(i, item, first[i])))
-                first[i] = False
-        if include_usage:
-            await resp.write(P.sse(P.usage_chunk(rid, model, created, obj, _usage(gens, n))))
+        async with _timeout(state):
+            await _write_stream(resp, gens, queue, chunk, role_chunk, obj, rid, model, created, include_usage, n)
+    except TimeoutError:
+        err = P.APIError(504, f"the request ran longer than server.request_timeout "
+                              f"({state.config.server.request_timeout:g} s)", type="TimeoutError")
+        await resp.write(P.sse(err.body()))
         await resp.write(P.sse("[DONE]"))
-        await resp.write_eof()
-        return resp
     finally:
         for t in tasks:
             t.cancel()
         _abort_all(engine, gens)  # on disconnect (ConnectionResetError / CancelledError) frees every device
+    return resp
+
+
+async def _write_stream(resp, gens, queue, chunk, role_chunk, obj, rid, model, created, include_usage, n) -> None:
+    """Writes role chunks, then pieces as they arrive from every choice, then usage and [DONE]."""
+    if role_chunk is not None:
+        for i in range(len(gens)):
+            await resp.write(P.sse(role_chunk(i)))
+    first = [True] * len(gens)
+    remaining = len(gens)
+    while remaining:
+        i, item = await queue.get()
+        if item is None:
+            remaining -= 1
+        elif isinstance(item, GenerationError):
+            err = P.APIError(500, f"generation failed: {item}")
+            await resp.write(P.sse(err.body()))
+            await resp.write(P.sse("[DONE]"))
+            return
+        elif item.text or item.finish_reason is not None or item.logprobs:
+            await resp.write(P.sse(chunk(i, item, first[i])))
+            first[i] = False
+    if include_usage:
+        await resp.write(P.sse(P.usage_chunk(rid, model, created, obj, _usage(gens, n))))
+    await resp.write(P.sse("[DONE]"))
+    await resp.write_eof()
 
 
 def create_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware], client_max_size=state.config.server.max_body_bytes)
+    app = web.Application(middlewares=[errors_middleware, auth_middleware],
+                          client_max_size=state.config.server.max_body_bytes)
     app["state"] = state
+    app.router.add_get("/metrics", state.metrics.handler())
     app.router.add_get("/health", health)
     app.router.add_get("/debug/kv", debug_kv)
     app.router.add_get("/v1/models", models)

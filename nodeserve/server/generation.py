@@ -3,11 +3,15 @@ logprob entries and usage counts. Shared by the chat and completions routes, str
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from nodeserve.engine.engine import Engine, RequestStream
 from nodeserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from nodeserve.metrics import Metrics
 
 
 class GenerationError(Exception):
@@ -25,8 +29,10 @@ class Generation:
     """One choice: iterate `pieces()`; afterwards num_completion_tokens holds the usage count."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, stream: RequestStream, stop: list[str],
-                 want_logprobs: bool):
-        self.engine, self.tokenizer, self.stream = engine, tokenizer, stream
+                 want_logprobs: bool, metrics: Metrics | None = None):
+        self.engine, self.tokenizer, self.stream, self.metrics = engine, tokenizer, stream, metrics
+        self.token_times: list[float] = []
+        self.finish_reason = "abort"  # until the engine says otherwise: a client that leaves aborts
         self.stop = stop
         self.want_logprobs = want_logprobs
         self.detok = IncrementalDetokenizer(tokenizer, stream.request.prompt_ids)
@@ -37,22 +43,48 @@ class Generation:
         self._hold = max((len(s) for s in stop), default=1) - 1
 
     async def pieces(self) -> AsyncIterator[Piece]:
+        try:
+            async for piece in self._pieces():
+                yield piece
+        finally:
+            self._observe()
+
+    def _observe(self) -> None:
+        if self.metrics is None:
+            return
+        req = self.stream.request
+        start, end = req.timings.get("prefill_start"), req.timings.get("prefill_end")
+        first = self.token_times[0] if self.token_times else None
+        self.metrics.observe_request(
+            prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_completion_tokens,
+            finish_reason=self.finish_reason, arrival=req.arrival_time, first_token=first,
+            finished=time.monotonic(), token_times=self.token_times,
+            queue_time=start - req.arrival_time if start is not None else None,
+            prefill_time=end - start if start is not None and end is not None else None,
+            decode_time=time.monotonic() - first if first is not None else None)
+
+    async def _pieces(self) -> AsyncIterator[Piece]:
         pending_lp: list[tuple[str, float, list[tuple[str, float]]]] = []
         async for event in self.stream:
             if event.error is not None:
+                self.finish_reason = "error"
                 raise GenerationError(event.error)
             text = ""
             if event.token_id is not None:
+                self.token_times.append(time.monotonic())
                 self.num_completion_tokens += 1
                 text = self.detok.add(event.token_id)
                 if self.want_logprobs and event.logprob is not None:
                     pending_lp.append((self.tokenizer.token_text(event.token_id), event.logprob,
                                        [(self.tokenizer.token_text(t), lp) for t, lp in event.top_logprobs or []]))
             finish = event.finish_reason
+            if finish is not None:
+                self.finish_reason = finish
             if finish is not None and finish != "abort":
                 text += self.detok.flush()
             out, stopped = self._apply_stop(text, final=finish is not None)
             if stopped:
+                self.finish_reason = "stop"
                 self.engine.abort(self.stream, reason="stop")
                 yield Piece(out, pending_lp, "stop")
                 return

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 
 from nodeserve.sampling_params import SamplingParams
@@ -57,13 +58,29 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(400, message, param=param)
 
 
+# A \uXXXX escape for a UTF-16 surrogate (U+D800..U+DFFF); a pair of them is one valid character.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
 def parse_json(raw: bytes) -> object:
     """Decode a request body. Bad JSON is a 400, not the 500 an uncaught ValueError would become."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     # JSONDecodeError and UnicodeDecodeError are ValueErrors; very deep nesting is a RecursionError.
     except (ValueError, RecursionError) as e:
         raise APIError(400, f"Request body is not valid JSON: {e}") from None
+    # json.loads turns a lone surrogate escape ("\ud800") into a str that cannot be encoded as UTF-8,
+    # so the tokenizer, or a response that echoes it, would fail with a 500. Only bodies that contain
+    # such an escape pay for the full check.
+    if isinstance(raw, (bytes, bytearray)) and _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "Request body is not valid JSON: it contains a lone UTF-16 surrogate "
+                                "escape (\\ud800-\\udfff not part of a pair)") from None
+        except RecursionError:
+            raise APIError(400, "Request body is not valid JSON: it is nested too deeply") from None
+    return body
 
 
 # --------------------------------------------------------------------------------------------

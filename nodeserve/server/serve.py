@@ -1,45 +1,70 @@
-"""Runs the server: bind the socket, load the model off the loop, start the engine, serve until a signal."""
+"""Runs the server: bind the socket, load the model off the loop, start the engine, serve, drain on a signal.
+
+Start-up and shutdown talk to systemd when NOTIFY_SOCKET is set: STATUS while loading, READY once the model
+is loaded and the socket bound, WATCHDOG while every worker makes progress, STOPPING on shutdown.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
+from typing import Callable
 
 from aiohttp import web
 
 from nodeserve.config import Config
 from nodeserve.engine.engine import Engine
+from nodeserve.metrics import DeviceState
 from nodeserve.model.loader import load_model, parse_dtype
 from nodeserve.server.app import ServerState, create_app
+from nodeserve.server.systemd import Notifier, watchdog_loop, workers_healthy
 
 log = logging.getLogger("nodeserve")
 
-DRAIN_TIMEOUT_S = 30.0
+WORKER_STALL_S = 30.0  # a worker loop that has not turned for this long counts as wedged
 
 
-def _progress_logger(what: str):
-    last = [0.0]
+class _Progress:
+    """Loading progress: a bar on a TTY, a log line every few seconds otherwise, and systemd STATUS lines."""
 
-    def progress(done: int, total: int) -> None:
+    def __init__(self, notifier: Notifier):
+        self.notifier, self.last = notifier, 0.0
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.tty:
+            width = 30
+            filled = width * done // total
+            sys.stderr.write(f"\rloading weights [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+            if done == total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
         now = time.monotonic()
-        if done == total or now - last[0] > 2.0:
-            last[0] = now
-            log.info("%s: %d/%d tensors", what, done, total)
-    return progress
+        if done == total or now - self.last > 2.0:
+            self.last = now
+            if not self.tty:
+                log.info("loading weights: %d/%d tensors", done, total)
+            self.notifier.status(f"loading weights {done}/{total}")
 
 
-async def serve(config: Config) -> int:
+async def serve(config: Config, on_ready: Callable[[ServerState], None] | None = None) -> int:
+    """Serves until SIGTERM/SIGINT, then drains. on_ready(state) runs once the engine is up (tests use it)."""
     loop = asyncio.get_running_loop()
+    notifier = Notifier.from_env()
     state = ServerState(config)
     app = create_app(state)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port)
+    site = web.TCPSite(runner, config.server.host, config.server.port,
+                       shutdown_timeout=min(config.server.drain_timeout, 5.0))
     await site.start()  # /health answers 503 while the model loads
-    log.info("listening on http://%s:%d, loading %s", config.server.host, config.server.port, config.model.path)
+    log.info("listening on http://%s:%d, loading %s as %s", config.server.host, config.server.port,
+             config.model.path, config.dtype)
+    notifier.status(f"loading {config.model.path}")
 
     stop = asyncio.Event()
     signals = [0]
@@ -48,8 +73,8 @@ async def serve(config: Config) -> int:
         signals[0] += 1
         if signals[0] > 1:
             log.warning("second signal: exiting now")
-            sys.exit(1)
-        log.info("signal received: draining")
+            os._exit(1)
+        log.info("signal received: draining for up to %gs", config.server.drain_timeout)
         state.status = "draining"
         stop.set()
 
@@ -57,28 +82,49 @@ async def serve(config: Config) -> int:
         loop.add_signal_handler(sig, on_signal)
 
     start = time.monotonic()
-    load = loop.run_in_executor(None, lambda: load_model(config.model.path, parse_dtype(config.model.dtype),
-                                                         _progress_logger("loading weights")))
+    load = loop.run_in_executor(None, lambda: load_model(config.model.path, parse_dtype(config.dtype),
+                                                         _Progress(notifier)))
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait([load, waiter], return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
+        notifier.stopping()
         await runner.cleanup()
         return 0
+    waiter.cancel()
     loaded = load.result()
-    engine = Engine(config, loaded)
+    engine = Engine(config, loaded, on_transfer=state.metrics.observe_transfer)
     engine.start(loop)
     state.engine = engine
+    state.metrics.set_state_source(lambda: [DeviceState(s.device, s.role, s.num_running, s.num_waiting,
+                                                        s.num_pages, s.num_free) for s in engine.pool_stats()])
     state.status = "ready"
     roles = ", ".join(f"{w.name}={w.role}" for w in engine.workers)
-    print(f"nodeserve ready on http://{config.server.host}:{config.server.port} model={state.model_name} "
-          f"mode={config.devices.mode} devices: {roles} (loaded in {time.monotonic() - start:.1f}s)", flush=True)
+    url = f"http://{config.server.host}:{config.server.port}"
+    print(f"nodeserve ready on {url} model={state.model_name} dtype={config.dtype} mode={config.devices.mode} "
+          f"devices: {roles} (loaded in {time.monotonic() - start:.1f}s)", flush=True)
+    notifier.ready(f"serving {state.model_name} on {url}")
+    if on_ready is not None:
+        on_ready(state)
+    watchdog = None
+    interval = notifier.watchdog_interval()
+    if interval is not None:
+        watchdog = asyncio.create_task(watchdog_loop(notifier, interval, workers_healthy(engine.workers,
+                                                                                           WORKER_STALL_S)))
 
     await stop.wait()
-    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    notifier.stopping()
+    deadline = time.monotonic() + config.server.drain_timeout
     while engine.streams and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)
+    if engine.streams:
+        log.warning("drain timeout: ending %d requests", len(engine.streams))
+        engine.fail_all("the server is shutting down")
+        await asyncio.sleep(0.2)  # let their handlers write the final error event
+    if watchdog is not None:
+        watchdog.cancel()
     await runner.cleanup()
     engine.stop()
+    notifier.close()
     log.info("stopped")
     return 0
 

@@ -32,11 +32,11 @@ dtype = "float32"
 [server]
 host = "127.0.0.1"
 port = {self.port}
+{extra}
 [devices]
 {devices}
 [kv]
 memory_gib = 1.0
-{extra}
 """)
         self.log = open(os.path.join(tmp_dir, "server.log"), "w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "nodeserve", "run", "--config", self.config],
@@ -81,3 +81,26 @@ def colocated_server(tmp_path_factory):
     s = Server(tmp_path_factory.mktemp("coloc"), 'mode = "colocated"\ndevices = ["cpu:0", "cpu:1"]')
     yield s
     s.stop()
+
+
+@pytest.fixture
+def make_server(tmp_path):
+    """Starts extra servers with their own config lines; stops them at the end of the test."""
+    started = []
+
+    def make(extra: str = "", devices: str = 'mode = "disaggregated"\nprefill = ["cpu:0"]\ndecode = ["cpu:1"]',
+             env: dict | None = None) -> Server:
+        sub = tmp_path / f"server{len(started)}"
+        sub.mkdir()
+        old = dict(os.environ)
+        os.environ.update(env or {})
+        try:
+            s = Server(sub, devices, extra)
+        finally:
+            os.environ.clear()
+            os.environ.update(old)
+        started.append(s)
+        return s
+    yield make
+    for s in started:
+        s.stop()

@@ -233,8 +233,9 @@ def test_disconnects_aborts_and_failures_leave_no_pages(server, prompt_ids):
 def test_64_concurrent_streams_with_bimodal_prompts(server, loaded_fp32):
     rng = random.Random(0)
     vocab = range(300, 40000)
-    prompts = [[rng.choice(vocab) for _ in range(rng.choice([rng.randint(50, 200)] * 7 + [rng.randint(1800, 2200)]))]
-               for _ in range(64)]
+    lengths = [rng.randint(50, 200) for _ in range(60)] + [rng.randint(1900, 2100) for _ in range(4)]
+    rng.shuffle(lengths)
+    prompts = [[rng.choice(vocab) for _ in range(n)] for n in lengths]
     max_tokens = [rng.randint(8, 24) for _ in range(64)]
 
     async def main():
@@ -249,7 +250,6 @@ def test_64_concurrent_streams_with_bimodal_prompts(server, loaded_fp32):
                     return json.loads(frames[-3][6:])["usage"]
             return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, max_tokens)))
     usages = asyncio.run(main())
-    assert sum(len(p) > 1000 for p in prompts) >= 4
     for u, p, n in zip(usages, prompts, max_tokens):
         assert (u["prompt_tokens"], u["completion_tokens"]) == (len(p), n)
     _assert_pools_whole(server)

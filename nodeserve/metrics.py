@@ -1,0 +1,233 @@
+"""Prometheus metrics for nodeserve, named like vLLM's with a `nodeserve:` prefix.
+
+Each Metrics owns a private CollectorRegistry rather than the process-global one, so several servers (or
+tests) in one process never collide over metric names. Nothing is registered at import time.
+
+Request-level numbers (latency histograms, token and outcome counters) are pushed once per finished request
+by the server from the request's timestamps. Device-level numbers (running/waiting requests, KV pages) are
+pulled at scrape time from a callback, see _StateCollector.
+
+Exposed names (histograms add _bucket/_count/_sum, counters add _total):
+  histograms  nodeserve:time_to_first_token_seconds, nodeserve:inter_token_latency_seconds,
+              nodeserve:request_time_per_output_token_seconds, nodeserve:e2e_request_latency_seconds,
+              nodeserve:request_queue_time_seconds, nodeserve:request_prefill_time_seconds,
+              nodeserve:request_decode_time_seconds, nodeserve:kv_transfer_time_seconds,
+              nodeserve:kv_transfer_bytes                                           {model_name}
+  counters    nodeserve:prompt_tokens_total, nodeserve:generation_tokens_total      {model_name}
+              nodeserve:request_success_total                        {model_name, finished_reason}
+              nodeserve:request_rejected_total                       {model_name, reason}
+  gauges      nodeserve:num_requests_running, nodeserve:num_requests_waiting   {model_name, device, role}
+              nodeserve:kv_pages_used, nodeserve:kv_pages_free,
+              nodeserve:kv_cache_usage_perc (a fraction 0..1, as in vLLM)      {model_name, device}
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Metrics", "DeviceState", "FINISH_REASONS", "REJECT_REASONS"]
+
+PREFIX = "nodeserve:"
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+REJECT_REASONS = ("queue_full", "too_large", "bad_request", "unauthorized", "draining")
+
+# Latency buckets span ~1 ms (a GPU decode step) to ~60 s (a long CPU prefill); finer where token-level
+# latencies cluster (1-100 ms on GPU, 50 ms-1 s on CPU). Anything slower still lands in +Inf.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                    0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 40.0, 60.0)
+# Whole requests (e2e, queueing, decode) on CPU can run for minutes; a few more buckets keep them apart.
+_REQUEST_BUCKETS = _LATENCY_BUCKETS + (120.0, 300.0, 600.0)
+# One KV copy (a layer, or a whole request) can take well under a millisecond on GPU.
+_TRANSFER_TIME_BUCKETS = (0.0001, 0.00025, 0.0005) + _LATENCY_BUCKETS
+# 4 KiB .. 4 GiB in powers of 4: a few pages of one layer up to a long prompt's full KV.
+_BYTES_BUCKETS = tuple(float(4096 * 4**i) for i in range(11))
+
+
+@dataclass
+class DeviceState:
+    """One worker's load as seen at scrape time. Engine.pool_stats()'s PoolStats has the same fields and
+    can be returned by the state source as it is (the collector only reads attributes)."""
+
+    device: str
+    role: str
+    num_running: int
+    num_waiting: int
+    num_pages: int
+    num_free: int
+
+
+class _StateCollector(Collector):
+    """Gauges read from a callback at scrape time: the numbers live in worker threads and change every
+    step, so reading them when Prometheus asks is cheaper and never stale, unlike pushing on each step."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.source: Callable[[], Sequence[Any]] | None = None
+
+    def _families(self) -> tuple[GaugeMetricFamily, ...]:
+        dr = ["model_name", "device", "role"]
+        d = ["model_name", "device"]
+        return (
+            GaugeMetricFamily(PREFIX + "num_requests_running", "Requests running on a device (in its batch).",
+                              labels=dr),
+            GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting on a device for a batch slot.",
+                              labels=dr),
+            GaugeMetricFamily(PREFIX + "kv_pages_used", "KV cache pages in use on a device.", labels=d),
+            GaugeMetricFamily(PREFIX + "kv_pages_free", "KV cache pages free on a device.", labels=d),
+            GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV cache usage on a device (1 means 100 percent).",
+                              labels=d),
+        )
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        # Lets the registry check names without calling the source (which may not be set yet).
+        return self._families()
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        running, waiting, used, free, usage = fams = self._families()
+        states: Sequence[Any] = ()
+        if self.source is not None:
+            try:
+                states = list(self.source())
+            except Exception:  # a failing source must not break the whole scrape
+                log.exception("metrics: state source failed")
+        # Sum by label set: one sample per series even if a device ever hosts two workers.
+        by_role: dict[tuple[str, str], list[int]] = {}
+        by_dev: dict[str, list[int]] = {}
+        for s in states:
+            r = by_role.setdefault((s.device, s.role), [0, 0])
+            r[0] += s.num_running
+            r[1] += s.num_waiting
+            p = by_dev.setdefault(s.device, [0, 0])
+            p[0] += s.num_pages
+            p[1] += s.num_free
+        for (dev, role), (n_run, n_wait) in by_role.items():
+            running.add_metric([self.model_name, dev, role], n_run)
+            waiting.add_metric([self.model_name, dev, role], n_wait)
+        for dev, (n_pages, n_free) in by_dev.items():
+            used.add_metric([self.model_name, dev], n_pages - n_free)
+            free.add_metric([self.model_name, dev], n_free)
+            usage.add_metric([self.model_name, dev], (n_pages - n_free) / n_pages if n_pages else 0.0)
+        return fams
+
+
+class Metrics:
+    """All of one server's metrics, in its own registry. Safe to call from any thread (prometheus_client's
+    metrics lock internally), e.g. observe_transfer from a transfer thread."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        reg, m = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(PREFIX + name, doc, m, registry=reg, buckets=buckets).labels(model_name)
+
+        self.time_to_first_token = hist("time_to_first_token_seconds", "Time to first token in seconds.",
+                                        _LATENCY_BUCKETS)
+        self.inter_token_latency = hist("inter_token_latency_seconds", "Time between consecutive output tokens.",
+                                        _LATENCY_BUCKETS)
+        self.time_per_output_token = hist("request_time_per_output_token_seconds",
+                                          "Per request: (e2e - ttft) / (output tokens - 1).", _LATENCY_BUCKETS)
+        self.e2e_latency = hist("e2e_request_latency_seconds", "Arrival to last token, in seconds.",
+                                _REQUEST_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Time a request waited before its prefill began.",
+                               _REQUEST_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds", "Time a request spent in prefill.",
+                                 _REQUEST_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds", "Time a request spent in decode.", _REQUEST_BUCKETS)
+        self.kv_transfer_time = hist("kv_transfer_time_seconds", "Duration of one KV cache copy between devices.",
+                                     _TRANSFER_TIME_BUCKETS)
+        self.kv_transfer_bytes = hist("kv_transfer_bytes", "Bytes moved by one KV cache copy between devices.",
+                                      _BYTES_BUCKETS)
+
+        # Counter names drop the "_total" that prometheus_client appends on exposition.
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefill tokens processed.", m,
+                                     registry=reg).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generation tokens produced.", m,
+                                         registry=reg).labels(model_name)
+        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                m + ["finished_reason"], registry=reg)
+        self._rejected = Counter(PREFIX + "request_rejected", "Requests refused before they ran, by reason.",
+                                 m + ["reason"], registry=reg)
+        # Create every label set now so each series exists (at 0) from the first scrape: rate() and
+        # dashboards then see a reason's first occurrence as an increase, not as a new series.
+        self._success_by = {r: self._success.labels(model_name, r) for r in FINISH_REASONS}
+        self._rejected_by = {r: self._rejected.labels(model_name, r) for r in REJECT_REASONS}
+
+        self._state = _StateCollector(model_name)
+        reg.register(self._state)
+
+    # ---- pushed ------------------------------------------------------------------------------------------
+    def observe_request(self, *, prompt_tokens: int, completion_tokens: int, finish_reason: str,
+                        arrival: float, first_token: float | None, finished: float, token_times: list[float],
+                        queue_time: float | None = None, prefill_time: float | None = None,
+                        decode_time: float | None = None) -> None:
+        """Records one finished request. Times are time.monotonic(); token_times holds the emission time of
+        each output token in order (the first being the first token), so its gaps are the inter-token
+        latencies. first_token None (no token produced) records no TTFT/TPOT."""
+        if first_token is None and token_times:
+            first_token = token_times[0]
+        e2e = finished - arrival
+        self.e2e_latency.observe(max(e2e, 0.0))
+        if first_token is not None:
+            ttft = first_token - arrival
+            self.time_to_first_token.observe(max(ttft, 0.0))
+            if completion_tokens > 1:
+                self.time_per_output_token.observe(max(e2e - ttft, 0.0) / (completion_tokens - 1))
+        for prev, cur in zip(token_times, token_times[1:]):
+            self.inter_token_latency.observe(max(cur - prev, 0.0))
+        if queue_time is not None:
+            self.queue_time.observe(max(queue_time, 0.0))
+        if prefill_time is not None:
+            self.prefill_time.observe(max(prefill_time, 0.0))
+        if decode_time is not None:
+            self.decode_time.observe(max(decode_time, 0.0))
+        self.prompt_tokens.inc(max(prompt_tokens, 0))
+        self.generation_tokens.inc(max(completion_tokens, 0))
+        # Unknown reasons fold into "error" so a caller's typo can't grow label cardinality.
+        self._success_by.get(finish_reason, self._success_by["error"]).inc()
+
+    def observe_transfer(self, seconds: float, num_bytes: int) -> None:
+        """One KV copy between devices (callable from the transfer thread)."""
+        self.kv_transfer_time.observe(max(seconds, 0.0))
+        self.kv_transfer_bytes.observe(max(num_bytes, 0))
+
+    def rejected(self, reason: str) -> None:
+        """A request refused before it ran; reason is one of REJECT_REASONS (others count as bad_request)."""
+        self._rejected_by.get(reason, self._rejected_by["bad_request"]).inc()
+
+    # ---- pulled ------------------------------------------------------------------------------------------
+    def set_state_source(self, fn: Callable[[], Sequence[Any]]) -> None:
+        """fn returns DeviceState-like objects (e.g. engine.pool_stats); called from the scraping thread,
+        so it should only read (a slightly torn read across workers is fine for gauges)."""
+        self._state.source = fn
+
+    # ---- exposition --------------------------------------------------------------------------------------
+    def handler(self):
+        """An aiohttp handler for GET /metrics serving this registry."""
+        try:
+            # Negotiates OpenMetrics vs text format from Accept, and compression.
+            from prometheus_client.aiohttp import make_aiohttp_handler
+        except ImportError:  # prometheus_client < 0.24
+            make_aiohttp_handler = None
+        if make_aiohttp_handler is not None:
+            return make_aiohttp_handler(self.registry)
+
+        from aiohttp import web
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        registry = self.registry
+
+        async def metrics_handler(request: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        return metrics_handler

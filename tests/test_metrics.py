@@ -1,0 +1,156 @@
+"""Metrics: exact counts/sums from synthetic requests, scrape-time gauges, the aiohttp handler, isolation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from nodeserve.metrics import DeviceState, Metrics
+
+MODEL = "smol"
+
+
+def scrape(m: Metrics) -> dict[str, list]:
+    """Family name -> samples, from the text exposition (what Prometheus would read)."""
+    text = generate_latest(m.registry).decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def value(fams, family: str, sample: str, **labels) -> float:
+    hits = [s.value for s in fams[family] if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(hits) == 1, (family, sample, labels, hits)
+    return hits[0]
+
+
+def fill(m: Metrics) -> None:
+    # Request 1: 4 tokens, stop. arrival 100, first token at 100.5, then every 0.1 s; finished at 100.8.
+    m.observe_request(prompt_tokens=10, completion_tokens=4, finish_reason="stop", arrival=100.0,
+                      first_token=100.5, finished=100.8, token_times=[100.5, 100.6, 100.7, 100.8],
+                      queue_time=0.25, prefill_time=0.25, decode_time=0.25)
+    # Request 2: 2 tokens, length, no phase timings.
+    m.observe_request(prompt_tokens=7, completion_tokens=2, finish_reason="length", arrival=200.0,
+                      first_token=201.0, finished=203.0, token_times=[201.0, 203.0])
+    # Request 3: aborted before its first token.
+    m.observe_request(prompt_tokens=5, completion_tokens=0, finish_reason="abort", arrival=300.0,
+                      first_token=None, finished=300.5, token_times=[])
+    m.observe_transfer(0.002, 65536)
+    m.rejected("queue_full")
+    m.rejected("queue_full")
+    m.rejected("too_large")
+
+
+def test_counts_and_sums():
+    m = Metrics(MODEL)
+    fill(m)
+    f = scrape(m)
+    h = "nodeserve:time_to_first_token_seconds"
+    assert value(f, h, h + "_count", model_name=MODEL) == 2
+    assert value(f, h, h + "_sum", model_name=MODEL) == pytest.approx(1.5)
+    assert value(f, h, h + "_bucket", model_name=MODEL, le="0.5") == 1
+    assert value(f, h, h + "_bucket", model_name=MODEL, le="+Inf") == 2
+
+    h = "nodeserve:inter_token_latency_seconds"  # 3 gaps of 0.1 s, 1 gap of 2 s
+    assert value(f, h, h + "_count") == 4
+    assert value(f, h, h + "_sum") == pytest.approx(2.3)
+
+    h = "nodeserve:request_time_per_output_token_seconds"  # (0.8-0.5)/3 and (3-1)/1
+    assert value(f, h, h + "_count") == 2
+    assert value(f, h, h + "_sum") == pytest.approx(0.1 + 2.0)
+
+    h = "nodeserve:e2e_request_latency_seconds"
+    assert value(f, h, h + "_count") == 3
+    assert value(f, h, h + "_sum") == pytest.approx(0.8 + 3.0 + 0.5)
+
+    for name in ("queue", "prefill", "decode"):
+        h = f"nodeserve:request_{name}_time_seconds"
+        assert value(f, h, h + "_count") == 1
+        assert value(f, h, h + "_sum") == pytest.approx(0.25)
+
+    h = "nodeserve:kv_transfer_time_seconds"
+    assert value(f, h, h + "_count") == 1
+    assert value(f, h, h + "_sum") == pytest.approx(0.002)
+    h = "nodeserve:kv_transfer_bytes"
+    assert value(f, h, h + "_count") == 1
+    assert value(f, h, h + "_sum") == 65536
+    assert value(f, h, h + "_bucket", le="65536.0") == 1
+    assert value(f, h, h + "_bucket", le="16384.0") == 0
+
+    assert value(f, "nodeserve:prompt_tokens", "nodeserve:prompt_tokens_total", model_name=MODEL) == 22
+    assert value(f, "nodeserve:generation_tokens", "nodeserve:generation_tokens_total") == 6
+    c = "nodeserve:request_success"
+    assert {r: value(f, c, c + "_total", finished_reason=r) for r in ("stop", "length", "abort", "error")} == \
+        {"stop": 1, "length": 1, "abort": 1, "error": 0}
+    c = "nodeserve:request_rejected"
+    assert {r: value(f, c, c + "_total", reason=r)
+            for r in ("queue_full", "too_large", "bad_request", "unauthorized", "draining")} == \
+        {"queue_full": 2, "too_large": 1, "bad_request": 0, "unauthorized": 0, "draining": 0}
+
+
+def test_gauges_read_at_scrape_time():
+    m = Metrics(MODEL)
+    f = scrape(m)  # no source yet: the families exist, with no samples
+    assert f["nodeserve:num_requests_running"] == [] and f["nodeserve:kv_cache_usage_perc"] == []
+
+    states = [DeviceState("cpu:0", "prefill", 1, 2, 100, 75), DeviceState("cpu:1", "decode", 3, 0, 200, 200)]
+    m.set_state_source(lambda: states)
+    f = scrape(m)
+    assert value(f, "nodeserve:num_requests_running", "nodeserve:num_requests_running",
+                 device="cpu:0", role="prefill", model_name=MODEL) == 1
+    assert value(f, "nodeserve:num_requests_waiting", "nodeserve:num_requests_waiting",
+                 device="cpu:0", role="prefill") == 2
+    assert value(f, "nodeserve:num_requests_running", "nodeserve:num_requests_running",
+                 device="cpu:1", role="decode") == 3
+    assert value(f, "nodeserve:kv_pages_used", "nodeserve:kv_pages_used", device="cpu:0") == 25
+    assert value(f, "nodeserve:kv_pages_free", "nodeserve:kv_pages_free", device="cpu:0") == 75
+    assert value(f, "nodeserve:kv_cache_usage_perc", "nodeserve:kv_cache_usage_perc", device="cpu:0") == 0.25
+    assert value(f, "nodeserve:kv_cache_usage_perc", "nodeserve:kv_cache_usage_perc", device="cpu:1") == 0.0
+
+    # Read again at the next scrape, not pushed.
+    states[1] = DeviceState("cpu:1", "decode", 0, 0, 200, 50)
+    f = scrape(m)
+    assert value(f, "nodeserve:kv_cache_usage_perc", "nodeserve:kv_cache_usage_perc", device="cpu:1") == 0.75
+
+    # A failing source leaves the gauges empty instead of failing the scrape.
+    m.set_state_source(lambda: 1 / 0)
+    f = scrape(m)
+    assert f["nodeserve:kv_pages_used"] == []
+    assert value(f, "nodeserve:request_success", "nodeserve:request_success_total", finished_reason="stop") == 0
+
+
+def test_aiohttp_handler():
+    m = Metrics(MODEL)
+    fill(m)
+    m.set_state_source(lambda: [DeviceState("cuda:0", "colocated", 2, 1, 10, 4)])
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/metrics", m.handler())
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.get("/metrics")
+            return resp.status, resp.headers["Content-Type"], await resp.text()
+
+    status, ctype, text = asyncio.run(main())
+    assert status == 200
+    assert ctype.startswith("text/plain")
+    fams = list(text_string_to_metric_families(text))
+    assert fams and all(f.name.startswith("nodeserve:") for f in fams)
+    by_name = {f.name: f.samples for f in fams}
+    assert value(by_name, "nodeserve:kv_pages_used", "nodeserve:kv_pages_used", device="cuda:0") == 6
+    assert value(by_name, "nodeserve:generation_tokens", "nodeserve:generation_tokens_total") == 6
+
+
+def test_instances_do_not_collide():
+    a, b = Metrics("a"), Metrics("b")  # would raise "Duplicated timeseries" with a shared registry
+    a.rejected("draining")
+    a.observe_transfer(0.1, 4096)
+    fa, fb = scrape(a), scrape(b)
+    c = "nodeserve:request_rejected"
+    assert value(fa, c, c + "_total", reason="draining", model_name="a") == 1
+    assert value(fb, c, c + "_total", reason="draining", model_name="b") == 0
+    h = "nodeserve:kv_transfer_bytes"
+    assert value(fb, h, h + "_count") == 0
