@@ -95,6 +95,8 @@ async def _read_body(request: web.Request) -> Any:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise P.APIError(413, f"request body is larger than {request.app['state'].config.server.max_body_bytes} bytes")
+    except web.RequestPayloadError as e:  # e.g. Content-Encoding: gzip on a body that isn't gzip
+        raise P.APIError(400, f"could not read the request body: {' '.join(str(e).split())}")
     return P.parse_json(raw)
 
 
@@ -145,7 +147,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     echo_texts = [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in req.prompts]
     jobs = [(pi, prompts[pi], echo_texts[pi]) for pi in range(len(prompts)) for _ in range(req.n)]
     gens = _start(state, engine, [(ids, req.params) for _, ids, _ in jobs], seed_offsets=True,
-                  want_logprobs=req.params.logprobs is not None)
+                  want_logprobs=req.params.logprobs is not None, prompt_param="prompt")
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
     if req.stream:
         def chunk(i: int, piece: Piece, first: bool) -> dict:
@@ -195,7 +197,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 # ---- plumbing ------------------------------------------------------------------------------------------
 
 def _start(state: ServerState, engine: Engine, jobs: list[tuple[list[int], Any]], seed_offsets: bool,
-           want_logprobs: bool) -> list[Generation]:
+           want_logprobs: bool, prompt_param: str = "messages") -> list[Generation]:
     """Admits every choice, or none: if one is refused, the ones already admitted are aborted."""
     gens: list[Generation] = []
     try:
@@ -208,7 +210,7 @@ def _start(state: ServerState, engine: Engine, jobs: list[tuple[list[int], Any]]
     except (PromptTooLong, TooLarge) as e:
         _abort_all(engine, gens)
         state.metrics.rejected("too_large")
-        raise P.APIError(400, str(e), param="messages" if "context" in str(e) else None)
+        raise P.APIError(400, str(e), param=prompt_param if "context" in str(e) else None)
     except QueueFull as e:
         _abort_all(engine, gens)
         state.metrics.rejected("queue_full")

@@ -57,10 +57,10 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     notifier = Notifier.from_env()
     state = ServerState(config)
     app = create_app(state)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # The drain happens before cleanup; aiohttp's own shutdown wait only covers handlers still writing.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port,
-                       shutdown_timeout=min(config.server.drain_timeout, 5.0))
+    site = web.TCPSite(runner, config.server.host, config.server.port)
     await site.start()  # /health answers 503 while the model loads
     log.info("listening on http://%s:%d, loading %s as %s", config.server.host, config.server.port,
              config.model.path, config.dtype)

@@ -40,7 +40,8 @@ class NotifySocket:
             self.messages.append((time.monotonic(), data.decode()))
 
     def times(self, message: str) -> list[float]:
-        return [t for t, m in self.messages if m == message]
+        """When each datagram carrying `message` as one of its lines arrived."""
+        return [t for t, m in self.messages if message in m.split("\n")]
 
     def close(self):
         self._stop = True
