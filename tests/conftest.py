@@ -66,3 +66,12 @@ def hf_greedy(gguf_path, prompt_ids) -> list[list[int]]:
 def chat_prompts() -> list[str]:
     """The user messages behind prompt_ids[:4] (rendered with the chat template)."""
     return CHAT_PROMPTS
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For tests on tiny tensors: thread start-up and contention cost more than they save."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

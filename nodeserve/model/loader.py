@@ -87,6 +87,11 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     if missing or unexpected:
         raise LoadError(f"{resolved}: checkpoint does not match the {cfg.architecture} layout "
                         f"(missing: {sorted(missing)[:3]}, unexpected: {sorted(unexpected)[:3]})")
+    expected = model.state_dict()
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise LoadError(f"{resolved}: tensor '{name}' has shape {tuple(tensor.shape)}, the config implies "
+                            f"{tuple(expected[name].shape)}")
     model.load_state_dict(state, assign=True, strict=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -69,15 +69,15 @@ def parse_json(raw: bytes) -> object:
     # JSONDecodeError and UnicodeDecodeError are ValueErrors; very deep nesting is a RecursionError.
     except (ValueError, RecursionError) as e:
         raise APIError(400, f"Request body is not valid JSON: {e}") from None
-    # json.loads turns a lone surrogate escape ("\ud800") into a str that cannot be encoded as UTF-8,
-    # so the tokenizer, or a response that echoes it, would fail with a 500. Only bodies that contain
-    # such an escape pay for the full check.
-    if isinstance(raw, (bytes, bytearray)) and _SURROGATE_ESCAPE.search(raw):
+    # json.loads turns a lone surrogate escape ("\ud800"), or its raw bytes (it decodes bytes with
+    # "surrogatepass"), into a str that cannot be encoded as UTF-8, so the tokenizer, or a response that
+    # echoes it, would fail with a 500. An ASCII body without such an escape can't hold one: skip the check.
+    if isinstance(raw, str) or not raw.isascii() or _SURROGATE_ESCAPE.search(raw):
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             raise APIError(400, "Request body is not valid JSON: it contains a lone UTF-16 surrogate "
-                                "escape (\\ud800-\\udfff not part of a pair)") from None
+                                "(U+D800 to U+DFFF not part of a pair)") from None
         except RecursionError:
             raise APIError(400, "Request body is not valid JSON: it is nested too deeply") from None
     return body

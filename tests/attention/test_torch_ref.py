@@ -19,13 +19,7 @@ DECODES = [(0, 1), (4, 1), (15, 1), (16, 1), (63, 1), (64, 1), (99, 1)]
 PREFILLS = [(0, 7), (0, 64), (20, 13), (3, 64), (63, 2), (1, 2), (100, 37)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The tensors here are tiny: thread start-up and contention cost more than they save."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -29,13 +29,7 @@ ATOL = 1e-4
 PAGE_SIZE = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The tensors here are tiny: thread start-up and contention cost more than they save."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- llama.cpp's conversion, written out independently of the loader ----

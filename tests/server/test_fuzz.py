@@ -181,7 +181,8 @@ def bad_int(lo: int, hi: int):
 
 def bad_float(lo: float, hi: float, lo_open: bool = False):
     return st.one_of(
-        st.floats(max_value=lo, exclude_max=not lo_open), st.floats(min_value=hi, exclude_min=True),
+        st.floats(max_value=lo).filter(lambda f: f < lo or (lo_open and f == lo)),  # -0.0 is not below 0
+        st.floats(min_value=hi, exclude_min=True),
         st.sampled_from([math.nan, math.inf, -math.inf, 10**400, -10**400, int(hi) + 1, math.ceil(lo) - 1]),
         not_a("number"))
 
@@ -259,8 +260,10 @@ bad_prompt_item = st.one_of(st.just(""), st.just([]), st.none(), st.booleans(), 
                             _insert(st.lists(token_id, max_size=3), bad_token))
 bad_prompt = st.one_of(
     st.just(""), st.just([]), not_a("list").filter(lambda v: type(v) is not str),
-    _insert(st.lists(token_id, max_size=5), bad_token),                        # one prompt as token ids
-    _insert(st.lists(text | st.lists(token_id, min_size=1, max_size=4), max_size=3), bad_prompt_item),
+    # one prompt as token ids (a string first would make it a batch, where "ab" is fine)
+    _insert(st.lists(token_id, max_size=5), bad_token.filter(lambda v: type(v) is not str)),
+    # a batch (an int first would make it token ids, where [5] alone is fine)
+    _insert(st.lists(text | st.lists(token_id, min_size=1, max_size=4), min_size=1, max_size=3), bad_prompt_item),
     st.integers(MAX_PROMPTS + 1, 2 * MAX_PROMPTS).map(lambda k: ["a"] * k),
     # rejected by the engine, after earlier prompts of a batch were admitted (they must be aborted)
     _insert(st.lists(token_id, min_size=1, max_size=5), st.integers(OUT_OF_VOCAB, INT32_MAX)),
