@@ -460,7 +460,9 @@ _MIN_LOGPROB = -9999.0
 
 
 def _lp(logprob: float) -> float:
-    return max(logprob, _MIN_LOGPROB)
+    # Written so NaN floors too (max(nan, x) is nan): logits that overflowed (e.g. under a tiny
+    # repetition_penalty) must still give valid JSON, not a 500 from to_json.
+    return logprob if logprob >= _MIN_LOGPROB else _MIN_LOGPROB
 
 
 def _chat_token(token: str, logprob: float) -> dict:

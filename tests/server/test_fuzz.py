@@ -350,11 +350,12 @@ _VALID_BYTES = [json.dumps(b, separators=(",", ":")).encode() for b in (
     {"prompt": "hi", "max_tokens": 1}, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
     {"prompt": [1, 2, 3], "max_tokens": 1, "stop": ["a", "b"], "temperature": 0.5, "stream": True})]
 
+_ascii = st.text(st.characters(codec="ascii", categories=["L", "N", "Zs"]), max_size=12).map(str.encode)
 malformed = st.one_of(
     st.binary(max_size=200),
-    st.tuples(st.binary(max_size=20), st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80",
-                                                       b"\xc0\xaf", b"\x80"]), st.binary(max_size=20)).map(
-        lambda t: b'{"prompt":"' + t[0] + t[1] + t[2] + b'"}'),                     # invalid UTF-8
+    st.tuples(_ascii, st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\xc0\xaf",
+                                       b"\x80"]), _ascii).map(                   # invalid UTF-8 (or CESU-8)
+        lambda t: b'{"prompt":"' + t[0] + t[1] + t[2] + b'","max_tokens":1}'),
     st.sampled_from(_VALID_BYTES).flatmap(lambda b: st.integers(0, len(b) - 1).map(lambda k: b[:k])),  # truncated
     JSON.filter(lambda v: type(v) is not dict).map(lambda v: json.dumps(v).encode()),  # not an object
     st.sampled_from([
@@ -572,6 +573,29 @@ def test_valid_variations_get_200(server, model_name, path, request, record_prop
 
     run()
     finish(request, record_property, client, minimum=10)
+
+
+_EXTREMES = [  # valid values at the edges of their ranges, where the sampler's float32 arithmetic is tested
+    {"temperature": 5e-324}, {"temperature": 1e-40, "logprobs": 2}, {"temperature": 100, "top_k": INT32_MAX},
+    {"top_p": 5e-324, "temperature": 1}, {"min_p": 1.0, "temperature": 1},
+    {"repetition_penalty": 5e-324, "logprobs": 0}, {"repetition_penalty": 5e-324, "temperature": 1, "logprobs": 3},
+    {"repetition_penalty": 10, "presence_penalty": 2, "frequency_penalty": -2, "temperature": 1, "logprobs": 20},
+    {"seed": INT64_MAX, "n": 2, "temperature": 1}, {"seed": INT64_MIN, "n": 2, "temperature": 1},
+    {"stop_token_ids": [0, INT32_MAX], "stop": ["\n"] * MAX_STOP},
+    {"repetition_penalty": 5e-324, "logprobs": 1, "stream": True, "stream_options": {"include_usage": True}},
+]
+
+
+@pytest.mark.parametrize("path", POST_ROUTES)
+def test_extreme_valid_values_get_200(server, model_name, path, request, record_property):
+    client = Client(server)
+    for patch in _EXTREMES:
+        body = {**_base(path, model_name), **patch}  # max_tokens 1: the first token already shows a blow-up
+        if path == CHAT and "logprobs" in patch:
+            body.update(logprobs=True, top_logprobs=patch["logprobs"])
+        status, headers, data = client.post(path, body)
+        assert_valid_response(path, body, status, headers, data)
+    finish(request, record_property, client, minimum=len(_EXTREMES))
 
 
 # ---- afterwards --------------------------------------------------------------------------------------------
