@@ -1,0 +1,200 @@
+"""Pure statistics for the load generator (bench/serve.py): no I/O, no clock, no network.
+
+Definitions (all times in seconds, all measured at the client):
+
+- **TTFT** (time to first token): first content chunk's arrival time minus the time the request was sent.
+  A *content chunk* is an SSE data event that carries text (or logprobs); the final chunk that only carries
+  `finish_reason`, the usage chunk and `[DONE]` are not content.
+- **e2e** (end-to-end latency): time the stream ended (`[DONE]` / connection closed) minus the send time.
+- **TPOT** (time per output token after the first): `(e2e - ttft) / (n_out - 1)`, where `n_out` is the
+  server's `usage.completion_tokens` (or, when the server sends no usage, the number of content chunks).
+  Undefined (None) when `n_out <= 1`.
+- **ITL** (inter-token latency): every gap between consecutive content chunks of one request. A server may
+  put several tokens in one chunk (e.g. while it holds back an incomplete UTF-8 sequence or a possible stop
+  string), so ITL is really the inter-*chunk* gap; TPOT, which divides by the token count, is the per-token
+  figure.
+- **Percentiles** use linear interpolation between closest ranks, the same as numpy.percentile's default
+  (`method="linear"`): for sorted values v[0..n-1] and q in [0, 100], rank r = q/100 * (n-1) and the
+  result is v[floor(r)] + (r - floor(r)) * (v[ceil(r)] - v[floor(r)]). The percentile of no values is None.
+- **SLO attainment**: the share of requests that met BOTH `ttft <= slo_ttft` and `tpot <= slo_tpot`,
+  over every request sent (a failed request — error status, error event, connection error — counts as
+  sent and not met, and so does one that got no content chunk). A request with one output token has no
+  TPOT and meets the TPOT part trivially (its TTFT must still meet the TTFT SLO).
+- **Goodput**: the highest Poisson arrival rate (requests/s) at which attainment >= target, found by
+  `goodput_search` (geometric bracketing from `rate_min`, then bisection to a tolerance). It assumes
+  attainment does not increase with the rate; with measurement noise, the answer is the highest *probed*
+  rate that met the target inside the final bracket.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+# Default SLOs for this machine (issue #4): TTFT <= 2.5 s and TPOT <= 100 ms, met by 90 % of requests.
+DEFAULT_SLO_TTFT = 2.5
+DEFAULT_SLO_TPOT = 0.100
+DEFAULT_SLO_TARGET = 0.90
+
+PERCENTILES = (50, 90, 99)
+
+
+# ---- percentiles ------------------------------------------------------------------------------------------
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (q in [0, 100]) with linear interpolation (numpy's default); None if no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    v = sorted(values)
+    if not v:
+        return None
+    rank = q / 100 * (len(v) - 1)
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (rank - lo) * (v[hi] - v[lo])
+
+
+def distribution(values: Sequence[float], qs: Sequence[float] = PERCENTILES) -> dict:
+    """count, mean, min, max and the given percentiles (keys "p50", "p90", ...); None fields if empty."""
+    vals = list(values)
+    out = {"count": len(vals), "mean": sum(vals) / len(vals) if vals else None,
+           "min": min(vals) if vals else None, "max": max(vals) if vals else None}
+    for q in qs:
+        out[f"p{q:g}"] = percentile(vals, q)
+    return out
+
+
+# ---- per request ------------------------------------------------------------------------------------------
+
+def request_metrics(t_send: float, chunk_times: Sequence[float], t_end: float,
+                    completion_tokens: int | None = None) -> dict:
+    """TTFT, TPOT, ITLs and e2e of one request from client timestamps.
+
+    t_send: when the request was sent; chunk_times: arrival time of every content chunk, in order; t_end:
+    when the stream ended; completion_tokens: usage.completion_tokens (None: count content chunks instead).
+    With no content chunk, ttft is None (and so is tpot).
+    """
+    if any(b < a for a, b in zip(chunk_times, chunk_times[1:])):
+        raise ValueError("chunk_times must be non-decreasing")
+    n_out = len(chunk_times) if completion_tokens is None else int(completion_tokens)
+    e2e = t_end - t_send
+    ttft = chunk_times[0] - t_send if chunk_times else None
+    itl = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+    tpot = (e2e - ttft) / (n_out - 1) if ttft is not None and n_out > 1 else None
+    return {"ttft": ttft, "tpot": tpot, "itl": itl, "e2e": e2e, "n_out": n_out, "n_chunks": len(chunk_times)}
+
+
+# ---- SLO attainment ---------------------------------------------------------------------------------------
+
+def meets_slo(rec: dict, slo_ttft: float = DEFAULT_SLO_TTFT, slo_tpot: float = DEFAULT_SLO_TPOT) -> bool:
+    """A request meets the SLO iff it succeeded, its TTFT <= slo_ttft and its TPOT <= slo_tpot (a request
+    with no TPOT, i.e. one output token, meets the TPOT part trivially)."""
+    if not rec.get("ok", True) or rec.get("ttft") is None:
+        return False
+    if rec["ttft"] > slo_ttft:
+        return False
+    tpot = rec.get("tpot")
+    return tpot is None or tpot <= slo_tpot
+
+
+def slo_attainment(records: Sequence[dict], slo_ttft: float = DEFAULT_SLO_TTFT,
+                   slo_tpot: float = DEFAULT_SLO_TPOT) -> dict:
+    """Share of all requests (failed ones included, as not met) meeting both SLOs; attainment None if none."""
+    met = sum(1 for r in records if meets_slo(r, slo_ttft, slo_tpot))
+    ok = [r for r in records if r.get("ok", True) and r.get("ttft") is not None]
+    return {
+        "slo_ttft": slo_ttft, "slo_tpot": slo_tpot, "total": len(records), "met": met,
+        "attainment": met / len(records) if records else None,
+        "met_ttft": sum(1 for r in ok if r["ttft"] <= slo_ttft),
+        "met_tpot": sum(1 for r in ok if r.get("tpot") is None or r["tpot"] <= slo_tpot),
+    }
+
+
+# ---- summary ----------------------------------------------------------------------------------------------
+
+def summarize(records: Sequence[dict], duration: float) -> dict:
+    """p50/p90/p99 (plus mean/min/max) of TTFT, TPOT, ITL (every gap of every request, pooled) and e2e over
+    the successful requests; request and output-token throughput over `duration` (seconds from the first
+    send to the last response's end)."""
+    ok = [r for r in records if r.get("ok", True)]
+    out_tokens = sum(r.get("n_out") or 0 for r in ok)
+    in_tokens = sum(r.get("prompt_tokens") or 0 for r in ok)
+    return {
+        "requests": len(records), "succeeded": len(ok), "failed": len(records) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration > 0 else None,
+        "output_token_throughput": out_tokens / duration if duration > 0 else None,
+        "input_token_throughput": in_tokens / duration if duration > 0 else None,
+        "total_output_tokens": out_tokens, "total_input_tokens": in_tokens,
+        "ttft": distribution([r["ttft"] for r in ok if r.get("ttft") is not None]),
+        "tpot": distribution([r["tpot"] for r in ok if r.get("tpot") is not None]),
+        "itl": distribution([g for r in ok for g in r.get("itl") or ()]),
+        "e2e": distribution([r["e2e"] for r in ok if r.get("e2e") is not None]),
+    }
+
+
+# ---- goodput search ---------------------------------------------------------------------------------------
+
+@dataclass
+class GoodputResult:
+    """goodput: the highest probed rate meeting the target (None if even rate_min missed it).
+    status: "found" (bracketed and bisected to tol), "below_min" (rate_min misses the target),
+    "at_max" (rate_max still meets it: goodput is only a lower bound), "max_probes" (ran out of probes; the
+    goodput is the best rate known to meet the target)."""
+
+    goodput: float | None
+    status: str
+    target: float
+    points: list[tuple[float, float]] = field(default_factory=list)  # (rate, attainment) in probe order
+    bracket: tuple[float | None, float | None] = (None, None)
+
+    def as_dict(self) -> dict:
+        return {"goodput": self.goodput, "status": self.status, "target": self.target,
+                "bracket": list(self.bracket),
+                "points": [{"rate": r, "attainment": a} for r, a in self.points]}
+
+
+def goodput_search(measure: Callable[[float], float], rate_min: float, rate_max: float,
+                   target: float = DEFAULT_SLO_TARGET, tol: float = 0.1, growth: float = 2.0,
+                   max_probes: int = 20) -> GoodputResult:
+    """The highest rate in [rate_min, rate_max] whose measured attainment >= target.
+
+    measure(rate) -> attainment in [0, 1] (for a live server: one run at that Poisson rate). Probes
+    rate_min; if it misses, stops ("below_min"). Otherwise brackets by multiplying the rate by `growth`
+    (capped at rate_max) until a rate misses; if rate_max still meets, stops ("at_max"). Then bisects the
+    bracket [last meeting, first missing] until its width <= tol (req/s). Every probe is recorded.
+    """
+    if not 0 < rate_min <= rate_max:
+        raise ValueError(f"need 0 < rate_min <= rate_max, got {rate_min}, {rate_max}")
+    if growth <= 1 or tol <= 0 or max_probes < 1:
+        raise ValueError("need growth > 1, tol > 0, max_probes >= 1")
+    points: list[tuple[float, float]] = []
+
+    def probe(rate: float) -> bool:
+        a = measure(rate)
+        points.append((rate, a))
+        return a is not None and a >= target
+
+    if not probe(rate_min):
+        return GoodputResult(None, "below_min", target, points, (None, rate_min))
+    lo, hi = rate_min, None
+    while hi is None:
+        if lo >= rate_max:
+            return GoodputResult(lo, "at_max", target, points, (lo, None))
+        if len(points) >= max_probes:
+            return GoodputResult(lo, "max_probes", target, points, (lo, None))
+        nxt = min(lo * growth, rate_max)
+        if probe(nxt):
+            lo = nxt
+        else:
+            hi = nxt
+    while hi - lo > tol:
+        if len(points) >= max_probes:
+            return GoodputResult(lo, "max_probes", target, points, (lo, hi))
+        mid = (lo + hi) / 2
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return GoodputResult(lo, "found", target, points, (lo, hi))
