@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """Per-request sampling settings. Validated by the API layer before they get here.
 
-    temperature == 0 means greedy. top_k <= 0 and top_p == 1.0 and min_p == 0.0 disable those filters.
+    temperature < 1e-5 (0 in practice) means greedy. top_k <= 0 and top_p == 1.0 and min_p == 0.0 disable those filters.
     """
 
     max_tokens: int = 16
@@ -28,7 +28,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # As in vLLM: temperatures this small underflow logits / T in float32, so they mean greedy.
+        return self.temperature < 1e-5
 
     @property
     def has_penalties(self) -> bool:

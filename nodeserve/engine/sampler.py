@@ -21,6 +21,9 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None  # per row: that row's top-k (token_id, logprob), [] if it didn't ask
 
 
+_LOGIT_LIMIT = 1e30
+
+
 def apply_penalties(
     logits: torch.Tensor,                  # [B, V]
     params: Sequence[SamplingParams],
@@ -50,6 +53,9 @@ def apply_penalties(
         rep_t = torch.tensor(rep, device=device, dtype=x.dtype)[:, None]   # [R, 1]
         penalty = torch.where(seen, rep_t, 1.0)                             # [R, V]
         x = torch.where(x > 0, x / penalty, x * penalty)
+        # A tiny penalty (the API allows any value > 0) can overflow float32: keep logits finite so softmax
+        # and logprobs stay defined; the order among penalised tokens is what matters.
+        x = x.clamp(-_LOGIT_LIMIT, _LOGIT_LIMIT)
 
     freq = torch.tensor([p.frequency_penalty for p in ps], device=device, dtype=x.dtype)[:, None]
     pres = torch.tensor([p.presence_penalty for p in ps], device=device, dtype=x.dtype)[:, None]

@@ -62,7 +62,10 @@ async def errors_middleware(request: web.Request, handler):
         if exc.status == 413:
             return error_response(P.APIError(413, "request body too large"))
         if exc.status >= 400:
-            return error_response(P.APIError(exc.status, exc.reason or "error"))
+            resp = error_response(P.APIError(exc.status, exc.reason or "error"))
+            if "Allow" in exc.headers:  # a 405 must say which methods are allowed
+                resp.headers["Allow"] = exc.headers["Allow"]
+            return resp
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         raise

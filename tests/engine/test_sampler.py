@@ -273,3 +273,14 @@ def test_sampler_does_not_mutate_logits():
                              frequency_penalty=0.2, presence_penalty=0.1)] * 4
     run(Sampler(CPU, seed=0), logits, params, [[1, 2]] * 4, [[3, 3, 4]] * 4)
     torch.testing.assert_close(logits, before, rtol=0, atol=0)
+
+
+def test_tiny_temperature_and_tiny_repetition_penalty_stay_well_defined():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 50) * 5
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    tiny_t = SamplingParams(temperature=5e-324)
+    tiny_rep = SamplingParams(temperature=0.0, repetition_penalty=5e-324, logprobs=2)
+    out = sampler(logits, [tiny_t, tiny_rep], [[1, 2], [3, 4]], [[], [5]], [None, None])
+    assert out.token_ids[0] == int(logits[0].argmax())  # underflowing temperatures mean greedy
+    assert all(math.isfinite(lp) for lp in out.logprobs)
