@@ -18,42 +18,17 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from local_server import start_server  # noqa: E402  (bench/ is scripts, not a package)
 
 import aiohttp
 
-MODES = {
-    "disaggregated": 'mode = "disaggregated"\nprefill = ["cpu:0"]\ndecode = ["cpu:1"]',
-    "colocated": 'mode = "colocated"\ndevices = ["cpu:0", "cpu:1"]',
-}
 
-
-def start_server(mode: str, dtype: str, tmp: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    path = os.path.join(tmp, f"{mode}.toml")
-    with open(path, "w") as f:
-        f.write(f'[model]\npath = "smollm2-135m-instruct"\nname = "m"\ndtype = "{dtype}"\n'
-                f'[server]\nport = {port}\n[devices]\n{MODES[mode]}\n[kv]\nmemory_gib = 2.0\n')
-    proc = subprocess.Popen([sys.executable, "-m", "nodeserve", "run", "--config", path],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{mode} server did not start")
 
 
 async def stream_gaps(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> list[float]:

@@ -96,7 +96,7 @@ def measure_bandwidth(reps: int = 5) -> float:
     x = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB, every page written
     nbytes = x.numel() * x.element_size()
     x.sum()  # warm
-    best = best_of(lambda: x.sum(), reps)
+    best = best_of(x.sum, reps)
     del x
     return nbytes / best
 

@@ -39,17 +39,15 @@ import os
 import platform
 import random
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
-MODES = {
-    "disaggregated": 'mode = "disaggregated"\nprefill = ["cpu:0"]\ndecode = ["cpu:1"]',
-    "colocated": 'mode = "colocated"\ndevices = ["cpu:0", "cpu:1"]',
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from local_server import MODES, start_server  # noqa: E402  (bench/ is scripts, not a package)
+
 
 SHORT_TOPICS = ["the sea", "prime numbers", "a red bicycle", "the moon landing", "bread", "a lighthouse",
                 "rain in spring", "compilers", "an old library", "the color blue"]
@@ -144,32 +142,6 @@ def verdict(summary: dict, leaked: int | None, server_alive: bool = True) -> tup
 
 
 # ---- the server ------------------------------------------------------------------------------------------
-
-def start_server(mode: str, dtype: str, tmp: str, log_path: str) -> tuple[subprocess.Popen, str]:
-    """As bench/interference.py's, but the server's output goes to log_path."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    path = os.path.join(tmp, f"{mode}.toml")
-    with open(path, "w") as f:
-        f.write(f'[model]\npath = "smollm2-135m-instruct"\nname = "m"\ndtype = "{dtype}"\n'
-                f'[server]\nport = {port}\n[devices]\n{MODES[mode]}\n[kv]\nmemory_gib = 2.0\n')
-    log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "nodeserve", "run", "--config", path],
-                            stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            break
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{mode} server did not start; see {log_path}")
 
 
 def read_rss_kib(pid: int) -> int | None:

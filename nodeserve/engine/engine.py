@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 

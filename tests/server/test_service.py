@@ -11,7 +11,6 @@ import threading
 import time
 
 import aiohttp
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nodeserve.config import config_from_dict

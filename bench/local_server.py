@@ -1,0 +1,44 @@
+"""Starts a real nodeserve server subprocess on a free loopback port for the benchmarks, and waits until ready."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+MODES = {
+    "disaggregated": 'mode = "disaggregated"\nprefill = ["cpu:0"]\ndecode = ["cpu:1"]',
+    "colocated": 'mode = "colocated"\ndevices = ["cpu:0", "cpu:1"]',
+}
+
+
+def start_server(mode: str, dtype: str, tmp: str, log_path: str | None = None,
+                 model_name: str = "m") -> tuple[subprocess.Popen, str]:
+    """Writes a config for `mode` into `tmp`, starts the server and returns (process, base url)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = os.path.join(tmp, f"{mode}.toml")
+    with open(path, "w") as f:
+        f.write(f'[model]\npath = "smollm2-135m-instruct"\nname = "{model_name}"\ndtype = "{dtype}"\n'
+                f'[server]\nport = {port}\n[devices]\n{MODES[mode]}\n[kv]\nmemory_gib = 2.0\n')
+    out = open(log_path, "wb") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen([sys.executable, "-m", "nodeserve", "run", "--config", path],
+                            stdout=out, stderr=subprocess.STDOUT)
+    if log_path:
+        out.close()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"{mode} server did not start" + (f"; see {log_path}" if log_path else ""))
