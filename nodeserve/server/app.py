@@ -41,6 +41,9 @@ class ServerState:
         self.api_key = config.api_key.encode()
 
 
+STATE = web.AppKey("state", ServerState)
+
+
 def error_response(err: P.APIError) -> web.Response:
     headers = {"Retry-After": "1"} if err.status == 503 else None
     return web.json_response(err.body(), status=err.status, headers=headers, dumps=P.to_json)
@@ -56,7 +59,7 @@ async def errors_middleware(request: web.Request, handler):
     except P.APIError as err:
         reason = _REJECT_REASONS.get(err.status)
         if reason is not None:
-            request.app["state"].metrics.rejected(reason)
+            request.app[STATE].metrics.rejected(reason)
         return error_response(err)
     except web.HTTPException as exc:
         if exc.status == 413:
@@ -77,7 +80,7 @@ async def errors_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     """Authorization: Bearer <key>, when a key is configured; /health and /metrics may be left open."""
-    state: ServerState = request.app["state"]
+    state = request.app[STATE]
     if state.api_key:
         open_paths = {"/health": state.config.server.open_health, "/metrics": state.config.server.open_metrics}
         if not open_paths.get(request.path, False):
@@ -90,14 +93,14 @@ async def auth_middleware(request: web.Request, handler):
 
 
 def _state(request: web.Request) -> ServerState:
-    return request.app["state"]
+    return request.app[STATE]
 
 
 async def _read_body(request: web.Request) -> Any:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise P.APIError(413, f"request body is larger than {request.app['state'].config.server.max_body_bytes} bytes")
+        raise P.APIError(413, f"request body is larger than {request.app[STATE].config.server.max_body_bytes} bytes")
     except web.RequestPayloadError as e:  # e.g. Content-Encoding: gzip on a body that isn't gzip
         raise P.APIError(400, f"could not read the request body: {' '.join(str(e).split())}")
     return P.parse_json(raw)
@@ -273,7 +276,7 @@ async def _stream(request: web.Request, engine: Engine, gens: list[Generation], 
             await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-    state: ServerState = request.app["state"]
+    state = request.app[STATE]
     try:
         async with _timeout(state):
             await _write_stream(resp, gens, queue, chunk, role_chunk, obj, rid, model, created, include_usage, n)
@@ -317,7 +320,7 @@ async def _write_stream(resp, gens, queue, chunk, role_chunk, obj, rid, model, c
 def create_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[errors_middleware, auth_middleware],
                           client_max_size=state.config.server.max_body_bytes)
-    app["state"] = state
+    app[STATE] = state
     app.router.add_get("/metrics", state.metrics.handler())
     app.router.add_get("/health", health)
     app.router.add_get("/debug/kv", debug_kv)

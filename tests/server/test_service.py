@@ -72,6 +72,11 @@ def test_systemd_ready_watchdog_stopping_and_a_stalled_worker_stops_the_pings(tm
         server = asyncio.create_task(serve_module.serve(config, on_ready=ready_state.append))
         while not ready_state:
             await asyncio.sleep(0.1)
+        # READY=1 is sent before on_ready runs, but the listener thread may not have read it yet.
+        for _ in range(50):
+            if notify.times("READY=1"):
+                break
+            await asyncio.sleep(0.1)
         assert notify.times("READY=1"), notify.messages
         await asyncio.sleep(1.0)
         healthy_pings = len(notify.times("WATCHDOG=1"))
