@@ -136,6 +136,25 @@ async def debug_kv(request: web.Request) -> web.Response:
                               "num_pending": state.engine.num_pending})
 
 
+async def debug_steps(request: web.Request) -> web.Response:
+    """Every device's recent steps, [start, end, prefill tokens, decodes] in the server's monotonic clock, and
+    every transfer's copies, [start, end, bytes]: the raw material of a per-device timeline."""
+    state = _state(request)
+    if state.engine is None or state.engine.router is None:
+        raise P.APIError(503, "the server is loading the model")
+    try:
+        since = float(request.query.get("since", "0"))
+    except ValueError:
+        raise P.APIError(400, "'since' must be a number (seconds, server monotonic clock)", param="since")
+    engine = state.engine
+    devices = [{"device": w.name, "role": w.role,
+                "steps": [[r.start, r.end, r.num_prefill_tokens, r.num_decodes] for r in list(w.records)
+                          if r.end >= since]} for w in engine.workers]
+    transfers = [{"name": t.name, "copies": [list(c) for c in list(t.records) if c[1] >= since]}
+                 for t in engine.transfers]
+    return web.json_response({"now": time.monotonic(), "devices": devices, "transfers": transfers})
+
+
 async def models(request: web.Request) -> web.Response:
     state = _state(request)
     max_len = state.engine.max_model_len if state.engine else None
@@ -324,6 +343,7 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_get("/metrics", state.metrics.handler())
     app.router.add_get("/health", health)
     app.router.add_get("/debug/kv", debug_kv)
+    app.router.add_get("/debug/steps", debug_steps)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

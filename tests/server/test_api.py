@@ -253,3 +253,23 @@ def test_64_concurrent_streams_with_bimodal_prompts(server, loaded_fp32):
     for u, p, n in zip(usages, prompts, max_tokens):
         assert (u["prompt_tokens"], u["completion_tokens"]) == (len(p), n)
     _assert_pools_whole(server)
+
+
+def test_decode_device_never_prefills_and_kv_moves_layer_by_layer(server, prompt_ids):
+    since = json.load(urllib.request.urlopen(server.url + "/debug/steps"))["now"]
+    client = _client(server)
+    long_prompt = (prompt_ids[6] * 200)[:1200]  # two prefill chunks of at most 1024 tokens
+    r = client.completions.create(model="smollm2", prompt=long_prompt, max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+    with urllib.request.urlopen(f"{server.url}/debug/steps?since={since}") as resp:
+        steps = json.load(resp)
+    by_role = {d["role"]: d["steps"] for d in steps["devices"]}
+    assert sum(s[2] for s in by_role["prefill"]) == len(long_prompt)
+    assert all(s[3] == 0 for s in by_role["prefill"])          # the prefill device never decodes
+    assert by_role["decode"] and all(s[2] == 0 for s in by_role["decode"])  # the decode device never prefills
+    copies = steps["transfers"][0]["copies"]
+    num_layers = 30
+    assert len(copies) == 2 * num_layers                       # one copy per layer per prefill chunk
+    assert all(c[2] > 0 for c in copies)
+    first_decode_start = min(s[0] for s in by_role["decode"])
+    assert max(c[1] for c in copies) <= first_decode_start     # every layer landed before decoding began
