@@ -151,7 +151,8 @@ class Worker:
             prefills.append((req, n))
             budget -= n
         if not decodes and not prefills:
-            time.sleep(0.001) if self.waiting else None  # waiting for prefill pages to free
+            if self.waiting:
+                time.sleep(0.001)  # prompts wait for prefill pages that the transfer thread will free
             return
         start = time.monotonic()
         chunks = [SeqChunk([r.output_ids[-1]], r.num_computed_tokens, r.pages) for r in decodes]
