@@ -24,7 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from local_server import start_server  # noqa: E402  (bench/ is scripts, not a package)
+from local_server import cpu_model, start_server  # noqa: E402  (bench/ is scripts, not a package)
 
 import aiohttp
 
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "interference.json"))
     args = ap.parse_args()
     results = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "machine": platform.processor()
-               or platform.machine(), "cpu_model": _cpu_model(), "date": time.strftime("%Y-%m-%d"),
+               or platform.machine(), "cpu_model": cpu_model(), "date": time.strftime("%Y-%m-%d"),
                "args": vars(args), "modes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes.split(","):
@@ -113,13 +113,6 @@ def main() -> None:
                   f"{p['p99_ms']:>8.1f} {p['max_ms']:>8.1f}")
         print(f"{mode:<14} p99 with long prompts / baseline = {r['p99_ratio']:.2f}x")
 
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
 
 
 if __name__ == "__main__":

@@ -42,3 +42,12 @@ def start_server(mode: str, dtype: str, tmp: str, log_path: str | None = None,
             time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"{mode} server did not start" + (f"; see {log_path}" if log_path else ""))
+
+
+def cpu_model() -> str:
+    """The CPU's model name, for the machine description next to every result."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""

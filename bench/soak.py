@@ -46,7 +46,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from local_server import MODES, start_server  # noqa: E402  (bench/ is scripts, not a package)
+from local_server import MODES, cpu_model, start_server  # noqa: E402  (bench/ is scripts, not a package)
 
 
 SHORT_TOPICS = ["the sea", "prime numbers", "a red bicycle", "the moon landing", "bread", "a lighthouse",
@@ -380,13 +380,6 @@ def long_inputs(rng: random.Random, tokens: int = 1500) -> tuple[list[int], str]
     return ids, text
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -402,7 +395,7 @@ def main() -> int:
     args = ap.parse_args()
 
     results: dict = {"command": " ".join([os.path.basename(sys.executable)] + [shlex.quote(a) for a in sys.argv]),
-                     "machine": {"cpu_model": _cpu_model(), "logical_cpus": os.cpu_count(),
+                     "machine": {"cpu_model": cpu_model(), "logical_cpus": os.cpu_count(),
                                  "platform": platform.platform()},
                      "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args)}
     rng = random.Random(args.seed)

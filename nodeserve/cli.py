@@ -7,14 +7,22 @@ import logging
 import sys
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
+def _load_config(path: str, prefix: str):
+    """The validated config, or None after printing the one-line reason."""
     from nodeserve.config import ConfigError, load_config
-    from nodeserve.model.config import LoadError
 
     try:
-        config = load_config(args.config)
+        return load_config(path)
     except ConfigError as e:
-        print(f"nodeserve: config error: {e}", file=sys.stderr)
+        print(f"{prefix}{e}", file=sys.stderr)
+        return None
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from nodeserve.model.config import LoadError
+
+    config = _load_config(args.config, "nodeserve: config error: ")
+    if config is None:
         return 2
     from nodeserve.server.serve import run
 
@@ -29,12 +37,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
-    from nodeserve.config import ConfigError, load_config
-
-    try:
-        config = load_config(args.config)
-    except ConfigError as e:
-        print(f"{args.config}: {e}", file=sys.stderr)
+    config = _load_config(args.config, f"{args.config}: ")
+    if config is None:
         return 2
     d = config.devices
     devices = f"prefill={list(d.prefill)} decode={list(d.decode)}" if d.mode == "disaggregated" \
