@@ -58,6 +58,7 @@ from nodeserve.attention.torch_ref import TorchAttention
 from nodeserve.engine.model_runner import ModelRunner, SeqChunk
 from nodeserve.kv.pool import KVPool, pages_for
 from nodeserve.model.loader import load_model, parse_dtype
+from nodeserve.model.quant import PackedLinear
 
 MODEL = "smollm2-135m-instruct"
 PAGE_SIZE = 16
@@ -139,26 +140,61 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+WEIGHT_BYTES = {"fp16": 2}  # bytes per weight of a PackedLinear format
+
+
+def measure_packed_peak(fmt: str, n: int = 1024, reps: int = 3) -> tuple[float, str]:
+    """FLOP/s of an n x n x n product through PackedLinear(fmt): the compute roof of a quantized variant."""
+    lin = PackedLinear(torch.nn.Linear(n, n, bias=False), fmt)
+    x = torch.randn(n, n)
+    lin(x)
+    return 2 * n ** 3 / best_of(lambda: lin(x), reps), f"{n}^3 PackedLinear({fmt})"
+
+
+def linear_stats(module: torch.nn.Module) -> tuple[int, int]:
+    """(matmul params, bytes those weights occupy) over the Linear / PackedLinear layers below module."""
+    params = nbytes = 0
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear):
+            params += m.weight.numel()
+            nbytes += m.weight.numel() * m.weight.element_size()
+        elif isinstance(m, PackedLinear):
+            params += m.in_features * m.out_features
+            nbytes += m.in_features * m.out_features * WEIGHT_BYTES[m.fmt]
+    return params, nbytes
+
+
 class Bench:
-    def __init__(self, dtype_name: str, args):
-        self.dtype_name, self.dtype, self.args = dtype_name, parse_dtype(dtype_name), args
+    """One variant: a dtype ("fp32", "bf16", "fp16"), optionally "+fp16w" for fp32 compute over fp16 weights
+    (nodeserve/model/quant.py; model.quantization = "fp16" in the config)."""
+
+    def __init__(self, variant: str, args):
+        dtype_name, _, weights = variant.partition("+")
+        self.quantization = weights.removesuffix("w") if weights else "none"
+        self.dtype_name, self.dtype, self.args = variant, parse_dtype(dtype_name), args
         t = time.perf_counter()
-        self.loaded = load_model(MODEL, self.dtype)
+        self.loaded = load_model(MODEL, self.dtype, quantization=self.quantization)
         self.load_s = time.perf_counter() - t
         self.cfg = cfg = self.loaded.config
         model = self.loaded.model
         self.elsize = torch.tensor([], dtype=self.dtype).element_size()
-        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: once
-        self.layer_matmul_params = sum(m.weight.numel() for m in model.layers.modules()
-                                       if isinstance(m, torch.nn.Linear))
-        self.lm_head_params = model.lm_head.weight.numel()
+        self.layer_matmul_params, layer_bytes = linear_stats(model.layers)
+        self.lm_head_params, head_bytes = linear_stats(model.lm_head)
+        tied = isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight is model.embed_tokens.weight
+        # Bytes a step reads: every matmul weight once and the norms. A step gathers only a few embedding rows,
+        # so the table counts only when it is also the (tied, dense) lm_head.
+        other = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                    if "norm" in n or (tied and n == "embed_tokens.weight"))
+        head_bytes = 0 if tied else head_bytes
+        self.param_bytes = layer_bytes + head_bytes + other
         self.kv_bytes_per_token = cfg.kv_bytes_per_token * self.elsize
         need = max(sum(pages_for(L, PAGE_SIZE) for L in lens) for _, lens in PREFILLS)
         need = max(need, max(DECODE_BATCHES) * pages_for(DECODE_CONTEXT + 1, PAGE_SIZE))
         self.pool = KVPool(cfg, need + 4, PAGE_SIZE, self.dtype, torch.device("cpu"))
         self.pool.data.copy_(torch.randn(self.pool.data.shape) * 0.5)  # stand-in for cached context K/V
         self.runner = ModelRunner(model, self.pool, TorchAttention())
-        self.peak, self.peak_desc = measure_peak(self.dtype)
+        self.peak, self.peak_desc = measure_peak(self.dtype) if self.quantization == "none" \
+            else measure_packed_peak(self.quantization)
 
     # FLOPs of attention: 2 matmuls (QK^T, PV) x 2 FLOPs x heads x head_dim per (query, key) pair, per layer.
     def attn_flops(self, pairs: int) -> float:
@@ -213,7 +249,8 @@ def fmt_t(s: float) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dtype", default="bf16,fp32", help="comma-separated: bf16, fp32, fp16")
+    ap.add_argument("--dtype", default="bf16,fp32", help="comma-separated variants: bf16, fp32, fp16, "
+                    "fp32+fp16w (fp32 compute over fbgemm-packed fp16 weights)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--budget", type=float, default=6.0,
@@ -251,12 +288,12 @@ def main(argv=None) -> int:
 
     print()
     print("ratio = bound / achieved (fraction of roofline reached; 1.00 = at the bound)")
-    hdr = f"{'dtype':5} {'case':14} {'achieved':>11} {'tok/s':>8} {'bound':>11} {'bound by':>8} {'ratio':>6} " \
+    hdr = f"{'variant':10} {'case':14} {'achieved':>11} {'tok/s':>8} {'bound':>11} {'bound by':>8} {'ratio':>6} " \
           f"{'GFLOP/s':>8} {'GB/s':>6} {'n':>3}"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['dtype']:5} {r['case']:14} {fmt_t(r['median_s'])} {r['tokens_per_s']:8.0f} "
+        print(f"{r['dtype']:10} {r['case']:14} {fmt_t(r['median_s'])} {r['tokens_per_s']:8.0f} "
               f"{fmt_t(r['bound_s'])} {r['bound_kind']:>8} {r['fraction_of_bound']:6.2f} "
               f"{r['achieved_gflops']:8.1f} {r['achieved_gbps']:6.2f} {r['iters']:3d}")
     peaks = {n: d["peak_flops"] for n, d in results["dtypes"].items()}

@@ -24,6 +24,7 @@ class ModelSection:
     name: str = ""                        # the served model id; defaults to the path's base name
     dtype: str = "auto"                   # auto | float32 | bfloat16 | float16 (auto: bf16 where the hardware has it)
     max_model_len: int = 0                # 0: the checkpoint's context length
+    quantization: str = "none"            # none | fp16: fp16 weights, fp32 compute on CPU (model/quant.py)
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,16 @@ class DevicesSection:
     decode: tuple[str, ...] = ("cpu:1",)
     devices: tuple[str, ...] = ()         # colocated mode only
     local_prefill_threshold: int = 0      # disaggregated: prompts shorter than this prefill on the decode device
+    attention: str = "auto"               # auto | torch | flashinfer (auto: flashinfer on CUDA when it imports)
+    cuda_graphs: bool = True              # CUDA + flashinfer: replay decode steps from captured graphs; false: eager
 
 
 @dataclass(frozen=True)
 class KVSection:
     page_size: int = 16
-    memory_gib: float = 2.0               # KV pool size per device
+    memory_gib: float = 2.0               # KV pool size per device; 0 (CUDA only): free memory minus the headroom
+    memory_headroom: float = 0.1          # with memory_gib = 0: fraction of free GPU memory left for activations
+    dtype: str = "auto"                   # auto (the model's dtype) | fp8_e4m3 (CUDA + flashinfer only)
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,8 @@ class Config:
 
         if self.model.dtype != "auto":
             return self.model.dtype
+        if self.model.quantization != "none":
+            return "float32"  # the packed formats compute in float32
         return auto_dtype(self.prefill_devices + self.decode_devices)
 
     @property
@@ -177,6 +184,14 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
     m, s, d, kv, sch = cfg.model, cfg.server, cfg.devices, cfg.kv, cfg.scheduler
     if m.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"'model.dtype' must be one of auto, float32, bfloat16, float16, got {m.dtype!r}")
+    if m.quantization not in ("none", "fp16"):
+        raise ConfigError(f"'model.quantization' must be \"none\" or \"fp16\", got {m.quantization!r}")
+    if m.quantization != "none":
+        if m.dtype not in ("auto", "float32"):
+            raise ConfigError(f"'model.quantization = \"{m.quantization}\"' computes in float32: set "
+                              f"model.dtype to \"auto\" or \"float32\", or quantization to \"none\"")
+        if any(n.strip().lower().startswith("cuda") for n in cfg.prefill_devices + cfg.decode_devices):
+            raise ConfigError("'model.quantization' is a CPU weight format; use \"none\" with cuda devices")
     if not m.path:
         raise ConfigError("'model.path' is empty: give a .gguf file, an HF checkpoint directory or a bundled model name")
     for key, value, low in (("server.port", s.port, 0), ("server.max_waiting", s.max_waiting, 1),
@@ -196,8 +211,17 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
     for key, value in (("server.request_timeout", s.request_timeout), ("server.drain_timeout", s.drain_timeout)):
         if value < 0:
             raise ConfigError(f"'{key}' must be 0 or more seconds, got {value}")
-    if kv.memory_gib <= 0:
-        raise ConfigError(f"'kv.memory_gib' must be positive, got {kv.memory_gib}")
+    if kv.memory_gib < 0:
+        raise ConfigError(f"'kv.memory_gib' must be positive (or 0 on CUDA: fill free memory), got {kv.memory_gib}")
+    if not 0 <= kv.memory_headroom < 1:
+        raise ConfigError(f"'kv.memory_headroom' must be a fraction in [0, 1), got {kv.memory_headroom}")
+    if kv.dtype not in ("auto", "fp8_e4m3"):
+        raise ConfigError(f"'kv.dtype' must be \"auto\" or \"fp8_e4m3\", got {kv.dtype!r}")
+    if d.attention not in ("auto", "torch", "flashinfer"):
+        raise ConfigError(f"'devices.attention' must be \"auto\", \"torch\" or \"flashinfer\", got {d.attention!r}")
+    if kv.dtype == "fp8_e4m3" and d.attention == "torch":
+        raise ConfigError("'kv.dtype' = \"fp8_e4m3\" needs the flashinfer attention backend; set "
+                          "'devices.attention' to \"auto\" or \"flashinfer\", or use kv.dtype = \"auto\"")
     if d.mode == "disaggregated":
         if d.devices:
             raise ConfigError("'devices.devices' is for colocated mode; in disaggregated mode list "
@@ -231,3 +255,19 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
                 listed = ", ".join(have)
                 raise ConfigError(f"'{key}' lists '{name}', which this machine does not have "
                                   f"(available: {listed}); remove it or pick one of those")
+    _validate_cuda_only(cfg, sorted(n for n in seen if n.startswith("cpu:")))
+
+
+def _validate_cuda_only(cfg: Config, cpu_devices: list[str]) -> None:
+    """Options that exist only on CUDA devices, rejected up front when any device is a CPU core."""
+    if not cpu_devices:
+        return
+    kv, where = cfg.kv, f"{cpu_devices[0]} is a CPU device"
+    if cfg.devices.attention == "flashinfer":
+        raise ConfigError(f"'devices.attention' = \"flashinfer\" needs CUDA devices, but {where}; "
+                          "use \"auto\" or \"torch\"")
+    if kv.dtype == "fp8_e4m3":
+        raise ConfigError(f"'kv.dtype' = \"fp8_e4m3\" needs CUDA devices, but {where}; use kv.dtype = \"auto\"")
+    if kv.memory_gib == 0:
+        raise ConfigError(f"'kv.memory_gib' = 0 (size the pool from free GPU memory) needs CUDA devices, but "
+                          f"{where}; give the pool size in GiB, e.g. memory_gib = 2.0")

@@ -195,3 +195,16 @@ def test_auto_dtype_follows_the_hardware(monkeypatch):
     monkeypatch.setattr(cpu, "has_fast_bf16", lambda: False)
     assert cfg.dtype == "float32"
     assert config_from_dict({"model": {"dtype": "float16"}}, check_devices=False).dtype == "float16"
+
+
+def test_fp16_weights_compute_in_float32(monkeypatch):
+    import nodeserve.device.cpu as cpu
+
+    monkeypatch.setattr(cpu, "has_fast_bf16", lambda: True)  # auto would pick bf16 without quantization
+    assert config_from_dict({"model": {"quantization": "fp16"}}, check_devices=False).dtype == "float32"
+    msg = _error({"model": {"quantization": "fp16", "dtype": "bfloat16"}}, check_devices=False)
+    assert "'model.quantization" in msg and "float32" in msg
+    assert "'model.quantization'" in _error({"model": {"quantization": "int4"}}, check_devices=False)
+    msg = _error({"model": {"quantization": "fp16"}, "devices": {"prefill": ["cuda:0"], "decode": ["cuda:1"]}},
+                 check_devices=False)
+    assert "'model.quantization'" in msg and "cuda" in msg

@@ -31,6 +31,17 @@ def _linear(n_in: int, n_out: int, bias: bool = False) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=bias, device="meta")
 
 
+def _fused(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the concatenation of the given ones' outputs (same input)."""
+    weight = torch.cat([m.weight for m in linears])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None,
+                      device=weight.device, dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if linears[0].bias is not None:
+        fused.bias = nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=False)
+    return fused
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -40,13 +51,21 @@ class Attention(nn.Module):
         self.v_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias)
         self.o_proj = _linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
         self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj: nn.Module | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """Replaces q/k/v with one [q; k; v] projection: one GEMM instead of three per layer."""
+        self.qkv_proj = _fused(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)     # [T, H, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KH, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KH, D]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)     # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KH, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, KH, D]
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         out = backend.forward(q, k, v, kv_layer, meta, self.scale)    # [T, H, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -55,12 +74,19 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.intermediate_size = cfg.intermediate_size
         self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size)
         self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj: nn.Module | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        self.gate_up_proj = _fused(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -87,6 +113,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def fuse(self) -> None:
+        """Fuses q/k/v and gate/up projections; call once the checkpoint's (unfused) weights are loaded."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -62,11 +62,22 @@ def resolve_path(path: str) -> str:
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32,
-               progress: Callable[[int, int], None] | None = None) -> LoadedModel:
-    """Loads weights and tokenizer onto the CPU. Raises LoadError with a one-line message on any problem."""
+               progress: Callable[[int, int], None] | None = None, quantization: str = "none") -> LoadedModel:
+    """Loads weights and tokenizer onto the CPU. Raises LoadError with a one-line message on any problem.
+
+    quantization: "none" keeps dense Linear layers in `dtype`; "fp16" repacks them for the CPU
+    (nodeserve/model/quant.py) and need dtype float32.
+    """
+    from nodeserve.model.quant import quantize_linears, supported
+
     from nodeserve.model.gguf_loader import load_gguf
     from nodeserve.model.hf_loader import load_hf
 
+    why = supported(quantization)
+    if why is None and quantization != "none" and dtype != torch.float32:
+        why = f"quantization '{quantization}' computes in float32: set model.dtype = \"float32\""
+    if why:
+        raise LoadError(why)
     resolved = resolve_path(path)
     try:
         if os.path.isdir(resolved):
@@ -95,6 +106,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     model.load_state_dict(state, assign=True, strict=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    model.fuse()
+    quantize_linears(model, quantization)
     model.eval()
     return LoadedModel(cfg, model, tokenizer, resolved)
 

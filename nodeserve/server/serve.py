@@ -83,7 +83,7 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
 
     start = time.monotonic()
     load = loop.run_in_executor(None, lambda: load_model(config.model.path, parse_dtype(config.dtype),
-                                                         _Progress(notifier)))
+                                                         _Progress(notifier), config.model.quantization))
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait([load, waiter], return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
@@ -94,6 +94,8 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     loaded = load.result()
     engine = Engine(config, loaded, on_transfer=state.metrics.observe_transfer)
     engine.start(loop)
+    notifier.status("warming up")
+    await loop.run_in_executor(None, engine.warmup)  # CUDA: FlashInfer JIT + decode graphs; CPU: nothing
     state.engine = engine
     state.metrics.set_state_source(lambda: [DeviceState(s.device, s.role, s.num_running, s.num_waiting,
                                                         s.num_pages, s.num_free) for s in engine.pool_stats()])
