@@ -17,6 +17,8 @@ fp16 on this AVX2 CPU. The two fbgemm fp16 entry points warn (once) that they ar
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -34,7 +36,12 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
         if fmt != "fp16":
             raise ValueError(f"unknown weight format '{fmt}' (expected one of {', '.join(FORMATS[1:])})")
-        self.packed = torch.fbgemm_pack_gemm_matrix_fp16(weight)
+        with warnings.catch_warnings():
+            # Both fbgemm fp16 ops warn once per process that they are deprecated (see the module docstring);
+            # one call here takes that warning out of the server log.
+            warnings.filterwarnings("ignore", message="fbgemm_", category=UserWarning)
+            self.packed = torch.fbgemm_pack_gemm_matrix_fp16(weight)
+            self.forward(torch.zeros(1, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
