@@ -120,6 +120,15 @@ def test_attainment_defaults_and_empty(S):
     assert S.slo_attainment([])["attainment"] is None
 
 
+def test_length_aware_ttft_slo(S):
+    short, long = dict(rec(2.4, 0.05), prompt_len=100), dict(rec(9.0, 0.05), prompt_len=2000)
+    assert S.slo_attainment([short, long], 2.5, 0.1)["attainment"] == 0.5            # fixed 2.5 s
+    a = S.slo_attainment([short, long], 2.5, 0.1, ttft_per_token=0.004)             # 2.5 s + 4 ms/token
+    assert a["attainment"] == 1.0 and a["met_ttft"] == 2 and a["slo_ttft_per_token"] == 0.004
+    assert not S.meets_slo(dict(rec(2.9, 0.05), prompt_len=100), 2.5, 0.1, 0.004)     # 2.9 > 2.5 + 0.4
+    assert S.ttft_limit({"prompt_len": 3000}, 2.5, 0.004) == pytest.approx(14.5)
+
+
 def test_summarize(S):
     records = [rec(0.1, 0.01, itl=[0.01, 0.02], e2e=0.2, n_out=10), rec(0.3, 0.03, itl=[0.03], e2e=0.4, n_out=20),
                rec(None, None, ok=False, e2e=0.1, n_out=0)]
