@@ -125,7 +125,7 @@ def test_length_aware_ttft_slo(S):
     assert S.slo_attainment([short, long], 2.5, 0.1)["attainment"] == 0.5            # fixed 2.5 s
     a = S.slo_attainment([short, long], 2.5, 0.1, ttft_per_token=0.004)             # 2.5 s + 4 ms/token
     assert a["attainment"] == 1.0 and a["met_ttft"] == 2 and a["slo_ttft_per_token"] == 0.004
-    assert not S.meets_slo(dict(rec(2.9, 0.05), prompt_len=100), 2.5, 0.1, 0.004)     # 2.9 > 2.5 + 0.4
+    assert not S.meets_slo(dict(rec(2.95, 0.05), prompt_len=100), 2.5, 0.1, 0.004)    # 2.95 > 2.5 + 0.4
     assert S.ttft_limit({"prompt_len": 3000}, 2.5, 0.004) == pytest.approx(14.5)
 
 
