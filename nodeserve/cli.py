@@ -1,4 +1,4 @@
-"""The `nodeserve` command: run, check-config."""
+"""The `nodeserve` command: run, check-config, devices."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ def _load_config(path: str, prefix: str):
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from nodeserve.config import ConfigError
     from nodeserve.model.config import LoadError
 
     config = _load_config(args.config, "nodeserve: config error: ")
@@ -31,6 +32,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except LoadError as e:
         print(f"nodeserve: cannot load model: {e}", file=sys.stderr)
         return 1
+    except ConfigError as e:  # found only once devices are up, e.g. flashinfer missing on a GPU
+        print(f"nodeserve: config error: {e}", file=sys.stderr)
+        return 2
     except OSError as e:  # e.g. the port is taken
         print(f"nodeserve: {e.strerror or e}", file=sys.stderr)
         return 1
@@ -48,6 +52,14 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_devices(args: argparse.Namespace) -> int:
+    from nodeserve.device.inventory import inventory
+
+    for line in inventory(int(args.mib * 2**20)):
+        print(line, flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nodeserve", description="Single-node LLM server with disaggregated "
                                      "prefill and decode in one process.")
@@ -60,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Validate nodeserve.toml; prints what is wrong and how to fix it.")
     p.add_argument("config", help="path to nodeserve.toml")
     p.set_defaults(func=_cmd_check_config)
+    p = sub.add_parser("devices", help="list this machine's devices and measure their bandwidth",
+                       description="CPU cores and DRAM read bandwidth; per GPU: memory, peer access, copy bandwidth.")
+    p.add_argument("--mib", type=float, default=256, help="buffer size for the bandwidth measurements "
+                   "(default: %(default)s)")
+    p.set_defaults(func=_cmd_devices)
     return parser
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
@@ -25,6 +25,9 @@ class AttentionMetadata:
     seq_lens_host: list[int]      # [B] on the host
     num_decodes: int
     page_size: int
+    # [B] page lists on the host, when the builder has them: FlashInfer plans from host indices, and reading
+    # block_tables back from a GPU would cost a sync per step.
+    block_tables_host: Sequence[Sequence[int]] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -35,7 +38,8 @@ class AttentionBackend(Protocol):
     """Writes this step's K/V into one layer's paged pool, then attends over it.
 
     Pool layout per layer is FlashInfer's NHD: [num_pages, 2, page_size, num_kv_heads, head_dim],
-    index 0 of dim 1 holds K and index 1 holds V.
+    index 0 of dim 1 holds K and index 1 holds V. forward() is called once per layer with the same `meta`
+    object for every layer of a step, so a backend may plan once per step when it sees a new `meta`.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -10,15 +10,17 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from nodeserve.attention.torch_ref import TorchAttention
-from nodeserve.config import Config
+from nodeserve.attention import make_backend
+from nodeserve.attention.flashinfer_backend import FlashInferAttention
+from nodeserve.config import Config, ConfigError
 from nodeserve.device import make_device
+from nodeserve.engine.cuda_graphs import DecodeGraphs
 from nodeserve.engine.model_runner import ModelRunner
 from nodeserve.engine.router import QueueFull, Router, TooLarge
 from nodeserve.engine.sampler import Sampler
 from nodeserve.engine.transfer import KVTransfer
 from nodeserve.engine.worker import Worker, WorkerLimits
-from nodeserve.kv.pool import KVPool
+from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
 from nodeserve.model.loader import LoadedModel
 from nodeserve.request import Request, TokenEvent
 from nodeserve.sampling_params import SamplingParams
@@ -97,10 +99,26 @@ class Engine:
                 # CPU workers share one set of weights (read-only); each GPU gets its own replica.
                 replicas[device.torch_device] = self.loaded.model.to(device.torch_device) \
                     if device.torch_device.type == "cpu" else _replica(self.loaded.model, device.torch_device)
-            num_pages = KVPool.num_pages_for_bytes(self.loaded.config, int(cfg.kv.memory_gib * 2**30),
-                                                   cfg.kv.page_size, dtype)
-            pool = KVPool(self.loaded.config, num_pages, cfg.kv.page_size, dtype, device.torch_device)
-            runner = ModelRunner(replicas[device.torch_device], pool, TorchAttention())
+            kv_dtype = kv_cache_dtype(cfg.kv.dtype, dtype)
+            if cfg.kv.memory_gib == 0:  # CUDA only (config checks): what is free once the weights are there
+                free, _ = torch.cuda.mem_get_info(device.torch_device)
+                num_pages = kv_pages_for_device(free, cfg.kv.memory_headroom,
+                                                KVPool.bytes_per_page(self.loaded.config, cfg.kv.page_size, kv_dtype))
+            else:
+                num_pages = KVPool.num_pages_for_bytes(self.loaded.config, int(cfg.kv.memory_gib * 2**30),
+                                                       cfg.kv.page_size, kv_dtype)
+            pool = KVPool(self.loaded.config, num_pages, cfg.kv.page_size, kv_dtype, device.torch_device)
+            backend = make_backend(cfg.devices.attention, device.torch_device)
+            if kv_dtype != dtype and not isinstance(backend, FlashInferAttention):
+                raise ConfigError(f"'kv.dtype' = \"{cfg.kv.dtype}\" needs the flashinfer backend, which {name} "
+                                  "cannot use (is flashinfer installed?)")
+            graphs = None
+            if isinstance(backend, FlashInferAttention) and cfg.devices.cuda_graphs and role != "prefill":
+                graphs = DecodeGraphs(replicas[device.torch_device], pool, cfg.scheduler.max_num_seqs,
+                                      workspace=backend.workspace)
+            log.info("%s: %s attention, %d KV pages of %s%s", name, type(backend).__name__, num_pages,
+                     kv_dtype, ", CUDA graphs at warm-up" if graphs is not None else "")
+            runner = ModelRunner(replicas[device.torch_device], pool, backend, graphs)
             return Worker(device, role, runner, Sampler(device.torch_device), self.tokenizer.eos_token_ids, limits,
                           self._emit_batch_threadsafe, self._pages_freed_threadsafe)
 
@@ -119,6 +137,14 @@ class Engine:
             t.start()
         for w in self.workers:
             w.start()
+
+    def warmup(self) -> None:
+        """Before serving: on CUDA, one prefill and decode per device (FlashInfer JIT) and the decode graphs.
+        Blocking (minutes on a cold JIT cache); a no-op on CPU devices."""
+        from nodeserve.engine.warmup import warmup_runner
+
+        for w in self.workers:
+            warmup_runner(w.runner)
 
     def stop(self) -> None:
         for w in self.workers:
@@ -191,7 +217,7 @@ class Engine:
 
     # ---- introspection -------------------------------------------------------------------------------
     def pool_stats(self) -> list[PoolStats]:
-        return [PoolStats(w.name, w.role, w.pool.num_pages, w.pool.allocator.num_free, len(w.running),
+        return [PoolStats(w.name, w.role, w.pool.num_usable_pages, w.pool.allocator.num_free, len(w.running),
                           len(w.waiting)) for w in self.workers]
 
     @property

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from nodeserve.attention.base import AttentionBackend, AttentionMetadata
 from nodeserve.kv.pool import KVPool
 from nodeserve.model.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from nodeserve.engine.cuda_graphs import DecodeGraphs
 
 
 @dataclass
@@ -23,8 +26,10 @@ class SeqChunk:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend):
-        self.model, self.pool, self.backend = model, pool, backend
+    def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
+                 graphs: DecodeGraphs | None = None):
+        """graphs: CUDA graphs that decode-only steps replay when captured (CUDA + FlashInfer only)."""
+        self.model, self.pool, self.backend, self.graphs = model, pool, backend, graphs
         self.device = pool.device
 
     def prepare(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -60,6 +65,7 @@ class ModelRunner:
             seq_lens_host=seq_lens,
             num_decodes=num_decodes,
             page_size=page_size,
+            block_tables_host=[c.block_table for c in chunks],
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
@@ -71,7 +77,11 @@ class ModelRunner:
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)  # stable: decodes first
         ordered = [chunks[i] for i in order]
         ids, positions, meta, rows = self.prepare(ordered)
-        hidden = self.model(ids, positions, meta, self.pool.layers, self.backend, on_layer_done)
+        hidden = None
+        if self.graphs is not None and on_layer_done is None and meta.num_decodes == meta.num_seqs:
+            hidden = self.graphs.run(ids, positions, meta)  # None: no graph for this batch size, run eagerly
+        if hidden is None:
+            hidden = self.model(ids, positions, meta, self.pool.layers, self.backend, on_layer_done)
         logits = self.model.compute_logits(hidden[rows])  # [N, V], in `ordered` order
         wanted = [i for i in order if chunks[i].want_logits]
         if wanted == sorted(wanted):

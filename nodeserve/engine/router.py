@@ -38,13 +38,13 @@ class Router:
 
     def admit(self, req: Request) -> None:
         need = pages_for(req.max_total_tokens, self.decode_workers[0].pool.page_size)
-        capacity = max(w.pool.num_pages for w in self.decode_workers)
+        capacity = max(w.pool.num_usable_pages for w in self.decode_workers)
         if need > capacity:
             raise TooLarge(f"the request needs {req.max_total_tokens} tokens of KV cache "
                            f"(prompt plus max_tokens) but a device holds at most "
                            f"{capacity * self.decode_workers[0].pool.page_size}; lower max_tokens")
         if self.prefill_workers and req.num_prompt_tokens >= self.local_prefill_threshold:
-            prefill_capacity = min(w.pool.num_pages for w in self.prefill_workers)
+            prefill_capacity = min(w.pool.num_usable_pages for w in self.prefill_workers)
             if pages_for(req.num_prompt_tokens, self.prefill_workers[0].pool.page_size) > prefill_capacity:
                 raise TooLarge(f"the prompt has {req.num_prompt_tokens} tokens but a prefill device holds at most "
                                f"{prefill_capacity * self.prefill_workers[0].pool.page_size}")

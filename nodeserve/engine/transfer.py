@@ -8,10 +8,13 @@ Jobs run strictly in FIFO order, which is what makes the handoff safe:
      that request: it frees the prefill pages and hands the request to the decode worker, or, if the
      request was aborted meanwhile, frees the decode reservation too. Nothing is freed while a copy may
      still read or write it, and nothing is left behind.
+On CPU a layer's pages are gathered, moved and scattered in one go; on CUDA each run of pages contiguous on
+both sides is one copy (no staging tensor), peer-to-peer where the GPUs allow it.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -24,12 +27,45 @@ from nodeserve.device import Device
 from nodeserve.kv.pool import KVPool
 from nodeserve.request import Request
 
+log = logging.getLogger(__name__)
+
+
+def contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) per maximal run where both page lists go up by one together."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def peer_access(src: torch.device, dst: torch.device) -> bool | None:
+    """Whether a GPU-to-GPU copy can go peer to peer (NVLink/PCIe); None unless both are distinct GPUs."""
+    if src.type != "cuda" or dst.type != "cuda" or src == dst:
+        return None
+    return torch.cuda.can_device_access_peer(src.index, dst.index)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 pools are copied as uint8: the same bytes, and index/copy kernels that exist for every dtype."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
+@dataclass
+class PageMap:
+    """Which source pages go to which destination pages, built once per step and reused for every layer."""
+
+    src: torch.Tensor                   # [N] int64 on the source device
+    dst: torch.Tensor                   # [N] int64 on the destination device
+    runs: list[tuple[int, int, int]]    # contiguous_runs(src, dst), for CUDA copies
+
 
 @dataclass
 class _CopyLayer:
     layer: int
-    src_pages: torch.Tensor  # [N] on the source device
-    dst_pages: torch.Tensor  # [N] on the destination device
+    pages: PageMap
     ready: Any               # event after which the source pages of this layer are written
 
 
@@ -52,8 +88,16 @@ class KVTransfer:
         self.num_bytes = 0        # bytes copied so far
         self.busy_seconds = 0.0   # time spent copying, for the device timeline
         self.records: list[tuple[float, float, int]] = []  # (start, end, bytes) per copy, bounded below
+        # Runs of contiguous pages as direct copies on CUDA; the CPU path gathers and scatters instead.
+        self.use_runs = "cuda" in (src_device.torch_device.type, dst_device.torch_device.type)
 
     def start(self) -> None:
+        peer = peer_access(self.src_device.torch_device, self.dst_device.torch_device)
+        if peer is True:
+            log.info("%s: peer-to-peer copies", self.name)
+        elif peer is False:
+            log.warning("%s: no peer access between these GPUs; copies are staged through host memory (slower)",
+                        self.name)
         self._thread.start()
 
     def stop(self) -> None:
@@ -61,12 +105,13 @@ class KVTransfer:
         self._thread.join(timeout=5)
 
     # Called from the prefill worker thread.
-    def page_indices(self, src_pages: list[int], dst_pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.tensor(src_pages, dtype=torch.int64, device=self.src_device.torch_device),
-                torch.tensor(dst_pages, dtype=torch.int64, device=self.dst_device.torch_device))
+    def page_indices(self, src_pages: list[int], dst_pages: list[int]) -> PageMap:
+        return PageMap(torch.tensor(src_pages, dtype=torch.int64, device=self.src_device.torch_device),
+                       torch.tensor(dst_pages, dtype=torch.int64, device=self.dst_device.torch_device),
+                       contiguous_runs(src_pages, dst_pages) if self.use_runs else [])
 
-    def copy_layer(self, layer: int, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
-        self._jobs.put(_CopyLayer(layer, src_pages, dst_pages, self.src_device.record_event()))
+    def copy_layer(self, layer: int, pages: PageMap) -> None:
+        self._jobs.put(_CopyLayer(layer, pages, self.src_device.record_event()))
 
     def finish(self, request: Request, deliver: Callable[[Request, Any], None],
                release: Callable[[Request], None]) -> None:
@@ -84,16 +129,24 @@ class KVTransfer:
     def _copy(self, job: _CopyLayer) -> None:
         start = time.monotonic()
         self.src_device.wait_event(job.ready)
-        src, dst = self.src_pool.layers[job.layer], self.dst_pool.layers[job.layer]
-        # Gather scattered pages into one staging tensor, move it once, scatter on the destination.
-        staged = src.index_select(0, job.src_pages).to(self.dst_device.torch_device, non_blocking=True)
-        dst.index_copy_(0, job.dst_pages, staged)
-        nbytes = staged.numel() * staged.element_size()
+        nbytes = self._copy_pages(job.layer, job.pages)
         end = time.monotonic()
         self.num_bytes += nbytes
         self.busy_seconds += end - start
         if len(self.records) < 100_000:
             self.records.append((start, end, nbytes))
+
+    def _copy_pages(self, layer: int, pages: PageMap) -> int:
+        """Issues one layer's copy on the current (copy) stream; returns the bytes moved."""
+        src, dst = _as_bytes(self.src_pool.layers[layer]), _as_bytes(self.dst_pool.layers[layer])
+        if self.use_runs:
+            for s, d, n in pages.runs:
+                dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+            return sum(n for _, _, n in pages.runs) * src[0].numel() * src.element_size()
+        # Gather scattered pages into one staging tensor, move it once, scatter on the destination.
+        staged = src.index_select(0, pages.src).to(self.dst_device.torch_device, non_blocking=True)
+        dst.index_copy_(0, pages.dst, staged)
+        return staged.numel() * staged.element_size()
 
     def _finish(self, job: _Finish) -> None:
         req = job.request

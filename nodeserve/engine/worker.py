@@ -276,11 +276,11 @@ class Worker:
             dst.extend(req.pages[first:last + 1])
         if not plan:
             return None
-        indices = [(t, *t.page_indices(src, dst)) for t, (src, dst) in plan.items()]
+        page_maps = [(t, t.page_indices(src, dst)) for t, (src, dst) in plan.items()]
 
         def on_layer_done(layer: int) -> None:
-            for transfer, src, dst in indices:
-                transfer.copy_layer(layer, src, dst)
+            for transfer, pages in page_maps:
+                transfer.copy_layer(layer, pages)
 
         return on_layer_done
 

@@ -12,6 +12,18 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
+    """kv.dtype -> the pool's dtype: "auto" keeps the model's, "fp8_e4m3" halves bf16's bytes per token."""
+    return torch.float8_e4m3fn if setting == "fp8_e4m3" else model_dtype
+
+
+def kv_pages_for_device(free_bytes: int, headroom_fraction: float, bytes_per_page: int) -> int:
+    """Pages that fit in a GPU's free memory once `headroom_fraction` of it is left for activations,
+    workspaces and graphs (kv.memory_gib = 0). At least one page, so a nearly full GPU fails loudly later."""
+    usable = int(free_bytes * (1.0 - headroom_fraction))
+    return max(1, usable // bytes_per_page)
+
+
 class KVPool:
     """layers[i] is [num_pages, 2, page_size, num_kv_heads, head_dim]: K at [:, 0], V at [:, 1]."""
 
@@ -22,11 +34,27 @@ class KVPool:
                                 dtype=dtype, device=device)
         self.layers = list(self.data.unbind(0))
         self.allocator = PageAllocator(num_pages)
+        self.num_reserved = 0  # pages taken out of circulation for good (reserve_page)
+
+    def reserve_page(self) -> int:
+        """Takes one page out of circulation for the pool's lifetime (CUDA graph padding rows write there)."""
+        page = self.allocator.allocate(1)[0]
+        self.num_reserved += 1
+        return page
+
+    @property
+    def num_usable_pages(self) -> int:
+        """Pages requests can ever hold: what admission and the page stats count."""
+        return self.num_pages - self.num_reserved
+
+    @staticmethod
+    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one page across every layer, K and V."""
+        return cfg.kv_bytes_per_token * page_size * torch.tensor([], dtype=dtype).element_size()
 
     @staticmethod
     def num_pages_for_bytes(cfg: ModelConfig, num_bytes: int, page_size: int, dtype: torch.dtype) -> int:
-        page_bytes = cfg.kv_bytes_per_token * page_size * torch.tensor([], dtype=dtype).element_size()
-        return max(1, num_bytes // page_bytes)
+        return max(1, num_bytes // KVPool.bytes_per_page(cfg, page_size, dtype))
 
     @property
     def bytes_per_page_per_layer(self) -> int:

@@ -1,0 +1,38 @@
+"""Warm-up before READY: compile FlashInfer's kernels and capture the decode graphs, so no request pays for it.
+
+FlashInfer JIT-compiles each kernel at first use (cached in ~/.cache/flashinfer) and CUDA graphs are captured
+once per bucket. On CPU devices there is nothing to warm: a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from nodeserve.engine.model_runner import ModelRunner, SeqChunk
+from nodeserve.kv.pool import pages_for
+
+log = logging.getLogger(__name__)
+
+WARMUP_PROMPT_TOKENS = 16
+
+
+def warmup_runner(runner: ModelRunner) -> None:
+    """One prefill chunk and one decode step on a throwaway sequence, then the graph captures."""
+    if runner.device.type != "cuda":
+        return
+    start = time.monotonic()
+    num_tokens = WARMUP_PROMPT_TOKENS
+    pages = runner.pool.allocator.allocate(pages_for(num_tokens + 1, runner.pool.page_size))
+    try:
+        with torch.cuda.device(runner.device):
+            runner.run([SeqChunk([0] * num_tokens, 0, pages)])      # prefill kernels
+            runner.run([SeqChunk([0], num_tokens, pages)])          # decode kernels (eager)
+            if runner.graphs is not None:
+                runner.graphs.capture()
+            torch.cuda.synchronize(runner.device)
+    finally:
+        runner.pool.allocator.free(pages)
+    log.info("%s: warmed up in %.1fs", runner.device, time.monotonic() - start)

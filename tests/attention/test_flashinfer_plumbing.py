@@ -1,0 +1,165 @@
+"""FlashInferAttention's plumbing on CPU, against a stand-in `flashinfer` module whose wrappers compute paged
+attention in plain PyTorch from exactly the plan() arguments FlashInfer documents (indptr / indices /
+last_page_len, causal mask aligned to the end of each sequence). It checks what the backend passes and how it
+splits and reassembles a step, not FlashInfer's kernels: tests/cuda does that on a GPU."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from nodeserve.attention.torch_ref import TorchAttention
+from nodeserve.engine.model_runner import ModelRunner, SeqChunk
+from nodeserve.kv.pool import KVPool, pages_for
+
+H, KH, D = 8, 2, 32
+SCALE = D ** -0.5
+
+
+class _FakeWrapper:
+    num_plans = 0
+
+    def __init__(self, workspace, kv_layout="NHD", use_tensor_cores=False, use_cuda_graph=False, **buffers):
+        assert kv_layout == "NHD" and workspace.dtype == torch.uint8
+        self.prefill = False
+
+    def _plan(self, qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+              kw):
+        for t in (qo_indptr, indptr, indices, last_page_len):
+            assert t.dtype == torch.int32 and t.device.type == "cpu"  # built on the host, as plan() wants
+        assert len(indptr) == len(last_page_len) + 1 == len(qo_indptr)
+        assert ((last_page_len >= 1) & (last_page_len <= page_size)).all()
+        self.plan_args = (qo_indptr.tolist(), indptr.tolist(), indices.tolist(), last_page_len.tolist(), page_size)
+        self.heads = (num_qo_heads, num_kv_heads, head_dim)
+        self.kw = kw
+        _FakeWrapper.num_plans += 1
+
+    def run(self, q, kv, k_scale=None, v_scale=None):
+        qo, indptr, indices, last, page_size = self.plan_args
+        assert kv.dtype == self.kw["kv_data_type"] and q.dtype == self.kw["q_data_type"]
+        assert q.shape[0] == qo[-1] and q.shape[1:] == (self.heads[0], self.heads[2])
+        out = torch.empty_like(q)
+        for b in range(len(last)):
+            pages = indices[indptr[b]:indptr[b + 1]]
+            length = (len(pages) - 1) * page_size + last[b]
+            k = kv[pages, 0].reshape(-1, *kv.shape[3:])[:length].float() * (k_scale or 1.0)  # [L, KH, D]
+            v = kv[pages, 1].reshape(-1, *kv.shape[3:])[:length].float() * (v_scale or 1.0)
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # [L, H, D]
+            qb = q[qo[b]:qo[b + 1]].float()
+            scores = torch.einsum("qhd,khd->hqk", qb, k) * self.kw["sm_scale"]
+            q_pos = torch.arange(length - qb.shape[0], length)[:, None]
+            if self.prefill and not self.kw["causal"]:
+                raise AssertionError("prefill must be planned causal")
+            scores = scores.masked_fill(torch.arange(length)[None, :] > q_pos, float("-inf"))
+            out[qo[b]:qo[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        return out
+
+
+class _FakeDecode(_FakeWrapper):
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kw):
+        qo = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
+        self._plan(qo, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, kw)
+
+
+class _FakePrefill(_FakeWrapper):
+    def plan(self, qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             causal=False, **kw):
+        self.prefill = True
+        self._plan(qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                   dict(kw, causal=causal))
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    import nodeserve.attention.flashinfer_backend as fb
+
+    module = types.ModuleType("flashinfer")
+    module.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode
+    module.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    monkeypatch.setattr(fb, "WORKSPACE_BYTES", 1024)
+    _FakeWrapper.num_plans = 0
+    return fb.FlashInferAttention
+
+
+def _ragged(page_size: int, seed: int):
+    """A mixed step (decodes first) over shuffled pages with cached prefixes, like test_torch_ref's."""
+    from nodeserve.attention.base import AttentionMetadata
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [(0, 1), (15, 1), (16, 1), (0, 7), (20, 13), (63, 2), (100, 37)]
+    need = [pages_for(c + n, page_size) for c, n in seqs]
+    num_pages = sum(need) + 3
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    kv = torch.randn(num_pages, 2, page_size, KH, D, generator=gen)
+    tables, slots = [], []
+    for (c, n), p in zip(seqs, need):
+        table, order = order[:p], order[p:]
+        tables.append(table)
+        slots += [table[i // page_size] * page_size + i % page_size for i in range(c, c + n)]
+    total = sum(n for _, n in seqs)
+    block_tables = torch.zeros(len(seqs), max(need), dtype=torch.int64)
+    for b, t in enumerate(tables):
+        block_tables[b, :len(t)] = torch.tensor(t)
+    seq_lens = [c + n for c, n in seqs]
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=block_tables,
+                             seq_lens=torch.tensor(seq_lens), query_lens=[n for _, n in seqs],
+                             seq_lens_host=seq_lens, num_decodes=3, page_size=page_size, block_tables_host=tables)
+    q = torch.randn(total, H, D, generator=gen)
+    k = torch.randn(total, KH, D, generator=gen)
+    v = torch.randn(total, KH, D, generator=gen)
+    return kv, q, k, v, meta
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_matches_torch_reference_and_plans_once_per_step(fake_flashinfer, page_size):
+    kv, q, k, v, meta = _ragged(page_size, seed=page_size)
+    kv_ref, kv2 = kv.clone(), kv.clone()
+    backend = fake_flashinfer(torch.device("cpu"))
+    ref = TorchAttention().forward(q, k, v, kv_ref, meta, SCALE)
+    out = backend.forward(q, k, v, kv, meta, SCALE)
+    assert torch.equal(kv, kv_ref)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert backend.prefill.kw["causal"] is True and backend.decode.kw["sm_scale"] == SCALE
+    assert _FakeWrapper.num_plans == 2  # decode + prefill, once
+    backend.forward(q, k, v, kv2, meta, SCALE)  # the next layer of the same step: no new plan
+    assert _FakeWrapper.num_plans == 2
+    backend.forward(q, k, v, kv2, _ragged(page_size, seed=page_size)[4], SCALE)  # a new step: plans again
+    assert _FakeWrapper.num_plans == 4
+
+
+def test_fp8_pool_passes_scales(fake_flashinfer):
+    kv, q, k, v, meta = _ragged(16, seed=5)
+    ref = TorchAttention().forward(q, k, v, kv.clone(), meta, SCALE)
+    backend = fake_flashinfer(torch.device("cpu"))
+    kv8 = (kv / 2.0).to(torch.float8_e4m3fn)  # the cached prefix, stored at scale 2
+    backend.kv_scales[kv8.data_ptr()] = (2.0, 2.0)
+    out = backend.forward(q, k, v, kv8, meta, SCALE)
+    assert backend.decode.kw["kv_data_type"] == torch.float8_e4m3fn
+    torch.testing.assert_close(out, ref, atol=0.1, rtol=0.1)
+
+
+def test_model_runner_greedy_tokens_equal_torch_backend(fake_flashinfer, loaded_fp32, prompt_ids, one_thread):
+    """The real model through ModelRunner: the metadata hook (host block tables, one plan per step) end to end."""
+    def greedy(backend) -> list[list[int]]:
+        pool = KVPool(loaded_fp32.config, 128, 16, torch.float32, torch.device("cpu"))
+        runner = ModelRunner(loaded_fp32.model, pool, backend)
+        prompts = prompt_ids[:3]
+        tables = [pool.allocator.allocate(pages_for(len(p) + 8, 16)) for p in prompts]
+        # Chunked prefill of the first prompt (prefix extension) next to whole prompts.
+        half = len(prompts[0]) // 2
+        runner.run([SeqChunk(prompts[0][:half], 0, tables[0], want_logits=False)])
+        logits = runner.run([SeqChunk(prompts[0][half:], half, tables[0])] +
+                            [SeqChunk(p, 0, t) for p, t in zip(prompts[1:], tables[1:])])
+        out = [[x] for x in logits.argmax(-1).tolist()]
+        for step in range(7):
+            chunks = [SeqChunk([o[-1]], len(p) + step, t) for p, o, t in zip(prompts, out, tables)]
+            for o, x in zip(out, runner.run(chunks).argmax(-1).tolist()):
+                o.append(x)
+        return out
+
+    assert greedy(fake_flashinfer(torch.device("cpu"))) == greedy(TorchAttention())

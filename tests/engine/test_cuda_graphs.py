@@ -1,0 +1,74 @@
+"""CUDA graph buckets on CPU: which graph a batch replays, and how a batch is padded up to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nodeserve.attention.base import AttentionMetadata
+from nodeserve.attention.flashinfer_backend import split_indices
+from nodeserve.engine.cuda_graphs import bucket_for, graph_buckets, pad_decode_batch
+
+PAGE_SIZE = 4
+
+
+@pytest.mark.parametrize("max_batch, buckets", [
+    (1, [1]),
+    (2, [1, 2]),
+    (8, [1, 2, 4, 8]),
+    (64, [1, 2, 4, 8, 16, 32, 64]),
+    (48, [1, 2, 4, 8, 16, 32, 48]),
+    (5, [1, 2, 4, 5]),
+])
+def test_graph_buckets(max_batch, buckets):
+    assert graph_buckets(max_batch) == buckets
+
+
+def test_bucket_for():
+    buckets = graph_buckets(48)
+    assert [bucket_for(n, buckets) for n in (1, 2, 3, 4, 5, 9, 16, 17, 33, 48)] == [1, 2, 4, 4, 8, 16, 16, 32, 48, 48]
+    assert bucket_for(49, buckets) is None  # above the largest: eager
+
+
+def _decode_meta(tables: list[list[int]], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    slots = [t[(n - 1) // PAGE_SIZE] * PAGE_SIZE + (n - 1) % PAGE_SIZE for t, n in zip(tables, seq_lens)]
+    max_pages = max(len(t) for t in tables)
+    block_tables = torch.zeros(len(tables), max_pages, dtype=torch.int64)
+    for b, t in enumerate(tables):
+        block_tables[b, :len(t)] = torch.tensor(t)
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=block_tables,
+                             seq_lens=torch.tensor(seq_lens), query_lens=[1] * len(tables), seq_lens_host=seq_lens,
+                             num_decodes=len(tables), page_size=PAGE_SIZE, block_tables_host=tables)
+    ids = torch.tensor([11, 12, 13][:len(tables)])
+    return ids, torch.tensor([n - 1 for n in seq_lens]), meta
+
+
+def test_pad_decode_batch_to_bucket():
+    scratch = 9
+    ids, pos, meta = _decode_meta([[3, 5], [7], [1]], [6, 2, 4])
+    bucket = bucket_for(meta.num_seqs, graph_buckets(8))  # 3 rows replay the graph of 4
+    assert bucket == 4
+    p_ids, p_pos, p_meta = pad_decode_batch(ids, pos, meta, bucket, scratch)
+    # The real rows are untouched, in order; the padding row feeds token 0 at position 0 into the scratch page.
+    assert p_ids.tolist() == [11, 12, 13, 0] and p_pos.tolist() == [5, 1, 3, 0]
+    assert p_meta.slot_mapping.tolist() == meta.slot_mapping.tolist() + [scratch * PAGE_SIZE]
+    assert p_meta.num_seqs == p_meta.num_decodes == 4 and p_meta.query_lens == [1, 1, 1, 1]
+    assert p_meta.seq_lens_host == [6, 2, 4, 1] and p_meta.seq_lens.tolist() == [6, 2, 4, 1]
+    assert p_meta.block_tables.tolist() == [[3, 5], [7, 0], [1, 0], [scratch, 0]]
+    # What FlashInfer is planned with: the padding row attends over its one slot of the scratch page.
+    decode, prefill = split_indices(p_meta)
+    assert prefill is None
+    assert decode.kv_indptr.tolist() == [0, 2, 3, 4, 5] and decode.kv_indices.tolist() == [3, 5, 7, 1, scratch]
+    assert decode.kv_last_page_len.tolist() == [2, 2, 4, 1]
+    # The input metadata is not modified.
+    assert meta.num_seqs == 3 and meta.block_tables_host == [[3, 5], [7], [1]]
+
+
+def test_pad_decode_batch_exact_bucket_and_errors():
+    ids, pos, meta = _decode_meta([[3, 5], [7]], [6, 2])
+    assert pad_decode_batch(ids, pos, meta, 2, 9)[2] is meta
+    with pytest.raises(ValueError):
+        pad_decode_batch(ids, pos, meta, 1, 9)  # bucket smaller than the batch
+    meta.num_decodes = 1  # a prefill chunk in the step: graphs are decode-only
+    with pytest.raises(ValueError):
+        pad_decode_batch(ids, pos, meta, 4, 9)

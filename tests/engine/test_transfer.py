@@ -1,0 +1,196 @@
+"""KVTransfer ordering on CPU, with a device that records its event calls and random delays injected on both
+sides: each layer's copy waits on that layer's event, copies run in layer order, the handoff comes after the
+last copy, prefill pages are freed, and an aborted request gives back its decode reservation."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nodeserve.device.cpu import CPUDevice
+from nodeserve.engine.transfer import KVTransfer, contiguous_runs
+from nodeserve.kv.pool import KVPool
+from nodeserve.request import Request
+from nodeserve.sampling_params import SamplingParams
+
+NUM_LAYERS, PAGE_SIZE, NUM_PAGES = 4, 4, 32
+CFG = SimpleNamespace(num_layers=NUM_LAYERS, num_kv_heads=2, head_dim=8)
+
+
+class RecordingDevice(CPUDevice):
+    """A CPU device whose events are ids, and whose event calls go into a shared log as (thread, call, event)."""
+
+    def __init__(self, core: int, log: list):
+        super().__init__(core)
+        self.log, self._ids = log, itertools.count()
+        self.last_event = None
+
+    def record_event(self):
+        self.last_event = (self.name, next(self._ids))
+        self.log.append((threading.current_thread().name, "record", self.last_event))
+        return self.last_event
+
+    def wait_event(self, event) -> None:
+        self.log.append((threading.current_thread().name, "wait", event))
+
+    def synchronize_event(self, event) -> None:
+        self.log.append((threading.current_thread().name, "sync", event))
+
+
+class Harness:
+    """A transfer between two recording devices; copies sleep a random time first (seeded)."""
+
+    def __init__(self, seed: int, max_delay: float, use_runs: bool = False):
+        self.log: list = []
+        self.rng = random.Random(seed)
+        self.max_delay = max_delay
+        self.src = RecordingDevice(0, self.log)
+        self.dst = RecordingDevice(1, self.log)
+        self.src_pool = KVPool(CFG, NUM_PAGES, PAGE_SIZE, torch.float32, torch.device("cpu"))
+        self.dst_pool = KVPool(CFG, NUM_PAGES, PAGE_SIZE, torch.float32, torch.device("cpu"))
+        self.transfer = KVTransfer(self.src, self.src_pool, self.dst, self.dst_pool)
+        self.transfer.use_runs = use_runs  # the CUDA path's run-by-run copies, exercised on CPU
+        copy_pages = self.transfer._copy_pages
+        delays = random.Random(seed + 1)
+
+        def slow_copy(layer, pages):
+            time.sleep(delays.uniform(0, max_delay))
+            self.log.append((threading.current_thread().name, "copy", layer))
+            return copy_pages(layer, pages)
+
+        self.transfer._copy_pages = slow_copy
+        self.events: dict[tuple[str, int], tuple] = {}  # (request id, layer) -> the event its copy must wait on
+        self.expected: dict[str, torch.Tensor] = {}     # request id -> [layers, pages, ...] of what was written
+        self.released: list[str] = []
+        self.delivered: list[tuple[str, object, int]] = []  # (request id, event, src pages free at handoff)
+
+    def request(self, rid: str, num_tokens: int) -> Request:
+        req = Request(rid, list(range(num_tokens)), SamplingParams(max_tokens=4))
+        n = -(-num_tokens // PAGE_SIZE)
+        req.prefill_pages = self.src_pool.allocator.allocate(n)
+        req.pages = self.dst_pool.allocator.allocate(n + 1)  # prompt + room for the outputs
+        return req
+
+    def prefill(self, req: Request) -> None:
+        """What a prefill worker does: write layer i's K/V, then enqueue its copy; sleeps stand in for compute."""
+        pages = self.transfer.page_indices(req.prefill_pages, req.pages[:len(req.prefill_pages)])
+        written = []
+        for layer in range(NUM_LAYERS):
+            time.sleep(self.rng.uniform(0, self.max_delay))
+            values = torch.randn(len(req.prefill_pages), *self.src_pool.layers[layer].shape[1:])
+            self.src_pool.layers[layer][req.prefill_pages] = values
+            written.append(values)
+            self.transfer.copy_layer(layer, pages)
+            self.events[(req.request_id, layer)] = self.src.last_event
+        self.expected[req.request_id] = torch.stack(written)
+
+    def finish(self, req: Request) -> None:
+        self.transfer.finish(req, self._deliver, self._release)
+
+    def _deliver(self, req: Request, event) -> None:
+        self.log.append((threading.current_thread().name, "deliver", req.request_id))
+        self.delivered.append((req.request_id, event, self.src_pool.allocator.num_free))
+
+    def _release(self, req: Request) -> None:
+        self.log.append((threading.current_thread().name, "release", req.request_id))
+        self.dst_pool.allocator.free(req.pages)
+        req.pages = []
+        self.released.append(req.request_id)
+
+    def run(self, body) -> list:
+        """Starts the transfer, runs body(), waits for the queue to drain, stops; returns the copy thread's log."""
+        self.transfer.start()
+        try:
+            body()
+        finally:
+            self.transfer.stop()
+        assert not self.transfer._thread.is_alive()
+        return [entry[1:] for entry in self.log if entry[0] == self.transfer.name]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_copies_wait_on_their_layer_and_run_in_order(seed):
+    h = Harness(seed, max_delay=0.003)
+    req = h.request("a", 13)  # 4 pages
+    copy_log = h.run(lambda: (h.prefill(req), h.finish(req)))
+
+    copies = [(i, e[1]) for i, e in enumerate(copy_log) if e[0] == "copy"]
+    assert [layer for _, layer in copies] == list(range(NUM_LAYERS))
+    for i, layer in copies:
+        # The call just before each copy, on the copy thread, is the wait on the event recorded for that layer.
+        assert copy_log[i - 1] == ("wait", h.events[("a", layer)])
+    # The handoff: after the last copy, an event is recorded and synchronized, then the request is delivered.
+    last_copy = copies[-1][0]
+    assert [e[0] for e in copy_log[last_copy + 1:]] == ["record", "sync", "deliver"]
+    done = copy_log[last_copy + 1][1]
+    assert copy_log[last_copy + 2] == ("sync", done)
+    assert h.delivered == [("a", done, NUM_PAGES)]  # delivered with that event, prefill pages already free
+    assert req.prefill_pages == [] and h.released == []
+    # The bytes arrived: every layer of the decode pages equals what prefill wrote.
+    for layer in range(NUM_LAYERS):
+        assert torch.equal(h.dst_pool.layers[layer][req.pages[:4]], h.expected["a"][layer])
+
+
+@pytest.mark.parametrize("use_runs", [False, True])
+def test_fifo_across_requests_with_delays(use_runs):
+    h = Harness(seed=7, max_delay=0.002, use_runs=use_runs)
+    reqs = [h.request(f"r{i}", n) for i, n in enumerate([5, 16, 1, 30])]
+
+    def body():
+        for r in reqs:
+            h.prefill(r)
+            h.finish(r)
+
+    copy_log = h.run(body)
+    order = [(e[0], e[1]) for e in copy_log if e[0] in ("copy", "deliver")]
+    expected = []
+    for r in reqs:
+        expected += [("copy", layer) for layer in range(NUM_LAYERS)] + [("deliver", r.request_id)]
+    assert order == expected
+    waits = [e[1] for e in copy_log if e[0] == "wait"]
+    assert waits == [h.events[(r.request_id, layer)] for r in reqs for layer in range(NUM_LAYERS)]
+    assert h.src_pool.allocator.num_free == NUM_PAGES
+    for r in reqs:
+        n = -(-r.num_prompt_tokens // PAGE_SIZE)
+        for layer in range(NUM_LAYERS):
+            assert torch.equal(h.dst_pool.layers[layer][r.pages[:n]], h.expected[r.request_id][layer])
+
+
+def test_aborted_request_releases_its_decode_reservation():
+    h = Harness(seed=3, max_delay=0.002)
+    kept, aborted = h.request("kept", 9), h.request("gone", 9)
+
+    def body():
+        h.prefill(aborted)
+        aborted.aborted = True  # e.g. the client disconnected while its copies were queued
+        h.finish(aborted)
+        h.prefill(kept)
+        h.finish(kept)
+
+    copy_log = h.run(body)
+    assert h.released == ["gone"] and [d[0] for d in h.delivered] == ["kept"]
+    assert aborted.pages == [] and aborted.prefill_pages == []
+    # Released after all of its own copies, before any copy of the next request.
+    order = [e for e in copy_log if e[0] in ("copy", "release", "deliver")]
+    assert order.index(("release", "gone")) == NUM_LAYERS
+    assert h.src_pool.allocator.num_free == NUM_PAGES
+    assert h.dst_pool.allocator.num_free == NUM_PAGES - len(kept.pages)
+
+
+@pytest.mark.parametrize("src, dst, runs", [
+    ([], [], []),
+    ([4], [9], [(4, 9, 1)]),
+    ([0, 1, 2], [5, 6, 7], [(0, 5, 3)]),
+    ([0, 1, 2], [5, 6, 8], [(0, 5, 2), (2, 8, 1)]),
+    ([3, 4, 9, 10, 11], [0, 1, 2, 3, 4], [(3, 0, 2), (9, 2, 3)]),
+    ([2, 1, 0], [0, 1, 2], [(2, 0, 1), (1, 1, 1), (0, 2, 1)]),
+])
+def test_contiguous_runs(src, dst, runs):
+    assert contiguous_runs(src, dst) == runs
+    assert sum(n for _, _, n in runs) == len(src)
