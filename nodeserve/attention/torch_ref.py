@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -69,25 +71,46 @@ def length_groups(seq_lens: list[int], max_waste: float = 2.0, min_len: int = 25
     return groups
 
 
+@dataclass
+class _DecodeGroup:
+    idx: torch.Tensor | slice  # the group's rows among the decodes
+    block_table: torch.Tensor  # [n, pages covering max_len]
+    max_len: int
+    mask: torch.Tensor         # [n, 1, 1, max_len]: key positions each row may see
+
+
 class TorchAttention:
     """Decodes are batched in padded SDPA calls over groups of similar length; each prefill chunk runs
-    alone, so no one pads to the longest prompt."""
+    alone, so no one pads to the longest prompt. The grouping and masks depend only on the step, so they are
+    built at the first layer and reused by the others (the same `meta` object comes with every layer)."""
+
+    def __init__(self) -> None:
+        self._planned: tuple[AttentionMetadata | None, list[_DecodeGroup]] = (None, [])
+
+    def _decode_groups(self, meta: AttentionMetadata, device: torch.device) -> list[_DecodeGroup]:
+        if self._planned[0] is meta:
+            return self._planned[1]
+        nd = meta.num_decodes
+        groups = length_groups(meta.seq_lens_host[:nd]) if nd else []
+        planned = []
+        for rows in groups:
+            max_len = max(meta.seq_lens_host[i] for i in rows)
+            idx = torch.tensor(rows, device=device) if len(groups) > 1 else slice(0, nd)
+            positions = torch.arange(max_len, device=device)
+            mask = (positions[None, :] < meta.seq_lens[idx, None])[:, None, None, :]
+            table = meta.block_tables[idx, :-(-max_len // meta.page_size)]
+            planned.append(_DecodeGroup(idx, table, max_len, mask))
+        self._planned = (meta, planned)
+        return planned
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(kv_layer, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:
-            groups = length_groups(meta.seq_lens_host[:nd])
-            for rows in groups:
-                max_len = max(meta.seq_lens_host[i] for i in rows)
-                num_pages = -(-max_len // meta.page_size)
-                idx = torch.tensor(rows, device=q.device) if len(groups) > 1 else slice(0, nd)
-                kd, vd = gather_kv(kv_layer, meta.block_tables[idx, :num_pages], max_len)  # [n, L, KH, D]
-                positions = torch.arange(max_len, device=q.device)
-                mask = (positions[None, :] < meta.seq_lens[idx, None])[:, None, None, :]  # [n, 1, 1, L]
-                out[idx] = attend_decode(q[idx], kd, vd, mask, scale)
+        for g in self._decode_groups(meta, q.device):
+            kd, vd = gather_kv(kv_layer, g.block_table, g.max_len)  # [n, L, KH, D]
+            out[g.idx] = attend_decode(q[g.idx], kd, vd, g.mask, scale)
         start = nd
         for b in range(nd, meta.num_seqs):
             q_len, seq_len = meta.query_lens[b], meta.seq_lens_host[b]
