@@ -105,13 +105,17 @@ async def send(session, url: str, model: str, req: W.Request, headers: dict, ext
 
 async def run(url: str, model: str, requests: list[W.Request], arrival: str, rate: float | None,
               concurrency: int | None, seed: int, headers: dict, extra_body: dict, timeout: float,
-              progress: bool = True) -> tuple[list[dict], float]:
-    """Sends every request with the given arrival pattern; returns (records in request order, duration)."""
+              progress: bool = True, force_close: bool = False) -> tuple[list[dict], float]:
+    """Sends every request with the given arrival pattern; returns (records in request order, duration).
+
+    force_close: a new connection per request. llama-server (cpp-httplib) may close a kept-alive connection
+    after a streamed response just as the next request is written on it ("Can not write request body").
+    """
     import aiohttp
 
     records: list[dict | None] = [None] * len(requests)
     n_done = 0
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, force_close=force_close)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         t0 = time.perf_counter()
 
@@ -144,6 +148,39 @@ async def run(url: str, model: str, requests: list[W.Request], arrival: str, rat
             await asyncio.gather(*tasks)
     duration = max((r["end_s"] for r in records), default=0.0)
     return records, duration
+
+
+def measure(url: str, model: str, requests: list[W.Request], arrival: str, rate: float | None,
+            concurrency: int | None, seed: int, headers: dict | None = None, extra_body: dict | None = None,
+            timeout: float = 900.0, slo_ttft: float = S.DEFAULT_SLO_TTFT, slo_tpot: float = S.DEFAULT_SLO_TPOT,
+            progress: bool = True, force_close: bool = False, ttft_per_token: float = 0.0) -> dict:
+    """One run (see `run`) with its summary and SLO attainment: {"rate", "records", "summary", "attainment"}."""
+    records, duration = asyncio.run(run(url, model, requests, arrival, rate, concurrency, seed, headers or {},
+                                        extra_body or {}, timeout, progress=progress, force_close=force_close))
+    return {"rate": rate, "records": records, "summary": S.summarize(records, duration),
+            "attainment": S.slo_attainment(records, slo_ttft, slo_tpot, ttft_per_token)}
+
+
+def search_goodput(measure_at, rate_min: float, rate_max: float, target: float = S.DEFAULT_SLO_TARGET,
+                   tol: float = 0.1, max_probes: int = 12, report: bool = True) -> tuple[dict, dict]:
+    """Goodput search (stats.goodput_search) where measure_at(rate) returns a `measure` result.
+
+    Returns (the search as a dict, with every probe's summary and attainment under "probes"; the run reported
+    with it: the probe at the goodput, or the lowest rate probed if none met the target).
+    """
+    probes: dict[float, dict] = {}
+
+    def attainment_at(rate: float) -> float | None:
+        print(f"goodput probe: Poisson {rate:.3f} req/s", flush=True)
+        probes[rate] = measure_at(rate)
+        if report:
+            print_report(probes[rate]["summary"], probes[rate]["attainment"], f"probe {rate:.3f} req/s")
+        return probes[rate]["attainment"]["attainment"]
+
+    g = S.goodput_search(attainment_at, rate_min, rate_max, target, tol, max_probes=max_probes)
+    out = g.as_dict()
+    out["probes"] = [{"rate": r, "summary": p["summary"], "attainment": p["attainment"]} for r, p in probes.items()]
+    return out, probes[g.goodput if g.goodput is not None else min(probes)]
 
 
 # ---- environment ------------------------------------------------------------------------------------------
@@ -315,34 +352,16 @@ def main() -> int:
         asyncio.run(run(url, model, warm, "concurrency", None, 1, args.seed, headers, extra_body,
                         args.request_timeout, progress=False))
 
-    def measure(rate: float | None, arr: str) -> dict:
-        records, duration = asyncio.run(run(url, model, requests, arr, rate, args.concurrency, args.seed, headers,
-                                            extra_body, args.request_timeout))
-        summary = S.summarize(records, duration)
-        att = S.slo_attainment(records, args.slo_ttft, args.slo_tpot)
-        return {"rate": rate, "records": records, "summary": summary, "attainment": att}
+    def measure_at(rate: float | None, arr: str) -> dict:
+        return measure(url, model, requests, arr, rate, args.concurrency, args.seed, headers, extra_body,
+                       args.request_timeout, args.slo_ttft, args.slo_tpot)
 
     if args.goodput_search:
-        probes: dict[float, dict] = {}
-
-        def attainment_at(rate: float) -> float | None:
-            print(f"goodput probe: Poisson {rate:.3f} req/s", flush=True)
-            probes[rate] = measure(rate, "poisson")
-            a = probes[rate]["attainment"]["attainment"]
-            print_report(probes[rate]["summary"], probes[rate]["attainment"], f"probe {rate:.3f} req/s")
-            return a
-
-        g = S.goodput_search(attainment_at, args.rate_min, args.rate_max, args.slo_target, args.rate_tol,
-                             max_probes=args.max_probes)
-        results["goodput"] = g.as_dict()
-        results["goodput"]["probes"] = [{"rate": r, "summary": p["summary"], "attainment": p["attainment"]}
-                                        for r, p in probes.items()]
-        # the reported run: the probe at the goodput (or the lowest rate probed if none met the target)
-        main_rate = g.goodput if g.goodput is not None else min(probes)
-        main = probes[main_rate]
+        results["goodput"], main = search_goodput(lambda rate: measure_at(rate, "poisson"), args.rate_min,
+                                                  args.rate_max, args.slo_target, args.rate_tol, args.max_probes)
         arrival = results["arrival"] = "poisson"
     else:
-        main = measure(args.rate if arrival == "poisson" else None, arrival)
+        main = measure_at(args.rate if arrival == "poisson" else None, arrival)
     results.update(rate=main["rate"], summary=main["summary"], attainment=main["attainment"],
                    records=main["records"])
 

@@ -1,0 +1,84 @@
+"""bench/timeline.py's pure parts on synthetic /debug/steps snapshots: step classification, idle filling and
+clipping to the window, and busy shares; plus one plot to a temp file."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+
+
+@pytest.fixture(scope="module")
+def T():
+    spec = importlib.util.spec_from_file_location("nodeserve_bench_timeline", os.path.join(_BENCH, "timeline.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up here
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _snapshot():
+    # server clock: the run starts at 100.0 and the snapshot is taken at 110.0
+    return {"now": 110.0,
+            "devices": [{"device": "cpu:0", "role": "prefill", "steps": [[101.0, 103.0, 512, 0], [104.0, 105.0, 64, 0]]},
+                        {"device": "cpu:1", "role": "decode",
+                         "steps": [[99.0, 100.5, 0, 4], [100.5, 101.0, 16, 3], [101.0, 110.0, 0, 8]]}],
+            "transfers": [{"name": "kv cpu:0->cpu:1", "copies": [[103.0, 103.5, 1000], [103.2, 103.7, 10], [105.0, 105.1, 5]]}]}
+
+
+def test_classify(T):
+    assert T.classify(128, 0) == "prefill"
+    assert T.classify(0, 5) == "decode"
+    assert T.classify(7, 5) == "mixed"
+    assert T.classify(0, 0) == "idle"
+
+
+def test_busy_intervals_fill_and_clip(T):
+    ivs = T.busy_intervals([(12.0, 13.0, "decode"), (9.0, 11.0, "prefill"), (19.0, 25.0, "decode")], 10.0, 20.0)
+    got = [(i.start, i.end, i.kind) for i in ivs]
+    # the first span is clipped at the window start, the last at its end; gaps are idle
+    assert got == [(0.0, 1.0, "prefill"), (1.0, 2.0, "idle"), (2.0, 3.0, "decode"), (3.0, 9.0, "idle"),
+                   (9.0, 10.0, "decode")]
+
+
+def test_busy_intervals_empty_window_is_idle(T):
+    ivs = T.busy_intervals([(0.0, 1.0, "decode")], 5.0, 7.0)
+    assert [(i.start, i.end, i.kind) for i in ivs] == [(0.0, 2.0, "idle")]
+
+
+def test_parse_rows_and_shares(T):
+    rows = T.parse(_snapshot(), t0=100.0)
+    assert [r.label for r in rows] == ["cpu:0 (prefill)", "cpu:1 (decode)", "kv cpu:0->cpu:1"]
+    prefill, decode, transfer = rows
+    assert [(i.start, i.end, i.kind) for i in prefill.intervals] == [
+        (0.0, 1.0, "idle"), (1.0, 3.0, "prefill"), (3.0, 4.0, "idle"), (4.0, 5.0, "prefill"), (5.0, 10.0, "idle")]
+    sh = T.busy_shares(prefill)
+    assert sh["busy"] == pytest.approx(0.3) and sh["prefill"] == pytest.approx(0.3)
+    sh = T.busy_shares(decode)
+    # 0.5 s decode (clipped from 99.0), 0.5 s mixed, 9 s decode: busy the whole 10 s
+    assert sh["busy"] == pytest.approx(1.0)
+    assert sh["decode"] == pytest.approx(0.95) and sh["mixed"] == pytest.approx(0.05)
+    # overlapping copies 103.0-103.5 and 103.2-103.7 count once: 0.7 s + 0.1 s
+    assert T.busy_shares(transfer)["busy"] == pytest.approx(0.08)
+    assert set(T.summary(rows)) == {r.label for r in rows}
+
+
+def test_parse_defaults_to_snapshot_now_and_rejects_reversed_window(T):
+    rows = T.parse(_snapshot(), t0=105.0)
+    assert max(i.end for i in rows[0].intervals) == pytest.approx(5.0)
+    with pytest.raises(ValueError):
+        T.parse(_snapshot(), t0=120.0)
+
+
+def test_busy_shares_of_empty_row(T):
+    assert T.busy_shares(T.Row("x", [])) == {"busy": 0.0}
+
+
+def test_plot_writes_png(T, tmp_path):
+    path = T.plot(T.parse(_snapshot(), t0=100.0), str(tmp_path / "t.png"), title="synthetic")
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
