@@ -390,6 +390,14 @@ def test_every_weight_equals_the_hf_original(converted):
     _, _, hf, loaded = converted
     ours = loaded.model.state_dict()
     theirs = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
+    # The loader fuses q/k/v and gate/up (LlamaModel.fuse): expect HF's tensors concatenated the same way.
+    for i in range(loaded.config.num_layers):
+        for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                             ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))):
+            for kind in ("weight", "bias"):
+                names = [f"layers.{i}.{p}.{kind}" for p in parts]
+                if names[0] in theirs:
+                    theirs[f"layers.{i}.{fused}.{kind}"] = torch.cat([theirs.pop(n) for n in names])
     assert set(ours) == set(theirs)
     for key, value in theirs.items():
         assert ours[key].dtype == torch.float32
