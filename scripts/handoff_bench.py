@@ -66,7 +66,7 @@ def main() -> None:
     dst_pool = KVPool(MODEL, num_pages + 1, PAGE_SIZE, torch.bfloat16, dst.torch_device)
     src_pages = src_pool.allocator.allocate(num_pages)
     dst_pages = dst_pool.allocator.allocate(num_pages)
-    transfer = KVTransfer(src, src_pool, dst, dst_pool)
+    transfer = KVTransfer(src, src_pool, dst, dst_pool, lambda pages, event: None)  # the pages are reused as is
     transfer.start()
     src.init_worker_thread()  # this thread plays the prefill worker: its compute stream
     try:

@@ -49,7 +49,7 @@ class Device:
         """Called first thing in a KV transfer thread that copies out of this device."""
 
     def record_event(self) -> Any:
-        """An event marking the work issued so far on the current stream."""
+        """An event marking the work issued so far on this device's current stream (of the calling thread)."""
         return None
 
     def wait_event(self, event: Any) -> None:
@@ -58,8 +58,12 @@ class Device:
     def synchronize_event(self, event: Any) -> None:
         """Block the host until `event` has completed."""
 
-    def copy_stream_context(self):
-        """Context manager under which transfer copies are issued (a dedicated stream on CUDA)."""
+    def new_stream(self) -> Any:
+        """A stream of its own on this device (a KV transfer makes one per device pair); None on CPU."""
+        return None
+
+    def use_stream(self, stream: Any):
+        """Context manager under which ops on this device are issued on `stream` (from new_stream())."""
         import contextlib
 
         return contextlib.nullcontext()

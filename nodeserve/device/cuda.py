@@ -1,4 +1,4 @@
-"""CUDA GPUs as devices: a compute stream per worker, events for cross-stream ordering, a copy stream per transfer.
+"""CUDA GPUs as devices: a compute stream per worker, events for cross-stream ordering, copy streams for transfers.
 
 Untested on the CPU-only CI machines; its logic paths are the same ones the CPU device drives.
 """
@@ -16,7 +16,6 @@ class CUDADevice(Device):
         self.name = f"cuda:{index}"
         self.torch_device = torch.device("cuda", index)
         self._compute_stream = None
-        self._copy_stream = None
 
     def init_worker_thread(self) -> None:
         torch.cuda.set_device(self.index)
@@ -25,8 +24,6 @@ class CUDADevice(Device):
 
     def init_copy_thread(self) -> None:
         torch.cuda.set_device(self.index)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.torch_device)
 
     def record_event(self):
         event = torch.cuda.Event()
@@ -41,5 +38,10 @@ class CUDADevice(Device):
         if event is not None:
             event.synchronize()
 
-    def copy_stream_context(self):
-        return torch.cuda.stream(self._copy_stream)
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.torch_device)
+
+    def use_stream(self, stream: torch.cuda.Stream):
+        # Current on the stream's own device (per thread): entered once per device, a transfer's pair of streams
+        # is current on both ends, which is what a cross-device copy_ queues on and synchronises with.
+        return torch.cuda.stream(stream)

@@ -1,15 +1,20 @@
 """KVTransfer: moves a request's KV pages from a prefill pool to its reserved decode pages, layer by layer.
 
-One transfer (a copy thread, and on CUDA a dedicated copy stream) per (prefill device, decode device) pair.
-Jobs run strictly in FIFO order, which is what makes the handoff safe:
-  1. the prefill worker enqueues copy_layer(i) as soon as layer i's K/V is written (the event marks that
-     point on its compute stream; on CPU the write has already finished), while later layers still compute;
-  2. after a request's last prefill step it enqueues finish(req), which therefore runs after every copy of
-     that request: it frees the prefill pages and hands the request to the decode worker, or, if the
-     request was aborted meanwhile, frees the decode reservation too. Nothing is freed while a copy may
-     still read or write it, and nothing is left behind.
-On CPU a layer's pages are gathered, moved and scattered in one go; on CUDA each run of pages contiguous on
-both sides is one copy (no staging tensor), peer-to-peer where the GPUs allow it.
+One transfer per (prefill device, decode device) pair: a copy thread and, on CUDA, a dedicated stream on each
+of the two devices, both current in that thread. Jobs run strictly in FIFO order, which makes the handoff safe:
+  1. the prefill worker enqueues copy_layer(i) as soon as layer i's K/V is written (an event marks that point
+     on its compute stream), while later layers still compute; the copy waits on that event on the copy
+     stream, never on the host;
+  2. after a request's last prefill step it enqueues finish(req), which runs after every copy of that
+     request and records two events: `read` (the source pages are read) goes back to the prefill worker,
+     whose stream waits on it before the pages are reused; `landed` (every byte written) goes with the
+     request to the decode worker, whose stream waits on it before the request's first decode step.
+     No host synchronisation on that path. A request aborted or finished meanwhile has its decode
+     reservation freed instead, after the host waits for its copies: that memory may be reserved again at
+     once, for a copy on another pair's streams, so it must be quiet first.
+A layer's pages move as a few runs of pages contiguous on both sides (one copy each, peer to peer where the
+GPUs allow it), or, when they are scattered, gathered into a staging tensor, copied once and scattered.
+The same code runs on CPU devices, where events are None and every op completes in order.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ def contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]
     return runs
 
 
+MAX_DIRECT_RUNS = 8  # more runs than this per layer: one gather + copy + scatter beats a copy call per run
+
+
 def peer_access(src: torch.device, dst: torch.device) -> bool | None:
     """Whether a GPU-to-GPU copy can go peer to peer (NVLink/PCIe); None unless both are distinct GPUs."""
     if src.type != "cuda" or dst.type != "cuda" or src == dst:
@@ -55,11 +63,12 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PageMap:
-    """Which source pages go to which destination pages, built once per step and reused for every layer."""
+    """Which source pages go to which destination pages, built once per step and reused for every layer:
+    either a few contiguous runs, or index tensors for a gather/scatter through a staging tensor."""
 
-    src: torch.Tensor                   # [N] int64 on the source device
-    dst: torch.Tensor                   # [N] int64 on the destination device
-    runs: list[tuple[int, int, int]]    # contiguous_runs(src, dst), for CUDA copies
+    runs: list[tuple[int, int, int]] | None  # (src_start, dst_start, length); None: stage
+    src: torch.Tensor | None = None          # [N] int64 on the source device, when staging
+    dst: torch.Tensor | None = None          # [N] int64 on the destination device, when staging
 
 
 @dataclass
@@ -78,18 +87,21 @@ class _Finish:
 
 class KVTransfer:
     def __init__(self, src_device: Device, src_pool: KVPool, dst_device: Device, dst_pool: KVPool,
+                 free_src_pages: Callable[[list[int], Any], None],
                  on_transfer: Callable[[float, int], None] | None = None):
+        """free_src_pages(pages, event): frees prefill pages once the prefill stream has waited on `event`
+        (the prefill worker's release_pages, run in its own thread)."""
         self.src_device, self.src_pool = src_device, src_pool
         self.dst_device, self.dst_pool = dst_device, dst_pool
         self.name = f"kv {src_device.name}->{dst_device.name}"
+        self.free_src_pages = free_src_pages
         self.on_transfer = on_transfer
+        self.max_direct_runs = MAX_DIRECT_RUNS
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self.num_bytes = 0        # bytes copied so far
         self.busy_seconds = 0.0   # time spent copying, for the device timeline
         self.records: list[tuple[float, float, int]] = []  # (start, end, bytes) per copy, bounded below
-        # Runs of contiguous pages as direct copies on CUDA; the CPU path gathers and scatters instead.
-        self.use_runs = "cuda" in (src_device.torch_device.type, dst_device.torch_device.type)
 
     def start(self) -> None:
         peer = peer_access(self.src_device.torch_device, self.dst_device.torch_device)
@@ -106,9 +118,11 @@ class KVTransfer:
 
     # Called from the prefill worker thread.
     def page_indices(self, src_pages: list[int], dst_pages: list[int]) -> PageMap:
-        return PageMap(torch.tensor(src_pages, dtype=torch.int64, device=self.src_device.torch_device),
-                       torch.tensor(dst_pages, dtype=torch.int64, device=self.dst_device.torch_device),
-                       contiguous_runs(src_pages, dst_pages) if self.use_runs else [])
+        runs = contiguous_runs(src_pages, dst_pages)
+        if len(runs) <= self.max_direct_runs:
+            return PageMap(runs)
+        return PageMap(None, torch.tensor(src_pages, dtype=torch.int64, device=self.src_device.torch_device),
+                       torch.tensor(dst_pages, dtype=torch.int64, device=self.dst_device.torch_device))
 
     def copy_layer(self, layer: int, pages: PageMap) -> None:
         self._jobs.put(_CopyLayer(layer, pages, self.src_device.record_event()))
@@ -119,7 +133,8 @@ class KVTransfer:
 
     def _run(self) -> None:
         self.src_device.init_copy_thread()
-        with self.src_device.copy_stream_context():
+        src_stream, dst_stream = self.src_device.new_stream(), self.dst_device.new_stream()
+        with self.src_device.use_stream(src_stream), self.dst_device.use_stream(dst_stream):
             while (job := self._jobs.get()) is not None:
                 if isinstance(job, _CopyLayer):
                     self._copy(job)
@@ -137,31 +152,32 @@ class KVTransfer:
             self.records.append((start, end, nbytes))
 
     def _copy_pages(self, layer: int, pages: PageMap) -> int:
-        """Issues one layer's copy on the current (copy) stream; returns the bytes moved."""
+        """Issues one layer's copy on the transfer's streams; returns the bytes moved."""
         src, dst = _as_bytes(self.src_pool.layers[layer]), _as_bytes(self.dst_pool.layers[layer])
-        if self.use_runs:
+        if pages.runs is not None:
             for s, d, n in pages.runs:
                 dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
             return sum(n for _, _, n in pages.runs) * src[0].numel() * src.element_size()
-        # Gather scattered pages into one staging tensor, move it once, scatter on the destination.
-        staged = src.index_select(0, pages.src).to(self.dst_device.torch_device, non_blocking=True)
+        # Allocated and used on the transfer's own streams only, so the caching allocator's stream-ordered
+        # reuse is safe without record_stream.
+        staged = src.index_select(0, pages.src).to(dst.device, non_blocking=True)
         dst.index_copy_(0, pages.dst, staged)
         return staged.numel() * staged.element_size()
 
     def _finish(self, job: _Finish) -> None:
         req = job.request
-        done = self.src_device.record_event()
-        # The prefill pages may be reused by the next prompt only once every copy reading them is done.
-        self.src_device.synchronize_event(done)
-        self.src_pool.allocator.free(req.prefill_pages)
-        req.prefill_pages = []
+        read = self.src_device.record_event()     # on the source stream, after every copy reading req's pages
+        landed = self.dst_device.record_event()   # on the destination stream, after every write of them
+        pages, req.prefill_pages = req.prefill_pages, []
+        self.free_src_pages(pages, read)
         if req.aborted or req.finished:
+            self.dst_device.synchronize_event(landed)
             job.release(req)
             return
         if self.on_transfer is not None:
-            # Time the handoff waited after the last prefill forward: the part of the copy the layer-by-layer
-            # overlap did not hide. Bytes: every layer's K and V of the prompt's pages.
+            # Time from the last prefill forward to the handoff being queued: the part of the copy the
+            # layer-by-layer overlap did not hide on CPU. On CUDA it is the host side only (no sync here).
             waited = time.monotonic() - req.timings.get("prefill_end", time.monotonic())
             num_pages = -(-req.num_prompt_tokens // self.src_pool.page_size)
             self.on_transfer(waited, num_pages * self.src_pool.bytes_per_page_per_layer * len(self.src_pool.layers))
-        job.deliver(req, done)
+        job.deliver(req, landed)

@@ -95,6 +95,11 @@ class Worker:
         """A request whose KV has landed in this worker's pool (ready_event marks the last copy)."""
         self._inbox.put(("decode", req, ready_event))
 
+    def release_pages(self, pages: list[int], read_event: Any) -> None:
+        """Frees pages of this worker's pool that a transfer copied out, once this worker's stream has waited
+        on read_event: a later step writing them is then ordered after the copy, with no host sync."""
+        self._inbox.put(("free", pages, read_event))
+
     def wake(self) -> None:
         self._inbox.put(None)
 
@@ -124,14 +129,17 @@ class Worker:
             return
         while True:
             if item is not None:
-                kind, req, event = item
+                kind, payload, event = item
                 if kind == "prefill":
-                    self.waiting.append(req)
+                    self.waiting.append(payload)
+                elif kind == "free":
+                    self.device.wait_event(event)
+                    self.pool.allocator.free(payload)
                 else:
                     self.device.wait_event(event)
-                    req.num_computed_tokens = req.num_prompt_tokens
-                    req.timings["decode_start"] = time.monotonic()
-                    self.running.append(req)
+                    payload.num_computed_tokens = payload.num_prompt_tokens
+                    payload.timings["decode_start"] = time.monotonic()
+                    self.running.append(payload)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -152,7 +160,7 @@ class Worker:
             budget -= n
         if not decodes and not prefills:
             if self.waiting:
-                time.sleep(0.001)  # prompts wait for prefill pages that the transfer thread will free
+                time.sleep(0.001)  # prompts wait for prefill pages that finished transfers give back
             return
         start = time.monotonic()
         chunks = [SeqChunk([r.output_ids[-1]], r.num_computed_tokens, r.pages) for r in decodes]

@@ -1,6 +1,7 @@
 """KVTransfer ordering on CPU, with a device that records its event calls and random delays injected on both
 sides: each layer's copy waits on that layer's event, copies run in layer order, the handoff comes after the
-last copy, prefill pages are freed, and an aborted request gives back its decode reservation."""
+last copy with the destination's event and no host sync, prefill pages go back with the source's event, and
+an aborted request gives back its decode reservation only after a host wait on its copies."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from nodeserve.device.cpu import CPUDevice
-from nodeserve.engine.transfer import KVTransfer, contiguous_runs
+from nodeserve.engine.transfer import KVTransfer, PageMap, contiguous_runs
 from nodeserve.kv.pool import KVPool
 from nodeserve.request import Request
 from nodeserve.sampling_params import SamplingParams
@@ -46,7 +47,7 @@ class RecordingDevice(CPUDevice):
 class Harness:
     """A transfer between two recording devices; copies sleep a random time first (seeded)."""
 
-    def __init__(self, seed: int, max_delay: float, use_runs: bool = False):
+    def __init__(self, seed: int, max_delay: float, max_direct_runs: int = 8):
         self.log: list = []
         self.rng = random.Random(seed)
         self.max_delay = max_delay
@@ -54,8 +55,8 @@ class Harness:
         self.dst = RecordingDevice(1, self.log)
         self.src_pool = KVPool(CFG, NUM_PAGES, PAGE_SIZE, torch.float32, torch.device("cpu"))
         self.dst_pool = KVPool(CFG, NUM_PAGES, PAGE_SIZE, torch.float32, torch.device("cpu"))
-        self.transfer = KVTransfer(self.src, self.src_pool, self.dst, self.dst_pool)
-        self.transfer.use_runs = use_runs  # the CUDA path's run-by-run copies, exercised on CPU
+        self.transfer = KVTransfer(self.src, self.src_pool, self.dst, self.dst_pool, self._free_src)
+        self.transfer.max_direct_runs = max_direct_runs  # 0: always through a staging tensor
         copy_pages = self.transfer._copy_pages
         delays = random.Random(seed + 1)
 
@@ -93,6 +94,11 @@ class Harness:
     def finish(self, req: Request) -> None:
         self.transfer.finish(req, self._deliver, self._release)
 
+    def _free_src(self, pages: list[int], event) -> None:
+        """What the prefill worker's release_pages does, minus the hop through its inbox."""
+        self.log.append((threading.current_thread().name, "free", event))
+        self.src_pool.allocator.free(pages)
+
     def _deliver(self, req: Request, event) -> None:
         self.log.append((threading.current_thread().name, "deliver", req.request_id))
         self.delivered.append((req.request_id, event, self.src_pool.allocator.num_free))
@@ -125,21 +131,24 @@ def test_copies_wait_on_their_layer_and_run_in_order(seed):
     for i, layer in copies:
         # The call just before each copy, on the copy thread, is the wait on the event recorded for that layer.
         assert copy_log[i - 1] == ("wait", h.events[("a", layer)])
-    # The handoff: after the last copy, an event is recorded and synchronized, then the request is delivered.
+    # The handoff: after the last copy, one event on each device's copy stream; the source's goes back with the
+    # prefill pages, the destination's goes with the request. No host sync on this path.
     last_copy = copies[-1][0]
-    assert [e[0] for e in copy_log[last_copy + 1:]] == ["record", "sync", "deliver"]
-    done = copy_log[last_copy + 1][1]
-    assert copy_log[last_copy + 2] == ("sync", done)
-    assert h.delivered == [("a", done, NUM_PAGES)]  # delivered with that event, prefill pages already free
+    assert [e[0] for e in copy_log[last_copy + 1:]] == ["record", "record", "free", "deliver"]
+    read, landed = copy_log[last_copy + 1][1], copy_log[last_copy + 2][1]
+    assert read[0] == "cpu:0" and landed[0] == "cpu:1"
+    assert copy_log[last_copy + 3] == ("free", read)
+    assert h.delivered == [("a", landed, NUM_PAGES)]  # delivered with that event, prefill pages already free
+    assert not any(e[0] == "sync" for e in copy_log)
     assert req.prefill_pages == [] and h.released == []
     # The bytes arrived: every layer of the decode pages equals what prefill wrote.
     for layer in range(NUM_LAYERS):
         assert torch.equal(h.dst_pool.layers[layer][req.pages[:4]], h.expected["a"][layer])
 
 
-@pytest.mark.parametrize("use_runs", [False, True])
-def test_fifo_across_requests_with_delays(use_runs):
-    h = Harness(seed=7, max_delay=0.002, use_runs=use_runs)
+@pytest.mark.parametrize("max_direct_runs", [0, 8])
+def test_fifo_across_requests_with_delays(max_direct_runs):
+    h = Harness(seed=7, max_delay=0.002, max_direct_runs=max_direct_runs)
     reqs = [h.request(f"r{i}", n) for i, n in enumerate([5, 16, 1, 30])]
 
     def body():
@@ -176,9 +185,13 @@ def test_aborted_request_releases_its_decode_reservation():
     copy_log = h.run(body)
     assert h.released == ["gone"] and [d[0] for d in h.delivered] == ["kept"]
     assert aborted.pages == [] and aborted.prefill_pages == []
-    # Released after all of its own copies, before any copy of the next request.
+    # Released after all of its own copies and a host wait on the last of them, before any copy of the next.
     order = [e for e in copy_log if e[0] in ("copy", "release", "deliver")]
     assert order.index(("release", "gone")) == NUM_LAYERS
+    i = copy_log.index(("release", "gone"))
+    landed = copy_log[i - 3][1]
+    assert [e[0] for e in copy_log[i - 4:i]] == ["record", "record", "free", "sync"] and copy_log[i - 1] == ("sync", landed)
+    assert landed[0] == "cpu:1"
     assert h.src_pool.allocator.num_free == NUM_PAGES
     assert h.dst_pool.allocator.num_free == NUM_PAGES - len(kept.pages)
 
@@ -194,3 +207,12 @@ def test_aborted_request_releases_its_decode_reservation():
 def test_contiguous_runs(src, dst, runs):
     assert contiguous_runs(src, dst) == runs
     assert sum(n for _, _, n in runs) == len(src)
+
+
+def test_scattered_pages_go_through_a_staging_tensor():
+    pool = KVPool(CFG, NUM_PAGES, PAGE_SIZE, torch.float32, torch.device("cpu"))
+    transfer = KVTransfer(CPUDevice(0), pool, CPUDevice(1), pool, lambda pages, event: None)
+    assert transfer.page_indices([0, 1, 2], [5, 6, 7]) == PageMap([(0, 5, 3)])
+    src, dst = list(range(0, 20, 2)), list(range(10))  # ten runs of one page
+    staged = transfer.page_indices(src, dst)
+    assert staged.runs is None and staged.src.tolist() == src and staged.dst.tolist() == dst
