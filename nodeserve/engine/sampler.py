@@ -118,6 +118,17 @@ class Sampler:
         g.manual_seed(seed)
         return g
 
+    def request_generator(self, generator: torch.Generator | None, seed: int | None,
+                          num_drawn: int) -> torch.Generator | None:
+        """The generator a seeded request draws from on this sampler's device: its own when it lives here,
+        else a new one (a request moving from its prefill GPU to its decode GPU) seeded from the request's
+        seed and the number of tokens drawn so far, so that a rerun draws exactly the same again."""
+        if seed is None:
+            return None
+        if generator is not None and generator.device == self.device:
+            return generator
+        return self.new_generator(seed if num_drawn == 0 else (seed * 1_000_003 + num_drawn) % 2**63)
+
     @torch.inference_mode()
     def __call__(
         self,

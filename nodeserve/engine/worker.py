@@ -221,6 +221,8 @@ class Worker:
                 sample_reqs.append(req)
                 sample_rows.append(result)
         if sample_reqs:
+            for req in sample_reqs:
+                req.generator = self.sampler.request_generator(req.generator, req.params.seed, len(req.output_ids))
             out = self.sampler(torch.stack(sample_rows), [r.params for r in sample_reqs],
                                [r.prompt_ids for r in sample_reqs], [r.output_ids for r in sample_reqs],
                                [r.generator for r in sample_reqs])

@@ -284,3 +284,19 @@ def test_tiny_temperature_and_tiny_repetition_penalty_stay_well_defined():
     out = sampler(logits, [tiny_t, tiny_rep], [[1, 2], [3, 4]], [[], [5]], [None, None])
     assert out.token_ids[0] == int(logits[0].argmax())  # underflowing temperatures mean greedy
     assert all(math.isfinite(lp) for lp in out.logprobs)
+
+
+def test_request_generator_follows_the_request_across_devices():
+    from types import SimpleNamespace
+
+    sampler = Sampler(CPU)
+    assert sampler.request_generator(None, None, 0) is None
+    own = sampler.new_generator(5)
+    assert sampler.request_generator(own, 5, 3) is own  # lives here: keeps drawing from it
+    # Drawn on another device (the prefill GPU): a fresh generator here, the same one on every rerun, and not
+    # the first token's stream over again.
+    elsewhere = SimpleNamespace(device=torch.device("cuda", 1))
+    a, b = sampler.request_generator(elsewhere, 5, 1), sampler.request_generator(elsewhere, 5, 1)
+    assert a.device == CPU and torch.equal(a.get_state(), b.get_state())
+    assert not torch.equal(a.get_state(), sampler.new_generator(5).get_state())
+    assert torch.equal(sampler.request_generator(None, 5, 0).get_state(), sampler.new_generator(5).get_state())
