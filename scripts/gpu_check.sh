@@ -15,3 +15,5 @@ echo "== nodeserve devices"
 python -m nodeserve devices
 echo "== KV handoff"
 python scripts/handoff_bench.py --tokens 2048
+echo "== host time per decode step, eager vs CUDA graphs"
+python bench/decode_host.py --device cuda:0 --dtype bf16 --batch 1,8,32 --json decode_host.json

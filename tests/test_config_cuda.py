@@ -42,20 +42,25 @@ def test_cuda_options_load_for_gpu_devices():
 
 @pytest.mark.parametrize("raw, words", [
     ({"devices": {"attention": "flashinfer"}}, ["'devices.attention'", "CUDA", "cpu:0"]),
-    ({"kv": {"dtype": "fp8_e4m3"}}, ["'kv.dtype'", "CUDA", "cpu:0"]),
     ({"kv": {"memory_gib": 0}}, ["'kv.memory_gib'", "CUDA", "GiB"]),
     ({"kv": {"memory_gib": -1}}, ["'kv.memory_gib'"]),
     ({"devices": {**GPUS, "attention": "triton"}}, ["'devices.attention'", "flashinfer"]),
     ({"kv": {"dtype": "int8"}}, ["'kv.dtype'", "fp8_e4m3"]),
     ({"kv": {"memory_headroom": 1.0}}, ["'kv.memory_headroom'"]),
     ({"kv": {"memory_headroom": -0.1}}, ["'kv.memory_headroom'"]),
-    ({"devices": {**GPUS, "attention": "torch"}, "kv": {"dtype": "fp8_e4m3"}}, ["'kv.dtype'", "flashinfer"]),
     ({"devices": {"cuda_graphs": "yes"}}, ["'devices.cuda_graphs'"]),
 ])
 def test_errors_name_the_key(raw, words):
     message = _error(raw)
     for word in words:
         assert word in message, message
+
+
+@pytest.mark.parametrize("devices", [{}, {**GPUS, "attention": "torch"}, {"mode": "colocated", "devices": ["cpu:0"]}])
+def test_fp8_kv_on_any_device_and_backend(devices):
+    """The torch backend reads FP8 pools too, so FP8 KV is allowed on CPU devices and with attention = torch."""
+    assert config_from_dict({"devices": devices, "kv": {"dtype": "fp8_e4m3"}}, check_devices=False).kv.dtype == \
+        "fp8_e4m3"
 
 
 def test_colocated_mix_of_cpu_and_gpu_rejects_cuda_only_options():

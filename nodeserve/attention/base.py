@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from nodeserve.kv.pool import KVPool
 
 
 @dataclass
@@ -40,7 +43,10 @@ class AttentionBackend(Protocol):
     Pool layout per layer is FlashInfer's NHD: [num_pages, 2, page_size, num_kv_heads, head_dim],
     index 0 of dim 1 holds K and index 1 holds V. forward() is called once per layer with the same `meta`
     object for every layer of a step, so a backend may plan once per step when it sees a new `meta`.
+    FP8 pools: K/V are stored quantized with kv_pool's per-layer scales (KVPool.scales_of), 1.0 when unbound.
     """
+
+    kv_pool: KVPool | None  # the pool whose layers forward() is given; ModelRunner binds it
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -8,15 +8,17 @@ inputs to the GPU and cannot be captured in a CUDA graph; run() can.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from nodeserve.attention.base import AttentionMetadata
-from nodeserve.attention.torch_ref import write_kv
+from nodeserve.attention.torch_ref import is_fp8, layer_scales, write_kv_scaled
+
+if TYPE_CHECKING:
+    from nodeserve.kv.pool import KVPool
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partial results)
-FP8_E4M3_MAX = 448.0                 # largest finite float8_e4m3fn value
 
 
 @dataclass
@@ -65,20 +67,6 @@ def split_indices(meta: AttentionMetadata) -> tuple[PagedIndices | None, PagedIn
     return part(0, nd), part(nd, b)
 
 
-def write_kv_scaled(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """write_kv, quantizing to the pool's dtype when it is FP8: stored = clamp(x / scale), read back as
-    stored * scale (the k_scale/v_scale FlashInfer's run() takes)."""
-    if kv_layer.element_size() != 1:
-        write_kv(kv_layer, k, v, slot_mapping)
-        return
-    # Clamp first: casting a value beyond e4m3's range gives NaN, not the largest value.
-    k8 = (k.float() / k_scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(kv_layer.dtype)
-    v8 = (v.float() / v_scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(kv_layer.dtype)
-    # Scatter the bytes: index_put has no float8 kernel on every device, uint8 works everywhere.
-    write_kv(kv_layer.view(torch.uint8), k8.view(torch.uint8), v8.view(torch.uint8), slot_mapping)
-
-
 class FlashInferAttention:
     """Decodes go through BatchDecodeWithPagedKVCacheWrapper, prefill chunks (whole prompts, and chunks
     extending a cached prefix) through BatchPrefillWithPagedKVCacheWrapper with causal=True, whose mask puts
@@ -87,6 +75,8 @@ class FlashInferAttention:
     graph_batch_size: build a decode-only backend for one CUDA graph bucket, whose wrapper keeps its index
     tensors in fixed buffers (max_num_pages bounds the pages one step may index).
     workspace: share another backend's float workspace; safe when both run in turn on one stream.
+    FP8 pools: K/V are quantized with the bound pool's per-layer scales, and the same scales go to run() as
+    Python floats, which a captured CUDA graph keeps: calibrate before capturing (engine/warmup.py).
     """
 
     def __init__(self, device: torch.device, graph_batch_size: int | None = None, max_num_pages: int = 0,
@@ -94,7 +84,7 @@ class FlashInferAttention:
         import flashinfer  # optional dependency ([cuda] extra); its kernels and wrappers need a GPU
 
         self.device = device
-        self.kv_scales: dict[int, tuple[float, float]] = {}  # kv_layer.data_ptr() -> (k_scale, v_scale); else 1.0
+        self.kv_pool: KVPool | None = None  # whose per-layer FP8 scales forward() uses (ModelRunner binds it)
         self._meta: AttentionMetadata | None = None
         self.workspace = workspace if workspace is not None else \
             torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -132,9 +122,9 @@ class FlashInferAttention:
         """q: [T, H, D]; k, v: [T, KH, D]; returns [T, H, D]."""
         if meta is not self._meta:  # layer 0 of a new step (holding the old meta keeps its id from being reused)
             self.plan(meta, q.shape[1], k.shape[1], q.shape[2], q.dtype, kv_layer.dtype, scale)
-        k_scale, v_scale = self.kv_scales.get(kv_layer.data_ptr(), (1.0, 1.0))
+        k_scale, v_scale = layer_scales(self.kv_pool, kv_layer)
         write_kv_scaled(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
-        scales = dict(k_scale=k_scale, v_scale=v_scale) if kv_layer.element_size() == 1 else {}
+        scales = dict(k_scale=k_scale, v_scale=v_scale) if is_fp8(kv_layer) else {}
         nd = meta.num_decodes
         if nd == q.shape[0]:
             return self.decode.run(q, kv_layer, **scales)

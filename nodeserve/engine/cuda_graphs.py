@@ -88,8 +88,11 @@ class DecodeGraphs:
         self.backends = {b: FlashInferAttention(self.device, graph_batch_size=b, max_num_pages=pool.num_pages + b,
                                                 workspace=first.workspace) for b in self.buckets[:-1]}
         self.backends[largest] = first
+        for backend in self.backends.values():
+            backend.kv_pool = pool  # FP8 scales: read at capture, fixed in the graphs from then on
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [bucket, hidden] per graph, in the shared pool
+        self.captured_scales: tuple[list[float], list[float]] | None = None  # the pool's FP8 scales at capture
 
     def _plan(self, bucket: int, meta: AttentionMetadata) -> None:
         self.backends[bucket].plan(meta, *self.dims, self.model.embed_tokens.weight.dtype, self.pool.dtype,
@@ -98,6 +101,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Captures every bucket, largest first so the smaller graphs reuse its memory in the shared pool."""
         mem_pool = torch.cuda.graph_pool_handle()
+        self.captured_scales = (list(self.pool.k_scales), list(self.pool.v_scales))
         with torch.cuda.device(self.device):
             for bucket in reversed(self.buckets):
                 meta = AttentionMetadata(
@@ -129,6 +133,8 @@ class DecodeGraphs:
         bucket = bucket_for(meta.num_seqs, self.buckets)
         if bucket is None or bucket not in self.graphs:
             return None
+        if self.captured_scales != (self.pool.k_scales, self.pool.v_scales):
+            raise RuntimeError("the KV pool's FP8 scales changed after the decode graphs were captured")
         ids, pos, padded = pad_decode_batch(input_ids, positions, meta, bucket, self.scratch_page)
         self.input_ids[:bucket].copy_(ids)
         self.positions[:bucket].copy_(pos)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -12,7 +13,7 @@ import torch
 
 from nodeserve.attention import make_backend
 from nodeserve.attention.flashinfer_backend import FlashInferAttention
-from nodeserve.config import Config, ConfigError
+from nodeserve.config import Config
 from nodeserve.device import make_device
 from nodeserve.engine.cuda_graphs import DecodeGraphs
 from nodeserve.engine.model_runner import ModelRunner
@@ -21,6 +22,8 @@ from nodeserve.engine.sampler import Sampler
 from nodeserve.engine.transfer import KVTransfer
 from nodeserve.engine.worker import Worker, WorkerLimits
 from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
+from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
+from nodeserve.model.llama import LlamaModel
 from nodeserve.model.loader import LoadedModel
 from nodeserve.request import Request, TokenEvent
 from nodeserve.sampling_params import SamplingParams
@@ -108,17 +111,10 @@ class Engine:
                 num_pages = KVPool.num_pages_for_bytes(self.loaded.config, int(cfg.kv.memory_gib * 2**30),
                                                        cfg.kv.page_size, kv_dtype)
             pool = KVPool(self.loaded.config, num_pages, cfg.kv.page_size, kv_dtype, device.torch_device)
-            backend = make_backend(cfg.devices.attention, device.torch_device)
-            if kv_dtype != dtype and not isinstance(backend, FlashInferAttention):
-                raise ConfigError(f"'kv.dtype' = \"{cfg.kv.dtype}\" needs the flashinfer backend, which {name} "
-                                  "cannot use (is flashinfer installed?)")
-            graphs = None
-            if isinstance(backend, FlashInferAttention) and cfg.devices.cuda_graphs and role != "prefill":
-                graphs = DecodeGraphs(replicas[device.torch_device], pool, cfg.scheduler.max_num_seqs,
-                                      workspace=backend.workspace)
-            log.info("%s: %s attention, %d KV pages of %s%s", name, type(backend).__name__, num_pages,
-                     kv_dtype, ", CUDA graphs at warm-up" if graphs is not None else "")
-            runner = ModelRunner(replicas[device.torch_device], pool, backend, graphs)
+            runner = build_runner(replicas[device.torch_device], pool, cfg.devices.attention,
+                                  cfg.devices.cuda_graphs and role != "prefill", cfg.scheduler.max_num_seqs)
+            log.info("%s: %s attention, %d KV pages of %s%s", name, type(runner.backend).__name__, num_pages,
+                     kv_dtype, ", CUDA graphs at warm-up" if runner.graphs is not None else "")
             return Worker(device, role, runner, Sampler(device.torch_device), self.tokenizer.eos_token_ids, limits,
                           self._emit_batch_threadsafe, self._pages_freed_threadsafe)
 
@@ -127,7 +123,7 @@ class Engine:
         self.decode_workers = [make_worker(n, role) for n in cfg.decode_devices]
         for p in self.prefill_workers:
             for d in self.decode_workers:
-                t = KVTransfer(p.device, p.pool, d.device, d.pool, self.on_transfer)
+                t = KVTransfer(p.device, p.pool, d.device, d.pool, p.release_pages, self.on_transfer)
                 p.transfers[d] = t
                 self.transfers.append(t)
         self.router = Router(self.prefill_workers, self.decode_workers,
@@ -139,10 +135,26 @@ class Engine:
             w.start()
 
     def warmup(self) -> None:
-        """Before serving: on CUDA, one prefill and decode per device (FlashInfer JIT) and the decode graphs.
-        Blocking (minutes on a cold JIT cache); a no-op on CPU devices."""
+        """Before serving: FP8 KV scales for every FP8 pool, then on CUDA one prefill and decode per device
+        (FlashInfer JIT) and the decode graphs. Blocking (minutes on a cold JIT cache); seconds on CPU.
+
+        The scales are measured once, on the first FP8 pool's device, and copied to every other pool: the
+        transfer moves raw bytes, so a prefill pool and a decode pool must read them with the same scales,
+        which two measurements on different GPUs need not give bit for bit."""
+        from nodeserve.engine.kv_calibration import calibrate_kv_scales, calibration_token_ids
         from nodeserve.engine.warmup import warmup_runner
 
+        fp8_pools = [w.pool for w in self.workers if w.pool.is_fp8]
+        if fp8_pools:
+            first = next(w for w in self.workers if w.pool.is_fp8)
+            start = time.monotonic()
+            ids = calibration_token_ids(self.tokenizer)
+            calibrate_kv_scales(first.runner.model, first.pool, ids)
+            for pool in fp8_pools[1:]:
+                pool.k_scales, pool.v_scales = list(first.pool.k_scales), list(first.pool.v_scales)
+            log.info("FP8 KV scales from %d calibration tokens on %s in %.1fs: K %.3g to %.3g, V %.3g to %.3g",
+                     len(ids), first.name, time.monotonic() - start, min(first.pool.k_scales),
+                     max(first.pool.k_scales), min(first.pool.v_scales), max(first.pool.v_scales))
         for w in self.workers:
             warmup_runner(w.runner)
 
@@ -171,7 +183,6 @@ class Engine:
         if params.max_tokens > room:
             params.max_tokens = room  # generation stops with "length" at the context limit
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params)
-        req.generator = self.decode_workers[0].sampler.new_generator(params.seed)
         stream = RequestStream(req)
         req.emit = stream.put
         self.streams[req.request_id] = stream
@@ -223,6 +234,20 @@ class Engine:
     @property
     def num_pending(self) -> int:
         return self.router.num_pending if self.router else 0
+
+
+def build_runner(replica: LlamaModel, pool: KVPool, attention: str, cuda_graphs: bool,
+                 max_num_seqs: int) -> ModelRunner:
+    """A device's step runner: the attention backend `attention` asks for; with FlashInfer, its norm, RoPE and
+    SiLU kernels on the replica (set once, before any graph capture) and, if `cuda_graphs`, decode graphs for
+    batches up to max_num_seqs (captured at warm-up)."""
+    backend = make_backend(attention, pool.device)
+    if not isinstance(backend, FlashInferAttention):
+        return ModelRunner(replica, pool, backend)
+    if replica.embed_tokens.weight.dtype in FLASHINFER_OPS_DTYPES and not isinstance(replica.ops, FlashInferOps):
+        replica.use_kernels(FlashInferOps(replica.rope, replica.cfg.max_position_embeddings, pool.device))
+    graphs = DecodeGraphs(replica, pool, max_num_seqs, workspace=backend.workspace) if cuda_graphs else None
+    return ModelRunner(replica, pool, backend, graphs)
 
 
 def _replica(model, device: torch.device):

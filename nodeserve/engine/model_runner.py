@@ -31,6 +31,7 @@ class ModelRunner:
         """graphs: CUDA graphs that decode-only steps replay when captured (CUDA + FlashInfer only)."""
         self.model, self.pool, self.backend, self.graphs = model, pool, backend, graphs
         self.device = pool.device
+        backend.kv_pool = pool  # the backend reads this pool's per-layer FP8 scales
 
     def prepare(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Chunks must be ordered with every single-token chunk first (those attend as one batched decode)."""

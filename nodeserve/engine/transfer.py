@@ -15,6 +15,8 @@ of the two devices, both current in that thread. Jobs run strictly in FIFO order
 A layer's pages move as a few runs of pages contiguous on both sides (one copy each, peer to peer where the
 GPUs allow it), or, when they are scattered, gathered into a staging tensor, copied once and scattered.
 The same code runs on CPU devices, where events are None and every op completes in order.
+A copy that raises fails the requests whose pages it carried, at their handoff, and the pair keeps serving;
+the copy thread never dies with jobs behind it (a dead thread would leave every later request waiting).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class PageMap:
     runs: list[tuple[int, int, int]] | None  # (src_start, dst_start, length); None: stage
     src: torch.Tensor | None = None          # [N] int64 on the source device, when staging
     dst: torch.Tensor | None = None          # [N] int64 on the destination device, when staging
+    request_ids: tuple[str, ...] = ()        # whose pages these are: the requests a failed copy fails
 
 
 @dataclass
@@ -82,7 +85,8 @@ class _CopyLayer:
 class _Finish:
     request: Request
     deliver: Callable[[Request, Any], None]   # (request, event the decode stream must wait on)
-    release: Callable[[Request], None]        # frees the decode reservation of an aborted/finished request
+    release: Callable[[Request], None]        # frees the decode reservation of a request that will not decode
+    fail: Callable[[Request, str], None]      # ends a live request whose KV did not arrive, with this error
 
 
 class KVTransfer:
@@ -99,6 +103,7 @@ class KVTransfer:
         self.max_direct_runs = MAX_DIRECT_RUNS
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._failed: dict[str, str] = {}  # request id -> error of a copy that carried its pages; copy thread only
         self.num_bytes = 0        # bytes copied so far
         self.busy_seconds = 0.0   # time spent copying, for the device timeline
         self.records: list[tuple[float, float, int]] = []  # (start, end, bytes) per copy, bounded below
@@ -117,29 +122,37 @@ class KVTransfer:
         self._thread.join(timeout=5)
 
     # Called from the prefill worker thread.
-    def page_indices(self, src_pages: list[int], dst_pages: list[int]) -> PageMap:
+    def page_indices(self, src_pages: list[int], dst_pages: list[int], request_ids: tuple[str, ...] = ()) -> PageMap:
         runs = contiguous_runs(src_pages, dst_pages)
         if len(runs) <= self.max_direct_runs:
-            return PageMap(runs)
+            return PageMap(runs, request_ids=request_ids)
         return PageMap(None, torch.tensor(src_pages, dtype=torch.int64, device=self.src_device.torch_device),
-                       torch.tensor(dst_pages, dtype=torch.int64, device=self.dst_device.torch_device))
+                       torch.tensor(dst_pages, dtype=torch.int64, device=self.dst_device.torch_device), request_ids)
 
     def copy_layer(self, layer: int, pages: PageMap) -> None:
         self._jobs.put(_CopyLayer(layer, pages, self.src_device.record_event()))
 
     def finish(self, request: Request, deliver: Callable[[Request, Any], None],
-               release: Callable[[Request], None]) -> None:
-        self._jobs.put(_Finish(request, deliver, release))
+               release: Callable[[Request], None], fail: Callable[[Request, str], None]) -> None:
+        self._jobs.put(_Finish(request, deliver, release, fail))
 
     def _run(self) -> None:
         self.src_device.init_copy_thread()
         src_stream, dst_stream = self.src_device.new_stream(), self.dst_device.new_stream()
         with self.src_device.use_stream(src_stream), self.dst_device.use_stream(dst_stream):
             while (job := self._jobs.get()) is not None:
-                if isinstance(job, _CopyLayer):
-                    self._copy(job)
-                else:
-                    self._finish(job)
+                try:
+                    if isinstance(job, _CopyLayer):
+                        self._copy(job)
+                    else:
+                        self._finish(job)
+                except Exception as e:
+                    log.exception("%s: %s failed", self.name, type(job).__name__.strip("_"))
+                    error = f"KV transfer {self.name} failed: {type(e).__name__}: {e}"
+                    if isinstance(job, _CopyLayer):
+                        self._failed.update((rid, error) for rid in job.pages.request_ids)
+                    else:
+                        self._give_up(job, error)
 
     def _copy(self, job: _CopyLayer) -> None:
         start = time.monotonic()
@@ -170,9 +183,12 @@ class KVTransfer:
         landed = self.dst_device.record_event()   # on the destination stream, after every write of them
         pages, req.prefill_pages = req.prefill_pages, []
         self.free_src_pages(pages, read)
-        if req.aborted or req.finished:
+        error = self._failed.pop(req.request_id, None)
+        if error is not None or req.aborted or req.finished:
             self.dst_device.synchronize_event(landed)
             job.release(req)
+            if error is not None and not (req.aborted or req.finished):
+                job.fail(req, error)
             return
         if self.on_transfer is not None:
             # Time from the last prefill forward to the handoff being queued: the part of the copy the
@@ -181,3 +197,18 @@ class KVTransfer:
             num_pages = -(-req.num_prompt_tokens // self.src_pool.page_size)
             self.on_transfer(waited, num_pages * self.src_pool.bytes_per_page_per_layer * len(self.src_pool.layers))
         job.deliver(req, landed)
+
+    def _give_up(self, job: _Finish, error: str) -> None:
+        """The handoff itself raised: free what the request still holds on both sides and fail it."""
+        req = job.request
+        self._failed.pop(req.request_id, None)
+        try:
+            if req.prefill_pages:
+                pages, req.prefill_pages = req.prefill_pages, []
+                self.free_src_pages(pages, None)
+            if req.pages:
+                job.release(req)
+            if not (req.aborted or req.finished):
+                job.fail(req, error)
+        except Exception:
+            log.exception("%s: cleaning up request %s failed", self.name, req.request_id)

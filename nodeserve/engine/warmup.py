@@ -1,7 +1,8 @@
 """Warm-up before READY: compile FlashInfer's kernels and capture the decode graphs, so no request pays for it.
 
 FlashInfer JIT-compiles each kernel at first use (cached in ~/.cache/flashinfer) and CUDA graphs are captured
-once per bucket. On CPU devices there is nothing to warm: a no-op.
+once per bucket. On CPU devices there is nothing to warm: a no-op. FP8 pools must have their scales before
+this runs (Engine.warmup calibrates them first): a captured graph keeps the scales it was captured with.
 """
 
 from __future__ import annotations

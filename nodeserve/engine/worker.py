@@ -254,8 +254,7 @@ class Worker:
 
     def _start_decode(self, req: Request) -> None:
         if req.prefill_elsewhere:
-            transfer = self.transfers[req.decode_worker]
-            transfer.finish(req, req.decode_worker.add_decode, req.decode_worker.release_reserved)
+            self._hand_off(req)
         else:
             req.timings["decode_start"] = time.monotonic()
             self.running.append(req)
@@ -275,24 +274,37 @@ class Worker:
 
     def _layer_hook(self, prefills: list[tuple[Request, int]]) -> Callable[[int], None] | None:
         """Per-layer copy of the pages each remote-bound prefill chunk wrote, started as soon as the layer is done."""
-        plan: dict[KVTransfer, tuple[list[int], list[int]]] = {}
+        plan: dict[KVTransfer, tuple[list[int], list[int], list[str]]] = {}  # src pages, dst pages, request ids
         page_size = self.pool.page_size
         for req, n in prefills:
             if not req.prefill_elsewhere:
                 continue
             first, last = req.num_computed_tokens // page_size, (req.num_computed_tokens + n - 1) // page_size
-            src, dst = plan.setdefault(self.transfers[req.decode_worker], ([], []))
+            src, dst, ids = plan.setdefault(self.transfers[req.decode_worker], ([], [], []))
             src.extend(req.prefill_pages[first:last + 1])
             dst.extend(req.pages[first:last + 1])
+            ids.append(req.request_id)
         if not plan:
             return None
-        page_maps = [(t, t.page_indices(src, dst)) for t, (src, dst) in plan.items()]
+        page_maps = [(t, t.page_indices(src, dst, tuple(ids))) for t, (src, dst, ids) in plan.items()]
 
         def on_layer_done(layer: int) -> None:
             for transfer, pages in page_maps:
                 transfer.copy_layer(layer, pages)
 
         return on_layer_done
+
+    def _hand_off(self, req: Request) -> None:
+        """Queues the end of req's transfer: after its last copy it goes to its decode worker, or, if it finished,
+        was aborted or lost a copy meanwhile, gives back its pages there."""
+        d = req.decode_worker
+        self.transfers[d].finish(req, d.add_decode, d.release_reserved, d.fail_handoff)
+
+    def fail_handoff(self, req: Request, error: str) -> None:
+        """Ends a request whose KV did not arrive (its pages are already given back). Called from a copy thread."""
+        req.finished = True
+        log.error("worker %s: request %s failed: %s", self.name, req.request_id, error)
+        self._emit_batch([(req, TokenEvent(None, finish_reason="error", error=error))])
 
     def release_reserved(self, req: Request) -> None:
         """Frees a request's decode pages. Called on its decode worker's pool, from the thread holding it."""
@@ -314,8 +326,7 @@ class Worker:
                 self.num_outstanding_prefill_tokens -= req.num_prompt_tokens - req.num_computed_tokens
         if req.prefill_elsewhere and req.decode_worker is not self:
             # The transfer queue may still hold copies of this request: free both sides after them.
-            self.transfers[req.decode_worker].finish(req, req.decode_worker.add_decode,
-                                                     req.decode_worker.release_reserved)
+            self._hand_off(req)
         else:
             req.decode_worker.release_reserved(req)
 

@@ -1,4 +1,5 @@
-"""KVPool: one device's paged K/V tensors, in FlashInfer's NHD layout, plus their allocator."""
+"""KVPool: one device's paged K/V tensors, in FlashInfer's NHD layout, plus their allocator and, for FP8 pools,
+the per-layer K and V scales."""
 
 from __future__ import annotations
 
@@ -25,7 +26,12 @@ def kv_pages_for_device(free_bytes: int, headroom_fraction: float, bytes_per_pag
 
 
 class KVPool:
-    """layers[i] is [num_pages, 2, page_size, num_kv_heads, head_dim]: K at [:, 0], V at [:, 1]."""
+    """layers[i] is [num_pages, 2, page_size, num_kv_heads, head_dim]: K at [:, 0], V at [:, 1].
+
+    FP8 pools store K of layer i as clamp(k / k_scales[i], +-448) in e4m3 and read it back as stored * k_scales[i]
+    (V likewise with v_scales[i]). The scales are 1.0 until calibrated (engine/kv_calibration.py); wide pools
+    ignore them. Pools that hand KV to each other must hold the same scales: the transfer copies bytes.
+    """
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
         self.num_pages, self.page_size, self.dtype, self.device = num_pages, page_size, dtype, device
@@ -33,8 +39,25 @@ class KVPool:
         self.data = torch.zeros(cfg.num_layers, num_pages, 2, page_size, cfg.num_kv_heads, cfg.head_dim,
                                 dtype=dtype, device=device)
         self.layers = list(self.data.unbind(0))
+        self.k_scales = [1.0] * cfg.num_layers
+        self.v_scales = [1.0] * cfg.num_layers
+        # Backends are handed a layer tensor, not its index; every layer starts at its own address in `data`.
+        self._layer_index = {layer.data_ptr(): i for i, layer in enumerate(self.layers)}
         self.allocator = PageAllocator(num_pages)
         self.num_reserved = 0  # pages taken out of circulation for good (reserve_page)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == torch.float8_e4m3fn
+
+    def layer_index(self, kv_layer: torch.Tensor) -> int:
+        """Which of this pool's layers `kv_layer` is; KeyError for a tensor that is not one of them."""
+        return self._layer_index[kv_layer.data_ptr()]
+
+    def scales_of(self, kv_layer: torch.Tensor) -> tuple[float, float]:
+        """(k_scale, v_scale) of one of this pool's layers."""
+        i = self.layer_index(kv_layer)
+        return self.k_scales[i], self.v_scales[i]
 
     def reserve_page(self) -> int:
         """Takes one page out of circulation for the pool's lifetime (CUDA graph padding rows write there)."""

@@ -1,30 +1,37 @@
-"""The Llama-layout decoder (Llama 1/2/3, Mistral, Qwen2, SmolLM) over a paged KV cache, in plain PyTorch."""
+"""The Llama-layout decoder (Llama 1/2/3, Mistral, Qwen2, SmolLM) over a paged KV cache, in plain PyTorch.
+
+Projections are nn.Linear; the pointwise ops (norms, SiLU-and-mul, RoPE) go through the replica's kernel set
+(nodeserve/model/ops.py), which each forward passes down to the layers.
+"""
 
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nodeserve.attention.base import AttentionBackend, AttentionMetadata
 from nodeserve.model.config import ModelConfig
+from nodeserve.model.ops import Kernels, Rotary, TorchOps
 from nodeserve.model.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
+    """The weight and eps; the math is the kernel set's."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, device="meta"))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, ops: Kernels) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                     ops: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): one kernel where the set fuses them. May overwrite x and residual."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _linear(n_in: int, n_out: int, bias: bool = False) -> nn.Linear:
@@ -58,15 +65,15 @@ class Attention(nn.Module):
         self.qkv_proj = _fused(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, kv_layer: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)     # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KH, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, KH, D]
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        q, k = rotary.apply(q, k)
         out = backend.forward(q, k, v, kv_layer, meta, self.scale)    # [T, H, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -84,9 +91,8 @@ class MLP(nn.Module):
         self.gate_up_proj = _fused(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: Kernels) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -97,9 +103,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv_layer, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rotary, kv_layer, meta, backend, ops):
+        # x: [T, hidden], the residual stream; this layer owns it (add_and_norm may update it in place).
+        attn = self.self_attn(self.input_layernorm(x, ops), rotary, kv_layer, meta, backend)
+        h, x = self.post_attention_layernorm.add_and_norm(attn, x, ops)  # x += attn; h = norm(x)
+        return x + self.mlp(h, ops)
 
 
 class LlamaModel(nn.Module):
@@ -113,6 +121,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.ops: Kernels = TorchOps(self.rope)
+
+    def use_kernels(self, ops: Kernels) -> None:
+        """Runs this replica's norms, SiLU-and-mul and RoPE with `ops`; call before capturing CUDA graphs."""
+        self.ops = ops
 
     def fuse(self) -> None:
         """Fuses q/k/v and gate/up projections; call once the checkpoint's (unfused) weights are loaded."""
@@ -129,13 +142,14 @@ class LlamaModel(nn.Module):
         on_layer_done(i) is called once layer i's K/V is in the pool, so a transfer can start copying it
         while later layers still compute.
         """
+        ops = self.ops
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        rotary = ops.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_layers[i], meta, backend)
+            x = layer(x, rotary, kv_layers[i], meta, backend, ops)
             if on_layer_done is not None:
                 on_layer_done(i)
-        return self.norm(x)
+        return self.norm(x, ops)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -37,15 +37,37 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
 
 
 class RotaryEmbedding:
-    """Applies RoPE in the rotate-half layout that HF checkpoints use (GGUF Q/K rows are un-permuted at load)."""
+    """Applies RoPE in the rotate-half layout that HF checkpoints use (GGUF Q/K rows are un-permuted at load).
+
+    A plain object, not an nn.Module, so model.to(device) leaves inv_freq on the CPU: each device gets its own
+    copy on first use instead (a copy per step would be a host-to-device transfer in every forward, and one
+    that a CUDA graph cannot capture). The first forward on a device is always eager: warm-up, and the eager
+    run DecodeGraphs does before each capture.
+    """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None):
-        self.inv_freq = inv_frequencies(head_dim, theta, scaling)  # [D/2]
+        self.inv_freq = inv_frequencies(head_dim, theta, scaling)  # [D/2], on the CPU
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {self.inv_freq.device: self.inv_freq}
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """inv_freq [D/2] on `device`, copied there once."""
+        inv_freq = self._inv_freq_on.get(device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on[device] = self.inv_freq.to(device)
+        return inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                     # [T, D]
+        freqs = positions.float()[:, None] * self.inv_freq_on(positions.device)[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                                          # [T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def cos_sin_cache(self, max_positions: int, device: torch.device) -> torch.Tensor:
+        """[max_positions, D] float32: row p is cos of position p's angles, then their sin (the table that
+        FlashInfer's and vLLM's rope kernels index by position). Same angles as cos_sin(), so any rope scaling
+        in inv_freq carries over."""
+        positions = torch.arange(max_positions, device=device)
+        freqs = positions.float()[:, None] * self.inv_freq_on(device)[None, :]  # [P, D/2]
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -133,14 +133,28 @@ def test_matches_torch_reference_and_plans_once_per_step(fake_flashinfer, page_s
 
 
 def test_fp8_pool_passes_scales(fake_flashinfer):
+    """The bound pool's scales for the layer given: they quantize the write and go to run(); the torch backend
+    reading the same bytes with the same scales gets the same result."""
+    from types import SimpleNamespace
+
     kv, q, k, v, meta = _ragged(16, seed=5)
     ref = TorchAttention().forward(q, k, v, kv.clone(), meta, SCALE)
-    backend = fake_flashinfer(torch.device("cpu"))
-    kv8 = (kv / 2.0).to(torch.float8_e4m3fn)  # the cached prefix, stored at scale 2
-    backend.kv_scales[kv8.data_ptr()] = (2.0, 2.0)
-    out = backend.forward(q, k, v, kv8, meta, SCALE)
+    pools = []
+    for _ in range(2):
+        pool = KVPool(SimpleNamespace(num_layers=2, num_kv_heads=KH, head_dim=D), kv.shape[0], 16,
+                      torch.float8_e4m3fn, torch.device("cpu"))
+        pool.k_scales, pool.v_scales = [1.0, 2.0], [1.0, 4.0]
+        pool.layers[1].view(torch.uint8).copy_(torch.stack([kv[:, 0] / 2.0, kv[:, 1] / 4.0], 1)
+                                               .to(torch.float8_e4m3fn).view(torch.uint8))  # the cached prefixes
+        pools.append(pool)
+    backend, torch_backend = fake_flashinfer(torch.device("cpu")), TorchAttention()
+    backend.kv_pool, torch_backend.kv_pool = pools
+    out = backend.forward(q, k, v, pools[0].layers[1], meta, SCALE)
     assert backend.decode.kw["kv_data_type"] == torch.float8_e4m3fn
     torch.testing.assert_close(out, ref, atol=0.1, rtol=0.1)
+    torch_out = torch_backend.forward(q, k, v, pools[1].layers[1], meta, SCALE)
+    assert torch.equal(pools[0].data.view(torch.uint8), pools[1].data.view(torch.uint8))  # the same writes
+    torch.testing.assert_close(out, torch_out, atol=1e-5, rtol=1e-5)
 
 
 def test_model_runner_greedy_tokens_equal_torch_backend(fake_flashinfer, loaded_fp32, prompt_ids, one_thread):

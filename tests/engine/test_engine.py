@@ -137,6 +137,28 @@ def test_fault_in_one_request_fails_only_that_request(loaded_fp32, prompt_ids, h
     assert bad_events[-1].finish_reason == "error" and "injected fault" in bad_events[-1].error
 
 
+def test_failed_kv_copy_fails_only_the_requests_it_carried(loaded_fp32, prompt_ids, hf_greedy):
+    """A copy that raises (a device fault on the pair) ends the request whose pages it carried with an error; the
+    copy thread lives on, the other requests decode as usual, and no page on either device is leaked."""
+    async def body(engine):
+        transfer = engine.transfers[0]
+        copy_pages = transfer._copy_pages
+
+        def faulty(layer, pages):
+            if "bad" in pages.request_ids and layer == 5:
+                raise RuntimeError("injected copy fault")
+            return copy_pages(layer, pages)
+        transfer._copy_pages = faulty
+        bad = engine.add_request(prompt_ids[3], _greedy(), request_id="bad")
+        bad_events = [ev async for ev in bad]
+        good = await asyncio.gather(*(_tokens(engine.add_request(ids, _greedy())) for ids in prompt_ids[:3]))
+        return [g[0] for g in good], bad_events
+    good, bad_events = _run(_config("disaggregated"), loaded_fp32, body)
+    assert good == hf_greedy[:3]
+    assert [ev.token_id for ev in bad_events] == [hf_greedy[3][0], None]  # its first token came from prefill
+    assert bad_events[-1].finish_reason == "error" and "injected copy fault" in bad_events[-1].error
+
+
 def test_admission_errors(loaded_fp32, prompt_ids):
     async def body(engine):
         with pytest.raises(PromptTooLong, match="maximum context length is 8192 tokens.*10000 input tokens"):

@@ -1,7 +1,8 @@
 """KVTransfer ordering on CPU, with a device that records its event calls and random delays injected on both
 sides: each layer's copy waits on that layer's event, copies run in layer order, the handoff comes after the
 last copy with the destination's event and no host sync, prefill pages go back with the source's event, and
-an aborted request gives back its decode reservation only after a host wait on its copies."""
+an aborted request gives back its decode reservation only after a host wait on its copies; a copy or
+handoff that raises fails its request alone."""
 
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ class Harness:
         self.events: dict[tuple[str, int], tuple] = {}  # (request id, layer) -> the event its copy must wait on
         self.expected: dict[str, torch.Tensor] = {}     # request id -> [layers, pages, ...] of what was written
         self.released: list[str] = []
+        self.failed: list[tuple[str, str]] = []  # (request id, error)
         self.delivered: list[tuple[str, object, int]] = []  # (request id, event, src pages free at handoff)
 
     def request(self, rid: str, num_tokens: int) -> Request:
@@ -80,7 +82,7 @@ class Harness:
 
     def prefill(self, req: Request) -> None:
         """What a prefill worker does: write layer i's K/V, then enqueue its copy; sleeps stand in for compute."""
-        pages = self.transfer.page_indices(req.prefill_pages, req.pages[:len(req.prefill_pages)])
+        pages = self.transfer.page_indices(req.prefill_pages, req.pages[:len(req.prefill_pages)], (req.request_id,))
         written = []
         for layer in range(NUM_LAYERS):
             time.sleep(self.rng.uniform(0, self.max_delay))
@@ -92,7 +94,7 @@ class Harness:
         self.expected[req.request_id] = torch.stack(written)
 
     def finish(self, req: Request) -> None:
-        self.transfer.finish(req, self._deliver, self._release)
+        self.transfer.finish(req, self._deliver, self._release, self._fail)
 
     def _free_src(self, pages: list[int], event) -> None:
         """What the prefill worker's release_pages does, minus the hop through its inbox."""
@@ -108,6 +110,10 @@ class Harness:
         self.dst_pool.allocator.free(req.pages)
         req.pages = []
         self.released.append(req.request_id)
+
+    def _fail(self, req: Request, error: str) -> None:
+        self.log.append((threading.current_thread().name, "fail", req.request_id))
+        self.failed.append((req.request_id, error))
 
     def run(self, body) -> list:
         """Starts the transfer, runs body(), waits for the queue to drain, stops; returns the copy thread's log."""
@@ -194,6 +200,47 @@ def test_aborted_request_releases_its_decode_reservation():
     assert landed[0] == "cpu:1"
     assert h.src_pool.allocator.num_free == NUM_PAGES
     assert h.dst_pool.allocator.num_free == NUM_PAGES - len(kept.pages)
+
+
+def test_a_failed_copy_fails_its_request_and_the_pair_keeps_serving():
+    h = Harness(seed=5, max_delay=0.001)
+    bad, good = h.request("bad", 9), h.request("good", 9)
+    copy_pages = h.transfer._copy_pages
+
+    def faulty(layer, pages):
+        if "bad" in pages.request_ids and layer == 2:
+            raise RuntimeError("injected copy fault")
+        return copy_pages(layer, pages)
+    h.transfer._copy_pages = faulty
+
+    copy_log = h.run(lambda: (h.prefill(bad), h.finish(bad), h.prefill(good), h.finish(good)))
+    assert [d[0] for d in h.delivered] == ["good"] and h.released == ["bad"]
+    assert h.failed == [("bad", "KV transfer kv cpu:0->cpu:1 failed: RuntimeError: injected copy fault")]
+    # Its pages come back only after a host wait on whatever copies of it did run.
+    i = copy_log.index(("release", "bad"))
+    assert copy_log[i - 1][0] == "sync" and copy_log[i + 1] == ("fail", "bad")
+    assert h.src_pool.allocator.num_free == NUM_PAGES
+    assert h.dst_pool.allocator.num_free == NUM_PAGES - len(good.pages)
+    for layer in range(NUM_LAYERS):
+        assert torch.equal(h.dst_pool.layers[layer][good.pages[:3]], h.expected["good"][layer])
+
+
+def test_a_failed_handoff_frees_both_sides_and_fails_the_request():
+    h = Harness(seed=6, max_delay=0.001)
+    bad, good = h.request("bad", 9), h.request("good", 9)
+    deliver = h._deliver
+
+    def faulty_deliver(req, event):
+        if req.request_id == "bad":
+            raise RuntimeError("injected handoff fault")
+        deliver(req, event)
+    h._deliver = faulty_deliver
+
+    h.run(lambda: (h.prefill(bad), h.finish(bad), h.prefill(good), h.finish(good)))
+    assert [d[0] for d in h.delivered] == ["good"] and h.released == ["bad"]
+    assert [f[0] for f in h.failed] == ["bad"] and "injected handoff fault" in h.failed[0][1]
+    assert h.src_pool.allocator.num_free == NUM_PAGES
+    assert h.dst_pool.allocator.num_free == NUM_PAGES - len(good.pages)
 
 
 @pytest.mark.parametrize("src, dst, runs", [

@@ -1,0 +1,35 @@
+"""bench/decode_host.py on CPU: the same measurement path a GPU run takes, eager only (graphs need CUDA)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "decode_host.py")
+
+
+@pytest.fixture(scope="module")
+def decode_host():
+    spec = importlib.util.spec_from_file_location("nodeserve_bench_decode_host", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cpu_eager_rows(decode_host, tmp_path):
+    out = tmp_path / "rows.json"
+    rows = decode_host.main(["--device", "cpu", "--dtype", "fp32", "--batch", "1,3", "--context", "20",
+                             "--steps", "3", "--warmup", "1", "--json", str(out)])
+    assert [(r["mode"], r["batch"]) for r in rows] == [("eager", 1), ("eager", 3)]
+    for r in rows:
+        assert 0 < r["host_ms"] <= r["step_ms"] and r["backend"] == "TorchAttention" and not r["graphs_replayed"]
+    assert json.loads(out.read_text())["rows"] == rows
+
+
+def test_graphs_on_cpu_is_refused(decode_host):
+    with pytest.raises(SystemExit, match="needs CUDA and FlashInfer"):
+        decode_host.main(["--device", "cpu", "--dtype", "fp32", "--batch", "1", "--context", "4", "--steps", "1",
+                          "--modes", "graphs"])
