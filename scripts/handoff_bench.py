@@ -44,10 +44,14 @@ def _prefill_and_copy(args, src, dst, transfer, src_pages, dst_pages, compute: b
         if compute:
             x @ w
         transfer.copy_layer(layer, pages)
-    transfer.finish(req, lambda r, ev: (done.append(ev), landed.set()), lambda r: landed.set())
+    errors = []
+    transfer.finish(req, lambda r, ev: (done.append(ev), landed.set()), lambda r: None,
+                    lambda r, error: (errors.append(error), landed.set()))
     torch.cuda.synchronize(src.torch_device)  # the compute is done here
     compute_end = time.perf_counter()
     landed.wait()
+    if errors:
+        raise SystemExit(errors[0])
     done[0].synchronize()
     end = time.perf_counter()
     return end - compute_end, end - start

@@ -1,4 +1,5 @@
-"""Shared fixtures: the bundled GGUF, the float32 model loaded once, and transformers' greedy reference."""
+"""Shared fixtures: the bundled GGUF, the float32 model loaded once, transformers' greedy reference, and the FP8 KV
+tolerance check that the CPU and GPU tests share."""
 
 from __future__ import annotations
 
@@ -75,3 +76,56 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class FP8Check:
+    """FP8 KV against wide KV on the real model: teacher-forced logits over TEXTS, and the tolerance that
+    tests/kv/test_fp8_kv.py (CPU, where the measurements behind it are recorded) and tests/cuda both apply."""
+
+    MIN_TOP1_AGREEMENT = 0.93
+    MAX_LOGIT_DIFF = 5.0
+    TEXTS = [  # not the calibration text: the tolerance is about text the scales were not fitted on
+        "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+        "movable metal type, oil-based ink and a wooden screw press. Within fifty years, presses were running in "
+        "more than two hundred European cities, and the price of books fell sharply. Scholars could compare "
+        "identical copies of a text for the first time, which changed how knowledge was checked and shared.",
+        "Sunlight is made of many colours. When it enters the atmosphere, it hits molecules of nitrogen and oxygen "
+        "that are much smaller than the wavelength of light. These scatter short wavelengths, blue and violet, far "
+        "more strongly than long ones: Rayleigh scattering goes as one over the fourth power of the wavelength, "
+        "which is why the sky looks blue at noon and red at sunset.",
+        "def merge_sorted(a, b):\n    out, i, j = [], 0, 0\n    while i < len(a) and j < len(b):\n"
+        "        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n        else:\n"
+        "            out.append(b[j]); j += 1\n    return out + a[i:] + b[j:]\n",
+    ]
+
+    @classmethod
+    def teacher_forced_logits(cls, runner, tokenizer) -> torch.Tensor:
+        """Logits at every position of every text ([positions, vocab]) through `runner`'s model, pool and backend:
+        each text's first half as a prompt, its second half as a chunk extending that cached prefix, so both
+        attention paths read the pool."""
+        from nodeserve.engine.model_runner import SeqChunk
+        from nodeserve.kv.pool import pages_for
+
+        model, pool = runner.model, runner.pool
+        out = []
+        for ids in (tokenizer.encode(t) for t in cls.TEXTS):
+            table = pool.allocator.allocate(pages_for(len(ids), pool.page_size))
+            half = len(ids) // 2
+            for chunk in (SeqChunk(ids[:half], 0, table), SeqChunk(ids[half:], half, table)):
+                input_ids, positions, meta, _ = runner.prepare([chunk])
+                hidden = model(input_ids, positions, meta, pool.layers, runner.backend)
+                out.append(model.compute_logits(hidden))  # every row: teacher-forced next-token logits
+            pool.allocator.free(table)
+        return torch.cat(out)
+
+    @classmethod
+    def within_tolerance(cls, got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float, float]:
+        """(passes, top-1 agreement, max |logit difference|)."""
+        agreement = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        max_diff = (got - ref).abs().max().item()
+        return agreement >= cls.MIN_TOP1_AGREEMENT and max_diff <= cls.MAX_LOGIT_DIFF, agreement, max_diff
+
+
+@pytest.fixture(scope="session")
+def fp8_check() -> type[FP8Check]:
+    return FP8Check

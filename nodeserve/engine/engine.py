@@ -13,7 +13,7 @@ import torch
 
 from nodeserve.attention import make_backend
 from nodeserve.attention.flashinfer_backend import FlashInferAttention
-from nodeserve.config import Config
+from nodeserve.config import Config, ConfigError
 from nodeserve.device import make_device
 from nodeserve.engine.cuda_graphs import DecodeGraphs
 from nodeserve.engine.model_runner import ModelRunner
@@ -98,11 +98,16 @@ class Engine:
 
         def make_worker(name: str, role: str) -> Worker:
             device = make_device(name)
+            kv_dtype = kv_cache_dtype(cfg.kv.dtype, dtype)
+            if device.torch_device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device.torch_device)
+                kv_bytes = int(cfg.kv.memory_gib * 2**30)
+                check_fits(name, free, 0 if device.torch_device in replicas else weight_bytes(self.loaded.model),
+                           kv_bytes)
             if device.torch_device not in replicas:
                 # CPU workers share one set of weights (read-only); each GPU gets its own replica.
                 replicas[device.torch_device] = self.loaded.model.to(device.torch_device) \
                     if device.torch_device.type == "cpu" else _replica(self.loaded.model, device.torch_device)
-            kv_dtype = kv_cache_dtype(cfg.kv.dtype, dtype)
             if cfg.kv.memory_gib == 0:  # CUDA only (config checks): what is free once the weights are there
                 free, _ = torch.cuda.mem_get_info(device.torch_device)
                 num_pages = kv_pages_for_device(free, cfg.kv.memory_headroom,
@@ -248,6 +253,24 @@ def build_runner(replica: LlamaModel, pool: KVPool, attention: str, cuda_graphs:
         replica.use_kernels(FlashInferOps(replica.rope, replica.cfg.max_position_embeddings, pool.device))
     graphs = DecodeGraphs(replica, pool, max_num_seqs, workspace=backend.workspace) if cuda_graphs else None
     return ModelRunner(replica, pool, backend, graphs)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def check_fits(device_name: str, free_bytes: int, weight_bytes: int, kv_bytes: int) -> None:
+    """A clear error, before any copy, when a GPU cannot hold what it is given: a CUDA out-of-memory error half-way
+    through copying the weights names neither the model nor the fix."""
+    gib = 2**30
+    if weight_bytes > free_bytes:
+        raise ConfigError(f"the model's weights ({weight_bytes / gib:.1f} GiB) do not fit in {device_name}'s free "
+                          f"memory ({free_bytes / gib:.1f} GiB): every GPU holds a whole replica (there is no "
+                          "tensor parallelism); use a smaller model or dtype, or free the GPU")
+    if weight_bytes + kv_bytes > free_bytes:
+        raise ConfigError(f"'kv.memory_gib' = {kv_bytes / gib:g} does not fit in {device_name}: "
+                          f"{free_bytes / gib:.1f} GiB free, {weight_bytes / gib:.1f} GiB of it for the weights; "
+                          f"lower it, or set 0 to use what is free less 'kv.memory_headroom'")
 
 
 def _replica(model, device: torch.device):

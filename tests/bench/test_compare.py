@@ -3,22 +3,12 @@ values, the issue's verdicts and the markdown table."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
-
-_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
 
 
 @pytest.fixture(scope="module")
-def C():
-    spec = importlib.util.spec_from_file_location("nodeserve_bench_compare", os.path.join(_BENCH, "compare.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up here
-    spec.loader.exec_module(mod)
-    return mod
+def C(load_bench):
+    return load_bench("compare")
 
 
 def _dist(p50=None, p99=None):

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "decode_host.py")
-
 
 @pytest.fixture(scope="module")
-def decode_host():
-    spec = importlib.util.spec_from_file_location("nodeserve_bench_decode_host", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def decode_host(load_bench):
+    return load_bench("decode_host")
 
 
 def test_cpu_eager_rows(decode_host, tmp_path):

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "soak.py")
-
 
 @pytest.fixture(scope="module")
-def soak():
-    spec = importlib.util.spec_from_file_location("nodeserve_bench_soak", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def soak(load_bench):
+    return load_bench("soak")
 
 
 def rec(kind="chat", stream=False, bad=False, status=200, aborted=False, completed=True, n=1, long=False,

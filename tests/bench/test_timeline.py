@@ -3,22 +3,12 @@ clipping to the window, and busy shares; plus one plot to a temp file."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
-
-_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
 
 
 @pytest.fixture(scope="module")
-def T():
-    spec = importlib.util.spec_from_file_location("nodeserve_bench_timeline", os.path.join(_BENCH, "timeline.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up here
-    spec.loader.exec_module(mod)
-    return mod
+def T(load_bench):
+    return load_bench("timeline")
 
 
 def _snapshot():

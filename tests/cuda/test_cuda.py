@@ -147,10 +147,10 @@ def _transfer_bytes_exact(src_name: str, dst_name: str, max_direct_runs: int):
         transfer.copy_layer(layer, pages)
     req = Request("r", list(range(96)), SamplingParams(max_tokens=2))
     req.prefill_pages = src_pool.allocator.allocate(6)
-    delivered = []
-    transfer.finish(req, lambda r, ev: delivered.append(ev), lambda r: None)
+    delivered, failed = [], []
+    transfer.finish(req, lambda r, ev: delivered.append(ev), lambda r: None, lambda r, error: failed.append(error))
     transfer.stop()
-    assert len(delivered) == 1 and len(freed) == 1
+    assert failed == [] and len(delivered) == 1 and len(freed) == 1
     delivered[0].synchronize()
     for layer in range(len(src_pool.layers)):
         got = dst_pool.layers[layer][dst_pages].cpu().view(torch.uint8)
@@ -198,25 +198,35 @@ def _greedy_decode(runner, prompts: list[list[int]], num_steps: int) -> list[lis
 @needs_flashinfer
 @pytest.mark.parametrize("batch", [1, 3, 4])  # 3 replays the graph of 4 with one padding row
 def test_graph_decode_equals_eager(loaded_bf16, prompt_ids, batch):
+    runners = _eager_and_graphed_runners(loaded_bf16, torch.bfloat16)
+    assert sorted(runners[1].graphs.graphs) == [1, 2, 4, 8]
+    prompts = prompt_ids[:batch]
+    eager, graphed = (_greedy_decode(r, prompts, 16) for r in runners)
+    assert graphed == eager
+
+
+def _eager_and_graphed_runners(loaded, kv_dtype, calibration_ids=None):
+    """Two runners over one bf16 replica on cuda:0, each with its own pool, warmed up; the second captures
+    decode graphs for batches up to 8. FP8 pools are calibrated first (on calibration_ids), as Engine.warmup does."""
     from nodeserve.attention.flashinfer_backend import FlashInferAttention
     from nodeserve.engine.cuda_graphs import DecodeGraphs
+    from nodeserve.engine.kv_calibration import calibrate_kv_scales
     from nodeserve.engine.model_runner import ModelRunner
     from nodeserve.engine.warmup import warmup_runner
     from nodeserve.kv.pool import KVPool
 
     device = torch.device("cuda", 0)
-    model = _replica(loaded_bf16.model, device)
+    model = _replica(loaded.model, device)
     runners = []
     for use_graphs in (False, True):
-        pool = KVPool(loaded_bf16.config, 256, 16, torch.bfloat16, device)
+        pool = KVPool(loaded.config, 256, 16, kv_dtype, device)
         graphs = DecodeGraphs(model, pool, max_batch=8) if use_graphs else None
         runner = ModelRunner(model, pool, FlashInferAttention(device), graphs)
+        if calibration_ids is not None:
+            calibrate_kv_scales(model, pool, calibration_ids)
         warmup_runner(runner)
         runners.append(runner)
-    assert sorted(runners[1].graphs.graphs) == [1, 2, 4, 8]
-    prompts = prompt_ids[:batch]
-    eager, graphed = (_greedy_decode(r, prompts, 16) for r in runners)
-    assert graphed == eager
+    return runners
 
 
 def _replica(model, device):
@@ -225,65 +235,36 @@ def _replica(model, device):
     return copy.deepcopy(model).to(device)
 
 
-# FP8 KV against bf16 KV on the real model, with the tolerance tests/kv/test_fp8_kv.py states against float32 KV
-# on CPU (measured there: 96.7 % top-1 agreement and a max logit difference of 3.30 with calibrated scales; 0.8 %
-# and 43.7 with scale 1e-4), over the same texts.
-FP8_MIN_TOP1_AGREEMENT, FP8_MAX_LOGIT_DIFF = 0.93, 5.0
-FP8_EVAL_TEXTS = [
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
-    "metal type, oil-based ink and a wooden screw press. Within fifty years, presses were running in more than two "
-    "hundred European cities, and the price of books fell sharply. Scholars could compare identical copies of a "
-    "text for the first time, which changed how knowledge was checked and shared.",
-    "Sunlight is made of many colours. When it enters the atmosphere, it hits molecules of nitrogen and oxygen that "
-    "are much smaller than the wavelength of light. These scatter short wavelengths, blue and violet, far more "
-    "strongly than long ones: Rayleigh scattering goes as one over the fourth power of the wavelength, which is why "
-    "the sky looks blue at noon and red at sunset.",
-    "def merge_sorted(a, b):\n    out, i, j = [], 0, 0\n    while i < len(a) and j < len(b):\n"
-    "        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n        else:\n"
-    "            out.append(b[j]); j += 1\n    return out + a[i:] + b[j:]\n",
-]
-
-
-def _teacher_forced_logits(model, loaded, kv_dtype, device, scales=None) -> torch.Tensor:
-    """Logits at every position of every FP8_EVAL_TEXTS text through FlashInfer: each text's first half as a
-    prompt, its second half as a chunk extending that cached prefix."""
+# FP8 KV against bf16 KV on the real model, with the texts and tolerance tests/kv/test_fp8_kv.py applies against
+# float32 KV on CPU (conftest.FP8Check; measured there: 96.7 % top-1 agreement and a max logit difference of 3.30
+# with calibrated scales; 0.8 % and 43.7 with scale 1e-4).
+def _teacher_forced_logits(check, model, loaded, kv_dtype, device, scales=None) -> torch.Tensor:
     from nodeserve.attention.flashinfer_backend import FlashInferAttention
-    from nodeserve.engine.model_runner import ModelRunner, SeqChunk
-    from nodeserve.kv.pool import KVPool, pages_for
+    from nodeserve.engine.model_runner import ModelRunner
+    from nodeserve.kv.pool import KVPool
 
     pool = KVPool(loaded.config, 64, 16, kv_dtype, device)
     if scales is not None:
         pool.k_scales, pool.v_scales = list(scales[0]), list(scales[1])
-    runner = ModelRunner(model, pool, FlashInferAttention(device))
-    out = []
-    for ids in (loaded.tokenizer.encode(t) for t in FP8_EVAL_TEXTS):
-        table = pool.allocator.allocate(pages_for(len(ids), 16))
-        half = len(ids) // 2
-        for chunk in (SeqChunk(ids[:half], 0, table), SeqChunk(ids[half:], half, table)):
-            input_ids, positions, meta, _ = runner.prepare([chunk])
-            out.append(model.compute_logits(model(input_ids, positions, meta, pool.layers, runner.backend)))
-        pool.allocator.free(table)
-    return torch.cat(out)
+    return check.teacher_forced_logits(ModelRunner(model, pool, FlashInferAttention(device)), loaded.tokenizer)
 
 
 @needs_flashinfer
-def test_fp8_kv_with_calibrated_scales_within_tolerance_of_bf16(loaded_bf16):
+def test_fp8_kv_with_calibrated_scales_within_tolerance_of_bf16(fp8_check, loaded_bf16):
     from nodeserve.engine.kv_calibration import calibrate_kv_scales, calibration_token_ids
     from nodeserve.kv.pool import KVPool
 
     device = torch.device("cuda", 0)
     model = _replica(loaded_bf16.model, device)
-    ref = _teacher_forced_logits(model, loaded_bf16, torch.bfloat16, device)
+    ref = _teacher_forced_logits(fp8_check, model, loaded_bf16, torch.bfloat16, device)
     calibrated = KVPool(loaded_bf16.config, 4, 16, torch.float8_e4m3fn, device)
     calibrate_kv_scales(model, calibrated, calibration_token_ids(loaded_bf16.tokenizer))
     assert all(s > 0 and s != 1.0 for s in calibrated.k_scales + calibrated.v_scales)
     n = loaded_bf16.config.num_layers
     # The same check passes with the calibrated scales and fails with a deliberately bad one.
     for scales, passes in (((calibrated.k_scales, calibrated.v_scales), True), (([1e-4] * n, [1e-4] * n), False)):
-        got = _teacher_forced_logits(model, loaded_bf16, torch.float8_e4m3fn, device, scales)
-        agreement = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        max_diff = (got - ref).abs().max().item()
-        ok = agreement >= FP8_MIN_TOP1_AGREEMENT and max_diff <= FP8_MAX_LOGIT_DIFF
+        got = _teacher_forced_logits(fp8_check, model, loaded_bf16, torch.float8_e4m3fn, device, scales)
+        ok, agreement, max_diff = fp8_check.within_tolerance(got, ref)
         assert ok == passes, f"K scales {scales[0][:3]}...: top-1 agreement {agreement:.1%}, max diff {max_diff:.2f}"
 
 
@@ -291,24 +272,10 @@ def test_fp8_kv_with_calibrated_scales_within_tolerance_of_bf16(loaded_bf16):
 def test_fp8_graphs_capture_the_calibrated_scales(loaded_bf16, prompt_ids):
     """Warm-up calibrates an FP8 pool before the capture, so the graphs hold the calibrated scales, and replaying
     them decodes the tokens eager FlashInfer decodes on a pool with the same scales."""
-    from nodeserve.attention.flashinfer_backend import FlashInferAttention
-    from nodeserve.engine.cuda_graphs import DecodeGraphs
-    from nodeserve.engine.kv_calibration import calibrate_kv_scales, calibration_token_ids
-    from nodeserve.engine.model_runner import ModelRunner
-    from nodeserve.engine.warmup import warmup_runner
-    from nodeserve.kv.pool import KVPool
+    from nodeserve.engine.kv_calibration import calibration_token_ids
 
-    device = torch.device("cuda", 0)
-    model = _replica(loaded_bf16.model, device)
-    runners = []
-    for use_graphs in (False, True):
-        pool = KVPool(loaded_bf16.config, 256, 16, torch.float8_e4m3fn, device)
-        graphs = DecodeGraphs(model, pool, max_batch=8) if use_graphs else None
-        runner = ModelRunner(model, pool, FlashInferAttention(device), graphs)
-        calibrate_kv_scales(model, pool, calibration_token_ids(loaded_bf16.tokenizer))
-        warmup_runner(runner)
-        runners.append(runner)
-    eager, graphed = runners
+    eager, graphed = _eager_and_graphed_runners(loaded_bf16, torch.float8_e4m3fn,
+                                                calibration_token_ids(loaded_bf16.tokenizer))
     assert all(s != 1.0 for s in graphed.pool.k_scales + graphed.pool.v_scales)
     assert graphed.graphs.captured_scales == (graphed.pool.k_scales, graphed.pool.v_scales)
     eager.pool.k_scales, eager.pool.v_scales = list(graphed.pool.k_scales), list(graphed.pool.v_scales)

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from nodeserve.config import config_from_dict
-from nodeserve.engine.engine import Engine, PromptTooLong, QueueFull
+from nodeserve.config import ConfigError, config_from_dict
+from nodeserve.engine.engine import Engine, PromptTooLong, QueueFull, check_fits, weight_bytes
 from nodeserve.sampling_params import SamplingParams
 
 MODES = {
@@ -182,3 +182,14 @@ def test_full_queue_is_refused_then_drains(loaded_fp32, prompt_ids):
         return refused, [len(t) for t, _ in results]
     refused, lengths = _run(cfg, loaded_fp32, body)
     assert refused > 0 and lengths == [64] * (12 - refused)
+
+
+def test_a_gpu_too_small_for_the_weights_or_the_pool_is_a_config_error(loaded_fp32):
+    gib = 2**30
+    weights = weight_bytes(loaded_fp32.model)
+    assert 500e6 < weights < 600e6  # SmolLM2-135M in float32 (tied embeddings counted once)
+    check_fits("cuda:0", 80 * gib, 16 * gib, 60 * gib)
+    with pytest.raises(ConfigError, match=r"weights \(65.0 GiB\) do not fit in cuda:3's free memory \(40.0 GiB\)"):
+        check_fits("cuda:3", 40 * gib, 65 * gib, 0)
+    with pytest.raises(ConfigError, match=r"'kv.memory_gib' = 30 does not fit in cuda:1: 40.0 GiB free, 16.0 GiB"):
+        check_fits("cuda:1", 40 * gib, 16 * gib, 30 * gib)

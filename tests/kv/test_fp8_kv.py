@@ -22,28 +22,13 @@ from nodeserve.kv.pool import KVPool, pages_for
 FP8 = torch.float8_e4m3fn
 KH, D, H = 2, 16, 6
 
-# FP8 KV vs float32 KV, teacher-forced over the EVAL_TEXTS positions (243 on SmolLM2-135M), measured:
+# FP8 KV vs float32 KV, teacher-forced over FP8Check.TEXTS' positions (243 on SmolLM2-135M), measured:
 #   calibrated scales: 96.7 % top-1 agreement, max |logit diff| 3.30 (logits span -35..38; mean diff 0.31);
 #   uniform scale 1e-4 (everything clamps): 0.8 % / 43.7; 1e3 (everything underflows): 9.1 % / 43.0;
 #   K/V 64x larger (same float32 logits) at scale 1.0: 80.7 % / 19.1; calibrated: 96.7 % / 3.30 again.
 # (SmolLM2's own |K| <= 20 and |V| <= 16 sit well inside e4m3 at scale 1.0, which passes too: 95.9 % / 3.36.)
 # The bounds leave room for other CPUs' rounding; wrong scales miss them by a wide margin.
-MIN_TOP1_AGREEMENT = 0.93
-MAX_LOGIT_DIFF = 5.0
-
-EVAL_TEXTS = [  # not the calibration text: the tolerance is about text the scales were not fitted on
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
-    "metal type, oil-based ink and a wooden screw press. Within fifty years, presses were running in more than two "
-    "hundred European cities, and the price of books fell sharply. Scholars could compare identical copies of a "
-    "text for the first time, which changed how knowledge was checked and shared.",
-    "Sunlight is made of many colours. When it enters the atmosphere, it hits molecules of nitrogen and oxygen that "
-    "are much smaller than the wavelength of light. These scatter short wavelengths, blue and violet, far more "
-    "strongly than long ones: Rayleigh scattering goes as one over the fourth power of the wavelength, which is why "
-    "the sky looks blue at noon and red at sunset.",
-    "def merge_sorted(a, b):\n    out, i, j = [], 0, 0\n    while i < len(a) and j < len(b):\n"
-    "        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n        else:\n"
-    "            out.append(b[j]); j += 1\n    return out + a[i:] + b[j:]\n",
-]
+# The bounds and texts are FP8Check's, in tests/conftest.py.
 
 
 # ---- the quantizing write and the reference backend's reads ---------------------------------------------------
@@ -186,48 +171,30 @@ def test_amax_is_what_the_layers_write(loaded_fp32, calibration_ids):
 
 # ---- FP8 vs float32 on the real model ------------------------------------------------------------------------
 
-def _teacher_forced_logits(loaded, dtype, k_scales=None, v_scales=None) -> torch.Tensor:
-    """Logits at every position of every EVAL_TEXTS text ([positions, vocab]): each text's first half as a prompt,
-    its second half as a chunk extending that cached prefix, so both attention paths read the pool."""
+def _teacher_forced_logits(check, loaded, dtype, k_scales=None, v_scales=None) -> torch.Tensor:
     pool = KVPool(loaded.config, 64, 16, dtype, torch.device("cpu"))
     if k_scales is not None:
         pool.k_scales, pool.v_scales = list(k_scales), list(v_scales)
-    runner = ModelRunner(loaded.model, pool, TorchAttention())
-    out = []
-    for ids in (loaded.tokenizer.encode(t) for t in EVAL_TEXTS):
-        table = pool.allocator.allocate(pages_for(len(ids), 16))
-        half = len(ids) // 2
-        for chunk in (SeqChunk(ids[:half], 0, table), SeqChunk(ids[half:], half, table)):
-            input_ids, positions, meta, _ = runner.prepare([chunk])
-            hidden = loaded.model(input_ids, positions, meta, pool.layers, runner.backend)
-            out.append(loaded.model.compute_logits(hidden))  # every row: teacher-forced next-token logits
-        pool.allocator.free(table)
-    return torch.cat(out)
-
-
-def _within_tolerance(got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float, float]:
-    agreement = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    max_diff = (got - ref).abs().max().item()
-    return agreement >= MIN_TOP1_AGREEMENT and max_diff <= MAX_LOGIT_DIFF, agreement, max_diff
+    return check.teacher_forced_logits(ModelRunner(loaded.model, pool, TorchAttention()), loaded.tokenizer)
 
 
 @pytest.fixture(scope="module")
-def fp32_logits(loaded_fp32) -> torch.Tensor:
-    return _teacher_forced_logits(loaded_fp32, torch.float32)
+def fp32_logits(fp8_check, loaded_fp32) -> torch.Tensor:
+    return _teacher_forced_logits(fp8_check, loaded_fp32, torch.float32)
 
 
-def test_fp8_with_calibrated_scales_is_within_tolerance_of_fp32(loaded_fp32, calibrated, fp32_logits):
-    got = _teacher_forced_logits(loaded_fp32, FP8, calibrated.k_scales, calibrated.v_scales)
+def test_fp8_with_calibrated_scales_is_within_tolerance_of_fp32(fp8_check, loaded_fp32, calibrated, fp32_logits):
+    got = _teacher_forced_logits(fp8_check, loaded_fp32, FP8, calibrated.k_scales, calibrated.v_scales)
     assert fp32_logits.shape[0] >= 200
-    ok, agreement, max_diff = _within_tolerance(got, fp32_logits)
+    ok, agreement, max_diff = fp8_check.within_tolerance(got, fp32_logits)
     assert ok, f"top-1 agreement {agreement:.1%}, max logit diff {max_diff:.2f}"
 
 
 @pytest.mark.parametrize("bad_scale", [1e-4, 1e3])  # clamps everything / flushes everything toward zero
-def test_a_bad_scale_fails_the_same_check(loaded_fp32, fp32_logits, bad_scale):
+def test_a_bad_scale_fails_the_same_check(fp8_check, loaded_fp32, fp32_logits, bad_scale):
     n = loaded_fp32.config.num_layers
-    got = _teacher_forced_logits(loaded_fp32, FP8, [bad_scale] * n, [bad_scale] * n)
-    ok, agreement, max_diff = _within_tolerance(got, fp32_logits)
+    got = _teacher_forced_logits(fp8_check, loaded_fp32, FP8, [bad_scale] * n, [bad_scale] * n)
+    ok, agreement, max_diff = fp8_check.within_tolerance(got, fp32_logits)
     assert not ok, f"top-1 agreement {agreement:.1%}, max logit diff {max_diff:.2f}"
 
 
@@ -248,16 +215,16 @@ def _with_kv_scaled_up(loaded, factor: float):
     return SimpleNamespace(config=cfg, model=model, tokenizer=loaded.tokenizer)
 
 
-def test_calibration_keeps_large_kv_in_range(loaded_fp32, calibration_ids, fp32_logits):
+def test_calibration_keeps_large_kv_in_range(fp8_check, loaded_fp32, calibration_ids, fp32_logits):
     """Where |K| reaches about 1300 (64x SmolLM2's), scale 1.0 clamps and fails the tolerance; calibrated scales
     follow the model and pass it."""
     big = _with_kv_scaled_up(loaded_fp32, 64.0)
     n = big.config.num_layers
-    ok, agreement, max_diff = _within_tolerance(_teacher_forced_logits(big, FP8, [1.0] * n, [1.0] * n), fp32_logits)
+    ok, agreement, max_diff = fp8_check.within_tolerance(_teacher_forced_logits(fp8_check, big, FP8, [1.0] * n, [1.0] * n), fp32_logits)
     assert not ok, f"scale 1.0: top-1 agreement {agreement:.1%}, max logit diff {max_diff:.2f}"
     pool = KVPool(big.config, 4, 16, FP8, torch.device("cpu"))
     calibrate_kv_scales(big.model, pool, calibration_ids)
-    ok, agreement, max_diff = _within_tolerance(_teacher_forced_logits(big, FP8, pool.k_scales, pool.v_scales),
+    ok, agreement, max_diff = fp8_check.within_tolerance(_teacher_forced_logits(fp8_check, big, FP8, pool.k_scales, pool.v_scales),
                                                 fp32_logits)
     assert ok, f"calibrated: top-1 agreement {agreement:.1%}, max logit diff {max_diff:.2f}"
 
