@@ -1,7 +1,8 @@
 """ModelRunner on the meta device: a step that mixes decodes, a whole prompt and a prompt extending its cached
-prefix runs end to end without touching data. A CPU tensor mixed into the step, or a host read of a device value
-(.item(), .tolist(), a bool of a tensor) raises on meta exactly where it would put a copy or a sync in every
-CUDA step: this is the CPU-only guard for the no-host-sync path."""
+prefix runs end to end without touching data. A host read of a device value (.item(), .tolist(), a bool of a
+tensor), or a CPU tensor in arithmetic with the step's tensors, raises on meta exactly where it would put a sync
+(or an error) in every CUDA step: the CPU-only guard for the no-host-sync path. CPU index tensors pass (torch
+accepts them on any device)."""
 
 from __future__ import annotations
 
