@@ -57,20 +57,26 @@ class ModelRunner:
         num_decodes = 0
         while num_decodes < len(chunks) and query_lens[num_decodes] == 1:
             num_decodes += 1
-        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=block_tables.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            slot_mapping=self._upload(torch.tensor(slots, dtype=torch.int64)),
+            block_tables=self._upload(block_tables),
+            seq_lens=self._upload(torch.tensor(seq_lens, dtype=torch.int64)),
             query_lens=query_lens,
             seq_lens_host=seq_lens,
             num_decodes=num_decodes,
             page_size=page_size,
             block_tables_host=[c.block_table for c in chunks],
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        ids = self._upload(torch.tensor(input_ids, dtype=torch.int64))
+        pos_t = self._upload(torch.tensor(positions, dtype=torch.int64))
         return ids, pos_t, meta, logits_rows
+
+    def _upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the runner's device. On CUDA through pinned memory, without blocking: a copy from
+        pageable memory synchronises the stream, which would be a host wait on the GPU in every step."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def run(self, chunks: Sequence[SeqChunk],
             on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -83,9 +89,9 @@ class ModelRunner:
             hidden = self.graphs.run(ids, positions, meta)  # None: no graph for this batch size, run eagerly
         if hidden is None:
             hidden = self.model(ids, positions, meta, self.pool.layers, self.backend, on_layer_done)
-        logits = self.model.compute_logits(hidden[rows])  # [N, V], in `ordered` order
+        logits = self.model.compute_logits(hidden[self._upload(torch.tensor(rows, dtype=torch.int64))])  # [N, V]
         wanted = [i for i in order if chunks[i].want_logits]
         if wanted == sorted(wanted):
             return logits
         # row k of `logits` belongs to chunk wanted[k]; put the rows back in chunk order
-        return logits[torch.tensor(sorted(range(len(wanted)), key=wanted.__getitem__))]
+        return logits[self._upload(torch.tensor(sorted(range(len(wanted)), key=wanted.__getitem__)))]
