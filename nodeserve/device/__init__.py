@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nodeserve.device.base import Device, DeviceNameError, available_devices, parse_device_name
+from nodeserve.device.base import Device, DeviceNameError, available_devices, parse_device_name, upload
 
 
 def make_device(name: str) -> Device:
@@ -26,4 +26,4 @@ def auto_dtype(device_names: list[str] | tuple[str, ...]) -> str:
     return "bfloat16" if has_fast_bf16() else "float32"
 
 
-__all__ = ["auto_dtype", "Device", "DeviceNameError", "available_devices", "make_device", "parse_device_name"]
+__all__ = ["auto_dtype", "Device", "DeviceNameError", "available_devices", "make_device", "parse_device_name", "upload"]

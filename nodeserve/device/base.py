@@ -35,6 +35,15 @@ def available_devices() -> list[str]:
     return names
 
 
+def upload(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`data` (a host tensor, or values to make one of) on `device`. To a GPU through pinned memory, without
+    blocking: a copy from pageable memory synchronises the stream, i.e. the host waits for all queued GPU work."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class Device:
     """One compute device. Methods that take or return events are no-ops on CPU, where every op has
     finished by the time the issuing thread moves on."""

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from nodeserve.attention.base import AttentionBackend, AttentionMetadata
+from nodeserve.device import upload
 from nodeserve.kv.pool import KVPool
 from nodeserve.model.llama import LlamaModel
 
@@ -58,25 +59,18 @@ class ModelRunner:
         while num_decodes < len(chunks) and query_lens[num_decodes] == 1:
             num_decodes += 1
         meta = AttentionMetadata(
-            slot_mapping=self._upload(torch.tensor(slots, dtype=torch.int64)),
-            block_tables=self._upload(block_tables),
-            seq_lens=self._upload(torch.tensor(seq_lens, dtype=torch.int64)),
+            slot_mapping=upload(slots, self.device, torch.int64),
+            block_tables=upload(block_tables, self.device),
+            seq_lens=upload(seq_lens, self.device, torch.int64),
             query_lens=query_lens,
             seq_lens_host=seq_lens,
             num_decodes=num_decodes,
             page_size=page_size,
             block_tables_host=[c.block_table for c in chunks],
         )
-        ids = self._upload(torch.tensor(input_ids, dtype=torch.int64))
-        pos_t = self._upload(torch.tensor(positions, dtype=torch.int64))
+        ids = upload(input_ids, self.device, torch.int64)
+        pos_t = upload(positions, self.device, torch.int64)
         return ids, pos_t, meta, logits_rows
-
-    def _upload(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the runner's device. On CUDA through pinned memory, without blocking: a copy from
-        pageable memory synchronises the stream, which would be a host wait on the GPU in every step."""
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
 
     def run(self, chunks: Sequence[SeqChunk],
             on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -89,9 +83,10 @@ class ModelRunner:
             hidden = self.graphs.run(ids, positions, meta)  # None: no graph for this batch size, run eagerly
         if hidden is None:
             hidden = self.model(ids, positions, meta, self.pool.layers, self.backend, on_layer_done)
-        logits = self.model.compute_logits(hidden[self._upload(torch.tensor(rows, dtype=torch.int64))])  # [N, V]
+        # rows: a device index (a Python list would be a blocking copy on CUDA, see device.upload)
+        logits = self.model.compute_logits(hidden[upload(rows, self.device, torch.int64)])  # [N, V]
         wanted = [i for i in order if chunks[i].want_logits]
         if wanted == sorted(wanted):
             return logits
         # row k of `logits` belongs to chunk wanted[k]; put the rows back in chunk order
-        return logits[self._upload(torch.tensor(sorted(range(len(wanted)), key=wanted.__getitem__)))]
+        return logits[upload(sorted(range(len(wanted)), key=wanted.__getitem__), self.device, torch.int64)]

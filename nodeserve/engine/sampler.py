@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nodeserve.device import upload
 from nodeserve.sampling_params import SamplingParams
 
 
@@ -42,7 +43,7 @@ def apply_penalties(
         return logits.clone()
     device = logits.device
     ps = [params[i] for i in rows]
-    rows_t = torch.tensor(rows, device=device)
+    rows_t = upload(rows, device, torch.int64)
     x = logits[rows_t]                                                   # [R, V] (a copy)
 
     counts = _token_counts([output_ids[i] for i in rows], V, device)     # [R, V]
@@ -50,15 +51,15 @@ def apply_penalties(
     if any(r != 1.0 for r in rep):
         seen = counts > 0
         seen |= _token_counts([prompt_ids[i] for i in rows], V, device) > 0
-        rep_t = torch.tensor(rep, device=device, dtype=x.dtype)[:, None]   # [R, 1]
+        rep_t = upload(rep, device, x.dtype)[:, None]   # [R, 1]
         penalty = torch.where(seen, rep_t, 1.0)                             # [R, V]
         x = torch.where(x > 0, x / penalty, x * penalty)
         # A tiny penalty (the API allows any value > 0) can overflow float32: keep logits finite so softmax
         # and logprobs stay defined; the order among penalised tokens is what matters.
         x = x.clamp(-_LOGIT_LIMIT, _LOGIT_LIMIT)
 
-    freq = torch.tensor([p.frequency_penalty for p in ps], device=device, dtype=x.dtype)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in ps], device=device, dtype=x.dtype)[:, None]
+    freq = upload([p.frequency_penalty for p in ps], device, x.dtype)[:, None]
+    pres = upload([p.presence_penalty for p in ps], device, x.dtype)[:, None]
     x = x - freq * counts - pres * (counts > 0)
 
     if len(rows) == B:
@@ -74,7 +75,7 @@ def _token_counts(seqs: Sequence[Sequence[int]], V: int, device: torch.device) -
         return torch.zeros(R, V, device=device)
     # Pad with the out-of-vocab id V so one scatter_add handles ragged rows; the pad column is dropped.
     padded = [list(s) + [V] * (L - len(s)) for s in seqs]
-    ids = torch.tensor(padded, dtype=torch.long).to(device, non_blocking=True)       # [R, L]
+    ids = upload(padded, device, torch.long)       # [R, L]
     counts = torch.zeros(R, V + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones(R, L, device=device))
     return counts[:, :V]
@@ -153,7 +154,7 @@ class Sampler:
         else:
             token_ids = logits.argmax(dim=-1)                               # [B]
         if 0 < len(random_rows) < B:
-            idx = torch.tensor(random_rows, device=logits.device)
+            idx = upload(random_rows, logits.device, torch.int64)
             sampled = self._sample(logits[idx], [params[i] for i in random_rows],
                                    [generators[i] for i in random_rows])
             token_ids = token_ids.index_copy(0, idx, sampled)
@@ -170,20 +171,20 @@ class Sampler:
     ) -> torch.Tensor:                              # [R] sampled token ids
         R, V = logits.shape
         device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device)
+        temperature = upload([p.temperature for p in params], device, torch.float32)
         logits = logits / temperature[:, None]                              # [R, V]
 
         top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
         top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
         if any(k < V for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _apply_top_k_top_p(logits, torch.tensor(top_k, device=device),
-                                        torch.tensor(top_p, device=device))
+            logits = _apply_top_k_top_p(logits, upload(top_k, device, torch.int64),
+                                        upload(top_p, device, torch.float32))
 
         probs = logits.softmax(dim=-1)                                      # [R, V]
         min_p = [p.min_p for p in params]
         if any(m > 0.0 for m in min_p):
             # Relative to the max prob, so it is unaffected by the renormalisation after top-k/top-p.
-            threshold = torch.tensor(min_p, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+            threshold = upload(min_p, device, torch.float32)[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
             # No renormalising needed: the argmax below is invariant to scaling a row.
 
@@ -195,7 +196,7 @@ class Sampler:
             noise.exponential_(generator=self._generator)
         else:
             if unseeded:
-                idx = torch.tensor(unseeded, device=device)
+                idx = upload(unseeded, device, torch.int64)
                 shared = torch.empty(len(unseeded), V, device=device).exponential_(generator=self._generator)
                 noise.index_copy_(0, idx, shared)
             for i, g in enumerate(generators):

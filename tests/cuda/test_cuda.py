@@ -375,3 +375,27 @@ def test_graph_decode_with_flashinfer_ops_equals_eager(loaded_bf16, prompt_ids):
     prompts = prompt_ids[:3]  # the graph of 4 with one padding row
     eager, graphed = (_greedy_decode(r, prompts, 16) for r in runners)
     assert graphed == eager
+
+
+def test_upload_does_not_wait_for_queued_gpu_work():
+    """device.upload returns while a long kernel is still running (a plain copy from pageable memory would wait
+    for it), and the values arrive intact and in order behind that kernel."""
+    import time
+
+    from nodeserve.device import upload
+
+    device = torch.device("cuda", 0)
+    a = torch.randn(4096, 4096, device=device)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(20):
+        a = a @ a / 64  # ~3 TFLOP in total: well over 1 ms on any GPU
+    queued = time.perf_counter()
+    t = upload(list(range(1000)), device, torch.int64)
+    returned = time.perf_counter()
+    busy = not torch.cuda.current_stream(device).query()
+    torch.cuda.synchronize(device)
+    done = time.perf_counter()
+    assert busy, "the matmuls finished before upload returned: the test cannot tell blocking from not"
+    assert returned - queued < (done - start) / 2, (returned - queued, done - start)
+    assert t.tolist() == list(range(1000)) and t.device == device

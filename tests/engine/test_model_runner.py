@@ -67,3 +67,14 @@ def test_a_host_read_in_the_forward_would_fail_here():
     runner.backend.kv_pool = runner.pool
     with pytest.raises((RuntimeError, NotImplementedError)):
         runner.run(MIXED_STEP)
+
+
+def test_upload_on_cpu_and_meta():
+    from nodeserve.device import upload
+
+    t = upload([1, 2, 3], torch.device("cpu"), torch.int64)
+    assert t.dtype == torch.int64 and t.tolist() == [1, 2, 3]
+    assert upload([0.5, 2.0], torch.device("cpu")).dtype == torch.float32
+    host = torch.arange(4)
+    assert upload(host, torch.device("cpu")) is host  # no copy on the host
+    assert upload(host, META).device == META
