@@ -149,14 +149,14 @@ class Engine:
         from nodeserve.engine.kv_calibration import calibrate_kv_scales, calibration_token_ids
         from nodeserve.engine.warmup import warmup_runner
 
-        fp8_pools = [w.pool for w in self.workers if w.pool.is_fp8]
-        if fp8_pools:
-            first = next(w for w in self.workers if w.pool.is_fp8)
+        fp8_workers = [w for w in self.workers if w.pool.is_fp8]
+        if fp8_workers:
+            first = fp8_workers[0]
             start = time.monotonic()
             ids = calibration_token_ids(self.tokenizer)
             calibrate_kv_scales(first.runner.model, first.pool, ids)
-            for pool in fp8_pools[1:]:
-                pool.k_scales, pool.v_scales = list(first.pool.k_scales), list(first.pool.v_scales)
+            for w in fp8_workers[1:]:
+                w.pool.k_scales, w.pool.v_scales = list(first.pool.k_scales), list(first.pool.v_scales)
             log.info("FP8 KV scales from %d calibration tokens on %s in %.1fs: K %.3g to %.3g, V %.3g to %.3g",
                      len(ids), first.name, time.monotonic() - start, min(first.pool.k_scales),
                      max(first.pool.k_scales), min(first.pool.v_scales), max(first.pool.v_scales))

@@ -51,7 +51,7 @@ def apply_penalties(
     if any(r != 1.0 for r in rep):
         seen = counts > 0
         seen |= _token_counts([prompt_ids[i] for i in rows], V, device) > 0
-        rep_t = upload(rep, device, x.dtype)[:, None]   # [R, 1]
+        rep_t = upload(rep, device, x.dtype)[:, None]                       # [R, 1]
         penalty = torch.where(seen, rep_t, 1.0)                             # [R, V]
         x = torch.where(x > 0, x / penalty, x * penalty)
         # A tiny penalty (the API allows any value > 0) can overflow float32: keep logits finite so softmax
@@ -75,7 +75,7 @@ def _token_counts(seqs: Sequence[Sequence[int]], V: int, device: torch.device) -
         return torch.zeros(R, V, device=device)
     # Pad with the out-of-vocab id V so one scatter_add handles ragged rows; the pad column is dropped.
     padded = [list(s) + [V] * (L - len(s)) for s in seqs]
-    ids = upload(padded, device, torch.long)       # [R, L]
+    ids = upload(padded, device, torch.long)                              # [R, L]
     counts = torch.zeros(R, V + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones(R, L, device=device))
     return counts[:, :V]
