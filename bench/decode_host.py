@@ -41,7 +41,7 @@ def measure(model, device: torch.device, mode: str, batch: int, context: int, nu
     """Median host and step milliseconds of `num_steps` decode steps of `batch` sequences."""
     pages_per_seq = pages_for(context + num_warmup + num_steps + 1, page_size)
     # +1 page: a graph bucket's padding rows write to a page reserved for them
-    pool = KVPool(model.cfg, batch * pages_per_seq + 1, page_size, model.embed_tokens.weight.dtype, device)
+    pool = KVPool(model.cfg, batch * pages_per_seq + 1, page_size, model.dtype, device)
     runner = build_runner(model, pool, attention, cuda_graphs=mode == "graphs", max_num_seqs=batch)
     if mode == "graphs" and runner.graphs is None:
         raise SystemExit(f"--modes graphs needs CUDA and FlashInfer; {device} runs {type(runner.backend).__name__}")
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     ap.add_argument("--modes", default=None, help="eager,graphs (default: both on CUDA, eager on CPU)")
+    ap.add_argument("--quantization", default="none", help="model.quantization (none, auto, int8, int4, fp16)")
     ap.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
@@ -83,9 +84,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     modes = (args.modes or ("eager,graphs" if device.type == "cuda" else "eager")).split(",")
     if device.type == "cpu":
         torch.set_num_threads(1)  # one core, as a CPU worker runs
-    model = load_model(MODEL, parse_dtype(args.dtype)).model.to(device)
+    model = load_model(MODEL, parse_dtype(args.dtype), quantization=args.quantization).model.to(device)
     rows = []
-    print(f"{MODEL} {args.dtype} on {device}, context {args.context}, median of {args.steps} steps")
+    print(f"{MODEL} {args.dtype} ({args.quantization}) on {device}, context {args.context}, median of {args.steps} steps")
     print(f"{'mode':<7} {'batch':>5} {'host ms':>9} {'step ms':>9}  backend")
     for mode in modes:
         for batch in (int(b) for b in args.batch.split(",")):

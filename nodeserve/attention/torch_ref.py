@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from nodeserve.attention.base import AttentionMetadata
+from nodeserve.kernels import native
 
 if TYPE_CHECKING:
     from nodeserve.kv.pool import KVPool
@@ -127,8 +128,9 @@ class _DecodeGroup:
 
 
 class TorchAttention:
-    """Decodes are batched in padded SDPA calls over groups of similar length; each prefill chunk runs
-    alone, so no one pads to the longest prompt. The grouping and masks depend only on the step, so they are
+    """On CPU with a float32 pool, decodes read K/V where they lie in the pages (the native kernel: no gather, no
+    padding). Elsewhere decodes are batched in padded SDPA calls over groups of similar length. Each prefill
+    chunk runs alone, so no one pads to the longest prompt. The grouping and masks depend only on the step, so they are
     built at the first layer and reused by the others (the same `meta` object comes with every layer).
 
     FP8 pools: K/V are gathered as stored and converted to q's dtype (exact: every e4m3 value is a bf16, fp16
@@ -139,6 +141,13 @@ class TorchAttention:
     def __init__(self) -> None:
         self.kv_pool: KVPool | None = None  # whose per-layer FP8 scales forward() uses (ModelRunner binds it)
         self._planned: tuple[AttentionMetadata | None, list[_DecodeGroup]] = (None, [])
+
+    @staticmethod
+    def _paged_kernels(q: torch.Tensor, kv_layer: torch.Tensor) -> native.NativeKernels | None:
+        """The native kernels when they can read this pool where it lies (float32 on CPU), else None."""
+        if q.device.type != "cpu" or q.dtype != torch.float32 or kv_layer.dtype != torch.float32:
+            return None
+        return native.load()
 
     def _decode_groups(self, meta: AttentionMetadata, device: torch.device) -> list[_DecodeGroup]:
         if self._planned[0] is meta:
@@ -159,14 +168,21 @@ class TorchAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_scale, v_scale = layer_scales(self.kv_pool, kv_layer)
-        write_kv_scaled(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
+        if (kernels := self._paged_kernels(q, kv_layer)) is not None:
+            kernels.write_kv(kv_layer, k, v, meta.slot_mapping)
+        else:
+            write_kv_scaled(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
         dtype = q.dtype if is_fp8(kv_layer) else None
         scale = scale * k_scale
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        for g in self._decode_groups(meta, q.device):
-            kd, vd = gather_kv(kv_layer, g.block_table, g.max_len, dtype)  # [n, L, KH, D]
-            out[g.idx] = attend_decode(q[g.idx], kd, vd, g.mask, scale)
+        if nd and kernels is not None:
+            out[:nd] = kernels.paged_decode_attention(
+                q[:nd].contiguous(), kv_layer, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        else:
+            for g in self._decode_groups(meta, q.device):
+                kd, vd = gather_kv(kv_layer, g.block_table, g.max_len, dtype)  # [n, L, KH, D]
+                out[g.idx] = attend_decode(q[g.idx], kd, vd, g.mask, scale)
         start = nd
         for b in range(nd, meta.num_seqs):
             q_len, seq_len = meta.query_lens[b], meta.seq_lens_host[b]

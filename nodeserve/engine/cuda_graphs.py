@@ -95,7 +95,7 @@ class DecodeGraphs:
         self.captured_scales: tuple[list[float], list[float]] | None = None  # the pool's FP8 scales at capture
 
     def _plan(self, bucket: int, meta: AttentionMetadata) -> None:
-        self.backends[bucket].plan(meta, *self.dims, self.model.embed_tokens.weight.dtype, self.pool.dtype,
+        self.backends[bucket].plan(meta, *self.dims, self.model.dtype, self.pool.dtype,
                                    self.scale)
 
     def capture(self) -> None:

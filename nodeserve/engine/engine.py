@@ -92,7 +92,7 @@ class Engine:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         cfg = self.config
-        dtype = self.loaded.model.embed_tokens.weight.dtype
+        dtype = self.loaded.model.dtype
         limits = WorkerLimits(cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, self.max_model_len)
         replicas: dict[torch.device, object] = {}
 
@@ -249,7 +249,7 @@ def build_runner(replica: LlamaModel, pool: KVPool, attention: str, cuda_graphs:
     backend = make_backend(attention, pool.device)
     if not isinstance(backend, FlashInferAttention):
         return ModelRunner(replica, pool, backend)
-    if replica.embed_tokens.weight.dtype in FLASHINFER_OPS_DTYPES and not isinstance(replica.ops, FlashInferOps):
+    if replica.dtype in FLASHINFER_OPS_DTYPES and not isinstance(replica.ops, FlashInferOps):
         replica.use_kernels(FlashInferOps(replica.rope, replica.cfg.max_position_embeddings, pool.device))
     graphs = DecodeGraphs(replica, pool, max_num_seqs, workspace=backend.workspace) if cuda_graphs else None
     return ModelRunner(replica, pool, backend, graphs)

@@ -79,7 +79,7 @@ def measure_kv_amax(model: LlamaModel, token_ids: Sequence[int],
                     device: torch.device) -> tuple[list[float], list[float]]:
     """(K amax per layer, V amax per layer) over one prefill of `token_ids`, in the model's dtype on `device`."""
     ids = list(token_ids)[:model.cfg.max_position_embeddings]
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.dtype
     num_pages = pages_for(len(ids), CALIBRATION_PAGE_SIZE)
     scratch = KVPool(model.cfg, num_pages, CALIBRATION_PAGE_SIZE, dtype, device)
     recorder = _AmaxRecorder(scratch)

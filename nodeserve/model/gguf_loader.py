@@ -1,4 +1,5 @@
-"""GGUF checkpoints: metadata to ModelConfig, and every tensor dequantized into the serving dtype."""
+"""GGUF checkpoints: metadata to ModelConfig, and every tensor dequantized into the serving dtype, or kept in its
+blocks (model/block_quant.py) when the caller serves that block type."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from nodeserve.model.block_quant import QuantizedWeight
 from nodeserve.model.config import LoadError, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -114,9 +116,12 @@ def _dequantize(t, path: str) -> np.ndarray:
         raise LoadError(f"{path}: tensor '{t.name}' ({what}) could not be dequantized: {e}") from None
 
 
-def load_gguf(path: str, dtype: torch.dtype,
-              progress: Callable[[int, int], None] | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
-    """Returns (config, state dict in `dtype`, raw metadata for the tokenizer)."""
+def load_gguf(path: str, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None,
+              keep_blocks: frozenset[int] = frozenset()) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """Returns (config, state dict in `dtype`, raw metadata for the tokenizer).
+
+    Matrices whose ggml type is in `keep_blocks` come as QuantizedWeight (the file's bytes, rows un-permuted
+    like the dense ones), not dequantized."""
     reader = open_reader(path)
     meta = read_metadata(reader)
     cfg = config_from_metadata(meta, path)
@@ -134,12 +139,20 @@ def load_gguf(path: str, dtype: torch.dtype,
                     continue
                 raise LoadError(f"{path}: unexpected tensor '{t.name}'")
             name = f"{_GLOBAL_NAMES[base]}.{kind}"
-        w = _dequantize(t, path).reshape([int(d) for d in reversed(t.shape)] if len(t.shape) > 1 else [-1])
+        blocks = int(t.tensor_type) in keep_blocks and len(t.shape) == 2 and name.endswith(".weight")
+        # blocks: [rows, row bytes] as stored; a block never straddles rows, so rows permute like dense ones
+        w = np.array(t.data) if blocks else _dequantize(t, path)
+        w = w.reshape(int(t.shape[1]), -1) if blocks else \
+            w.reshape([int(d) for d in reversed(t.shape)] if len(t.shape) > 1 else [-1])
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute(w, cfg.num_heads)
         elif cfg.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute(w, cfg.num_kv_heads)
-        state[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(dtype)
+        if blocks:
+            state[name] = QuantizedWeight(int(t.tensor_type), torch.from_numpy(np.ascontiguousarray(w)),
+                                          (int(t.shape[1]), int(t.shape[0])))
+        else:
+            state[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(dtype)
         if progress is not None:
             progress(i + 1, len(reader.tensors))
     if "lm_head.weight" not in state:

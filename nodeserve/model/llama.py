@@ -1,7 +1,8 @@
 """The Llama-layout decoder (Llama 1/2/3, Mistral, Qwen2, SmolLM) over a paged KV cache, in plain PyTorch.
 
-Projections are nn.Linear; the pointwise ops (norms, SiLU-and-mul, RoPE) go through the replica's kernel set
-(nodeserve/model/ops.py), which each forward passes down to the layers.
+Projections are nn.Linear, or QuantLinear for block-quantized weights (model/block_quant.py); the pointwise ops
+(norms, SiLU-and-mul, RoPE) go through the replica's kernel set (nodeserve/model/ops.py), which each forward
+passes down to the layers.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from nodeserve.attention.base import AttentionBackend, AttentionMetadata
+from nodeserve.model import block_quant
 from nodeserve.model.config import ModelConfig
 from nodeserve.model.ops import Kernels, Rotary, TorchOps
 from nodeserve.model.rope import RotaryEmbedding
@@ -38,8 +40,12 @@ def _linear(n_in: int, n_out: int, bias: bool = False) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=bias, device="meta")
 
 
-def _fused(*linears: nn.Linear) -> nn.Linear:
-    """One Linear whose output is the concatenation of the given ones' outputs (same input)."""
+def _fused(*linears: nn.Module) -> nn.Module:
+    """One Linear whose output is the concatenation of the given ones' outputs (same input); block-quantized
+    ones stay in their blocks when they share a format, else become float32."""
+    if (fused := block_quant.fuse(list(linears))) is not None:
+        return fused
+    linears = tuple(block_quant.dense(m) if isinstance(m, block_quant.QuantLinear) else m for m in linears)
     weight = torch.cat([m.weight for m in linears])
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None,
                       device=weight.device, dtype=weight.dtype)
@@ -122,6 +128,11 @@ class LlamaModel(nn.Module):
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.ops: Kernels = TorchOps(self.rope)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' (and a wide KV pool's) dtype; the norms are never quantized."""
+        return self.norm.weight.dtype
 
     def use_kernels(self, ops: Kernels) -> None:
         """Runs this replica's norms, SiLU-and-mul and RoPE with `ops`; call before capturing CUDA graphs."""

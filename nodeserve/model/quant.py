@@ -54,11 +54,11 @@ class PackedLinear(nn.Module):
 
 
 def supported(fmt: str) -> str | None:
-    """None if this torch build can run `fmt`, else why not."""
-    if fmt == "none":
+    """None if this torch build can run `fmt` (a model.quantization value), else why not."""
+    if fmt in ("none", "auto", "int8", "int4"):  # the block formats need the native kernels: see block_quant
         return None
     if fmt not in FORMATS:
-        return f"unknown weight format '{fmt}' (expected one of {', '.join(FORMATS)})"
+        return f"unknown weight format '{fmt}' (expected one of none, auto, {', '.join(FORMATS[1:])}, int8, int4)"
     if "fbgemm" not in torch.backends.quantized.supported_engines:  # non-x86 torch builds
         return f"weight format '{fmt}' needs a torch build with fbgemm (x86 CPUs)"
     return None

@@ -1,0 +1,1 @@
+"""Native CPU kernels, built for the host at first use (native.py)."""

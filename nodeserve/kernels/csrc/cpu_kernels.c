@@ -1,0 +1,512 @@
+/* CPU kernels for nodeserve: GEMM over GGUF weight blocks with float32 activations, block dequantization, and
+ * decode attention over the paged KV pool.
+ *
+ * Built on the host that runs it (nodeserve/kernels/native.py compiles this file with -march=native), so the
+ * AVX2 paths below are taken on AVX2 and AVX-512 machines and the scalar ones elsewhere. Every function is
+ * single-threaded and reentrant: each device worker owns one core and calls them from its own thread, with
+ * the GIL released by ctypes.
+ *
+ * Weight layout: GGUF's own, row-major, each row K/32 blocks (ggml-common.h):
+ *   Q4_0: { fp16 d; uint8 qs[16]; }          w[j] = d * (q[j] - 8)
+ *   Q4_1: { fp16 d; fp16 m; uint8 qs[16]; }  w[j] = d * q[j] + m
+ *   Q8_0: { fp16 d; int8 qs[32]; }           w[j] = d * q[j]
+ * 4-bit blocks keep weights 0..15 in the low nibbles of qs[0..15] and 16..31 in the high nibbles.
+ * Activations stay float32: each block is dequantized in registers (d * q + m, with m = -8 d for Q4_0) and
+ * multiplied with float32 x, so the result is the float32 product with the file's exact weights.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define NS_AVX2 1
+#else
+#define NS_AVX2 0
+#endif
+
+enum { NS_Q4_0 = 2, NS_Q4_1 = 3, NS_Q8_0 = 8 };  /* ggml type ids */
+#define QK 32
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 4
+#endif
+#define MAX_TILE 8  /* activation rows per pass over a weight row: 8 accumulators + 4 weight vectors fit 16 ymm */
+
+static float fp16_to_fp32(uint16_t h) {
+#if NS_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  /* subnormal: renormalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static size_t block_bytes(int type) {
+    return type == NS_Q4_0 ? 18 : type == NS_Q4_1 ? 20 : 34;
+}
+
+/* One block's scale d, offset m and its 32 unsigned quants. */
+static void block_scalars(int type, const uint8_t *blk, float *d, float *m) {
+    uint16_t h[2];
+    memcpy(h, blk, 4);
+    *d = fp16_to_fp32(h[0]);
+    *m = type == NS_Q4_1 ? fp16_to_fp32(h[1]) : type == NS_Q4_0 ? -8.0f * *d : 0.0f;
+}
+
+static const uint8_t *block_quants(int type, const uint8_t *blk) {
+    return blk + (type == NS_Q4_1 ? 4 : 2);
+}
+
+/* ---------- dequantization ---------- */
+
+static void dequant_row(int type, const uint8_t *row, float *out, int64_t K) {
+    const size_t bb = block_bytes(type);
+    for (int64_t b = 0; b < K / QK; b++) {
+        const uint8_t *blk = row + b * bb, *qs = block_quants(type, blk);
+        float d, m;
+        block_scalars(type, blk, &d, &m);
+        float *o = out + b * QK;
+        if (type == NS_Q8_0) {
+            for (int j = 0; j < QK; j++) o[j] = d * (float)(int8_t)qs[j];
+        } else {
+            for (int j = 0; j < QK / 2; j++) {
+                o[j] = d * (float)(qs[j] & 0x0f) + m;
+                o[j + QK / 2] = d * (float)(qs[j] >> 4) + m;
+            }
+        }
+    }
+}
+
+/* out[i] = row rows[i] of w, dequantized: out [n_rows, K]. rows == NULL: every row 0..n_rows-1. */
+void ns_dequant_rows(int type, const uint8_t *w, int64_t K, const int64_t *rows, int64_t n_rows, float *out) {
+    const size_t row_bytes = (size_t)(K / QK) * block_bytes(type);
+    for (int64_t i = 0; i < n_rows; i++) {
+        const int64_t r = rows ? rows[i] : i;
+        dequant_row(type, w + (size_t)r * row_bytes, out + i * K, K);
+    }
+}
+
+/* ---------- GEMM: y[M, N] = x[M, K] @ W[N, K]^T over rows [n_begin, n_end) of W ---------- */
+
+#if NS_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* A block's 32 weights as four float vectors w[0..3], in the order permute_x() puts x in. The quants are
+ * widened with 32-bit shifts and masks, not byte shuffles (the shuffle port is what limited a cvtepu8
+ * version): element e of w[j] is byte 4 * (e % 4) + j of the 16-byte half e / 4 for 4-bit types (low nibbles
+ * in the first half, high nibbles in the second), byte 4 * e + j for Q8_0. */
+static inline __attribute__((always_inline)) void dequant_block(int type, const uint8_t *blk, __m256 w[4]) {
+    float d, m;
+    block_scalars(type, blk, &d, &m);
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    const uint8_t *qs = block_quants(type, blk);
+    if (type == NS_Q8_0) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)qs);
+        w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24)), vd);
+        w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24)), vd);
+        w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24)), vd);
+        w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24)), vd);
+    } else {
+        const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+        const __m256i nib = _mm256_blend_epi32(v, _mm256_srli_epi32(v, 4), 0xf0), mask = _mm256_set1_epi32(0x0f);
+        w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(nib, mask)), vd, vm);
+        w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(nib, 8), mask)), vd, vm);
+        w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(nib, 16), mask)), vd, vm);
+        w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(nib, 24), mask)), vd, vm);
+    }
+}
+
+/* x [M, K] -> xp [M, K] with each block's 32 values in dequant_block's order: xp[j * 8 + e] = x[src(j, e)]. */
+static void permute_x(int type, const float *x, float *xp, int64_t M, int64_t K) {
+    for (int64_t i = 0; i < M * K; i += QK)
+        for (int j = 0; j < 4; j++)
+            for (int e = 0; e < 8; e++)
+                xp[i + j * 8 + e] = x[i + (type == NS_Q8_0 ? 4 * e + j : 16 * (e / 4) + 4 * (e % 4) + j)];
+}
+
+/* One weight row against one activation row: four accumulators, so no FMA waits on the previous one. */
+static inline __attribute__((always_inline)) float dot_row1(int type, const uint8_t *wrow, const float *xp, int64_t nb) {
+    const size_t bb = block_bytes(type);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, w[4];
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = xp + b * QK;
+        dequant_block(type, wrow + b * bb, w);
+        a0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), a0);
+        a1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), a1);
+        a2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), a2);
+        a3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), a3);
+    }
+    return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+/* One weight row against MT activation rows: the block is dequantized once for all of them. One accumulator per
+ * row: with MT = 8, eight independent FMA chains cover the FMA latency. */
+static inline __attribute__((always_inline)) void dot_rows(
+        int type, const int MT, const uint8_t *wrow, const float *xp, int64_t K, float *y, int64_t ldy) {
+    const size_t bb = block_bytes(type);
+    const int64_t nb = K / QK;
+    __m256 acc[MAX_TILE], w[4];
+    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        dequant_block(type, wrow + b * bb, w);
+        for (int i = 0; i < MT; i++) {
+            const float *xb = xp + i * K + b * QK;
+            acc[i] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[i]);
+            acc[i] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), acc[i]);
+            acc[i] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), acc[i]);
+            acc[i] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), acc[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) y[i * ldy] = hsum8(acc[i]);
+}
+#endif
+
+/* One activation row (M = 1, batch-1 decode), quantized to int16 per 32-block: the weights are widened to int16
+ * with masks and shifts and multiplied in pairs by madd, half the vector work of widening them to float, and
+ * that is what batch-1 decode is bound by on one core. An int16 activation keeps 15 bits per block (relative
+ * error <= 2^-16 of the block's largest value), ~250x finer than llama.cpp's int8 activations.
+ * xq: per block [16 even-index | 16 odd-index] int16 values; dx[b]: block b's scale; sx8[b * 8 + e] = sum(x_b) / 8. */
+static void quantize_x16(const float *x, int64_t K, int16_t *xq, float *dx, float *sx8) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f, sum = 0.0f;
+        for (int j = 0; j < QK; j++) { amax = fmaxf(amax, fabsf(xb[j])); sum += xb[j]; }
+        const float d = amax / 32767.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int j = 0; j < QK; j++) xq[b * QK + (j % 2) * 16 + j / 2] = (int16_t)lrintf(xb[j] * inv);
+        dx[b] = d;
+        for (int e = 0; e < 8; e++) sx8[b * 8 + e] = sum * 0.125f;
+    }
+}
+
+static inline __attribute__((always_inline)) float dot_row1_i16(
+        int type, const uint8_t *wrow, const int16_t *xq, const float *dx, const float *sx8, int64_t nb) {
+    const size_t bb = block_bytes(type);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, macc = acc0;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wrow + b * bb, *qs = block_quants(type, blk);
+        float d, m;
+        block_scalars(type, blk, &d, &m);
+        __m256i we, wo;  /* weights 2e and 2e + 1 as int16 */
+        if (type == NS_Q8_0) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)qs);
+            we = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+            wo = _mm256_srai_epi16(v, 8);
+        } else {
+            const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+            const __m256i nib = _mm256_and_si256(_mm256_blend_epi32(v, _mm256_srli_epi32(v, 4), 0xf0),
+                                                 _mm256_set1_epi8(0x0f));  /* byte p = weight p */
+            we = _mm256_and_si256(nib, _mm256_set1_epi16(0x00ff));
+            wo = _mm256_srli_epi16(nib, 8);
+        }
+        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(we, _mm256_loadu_si256((const __m256i *)(xq + b * QK))),
+                                           _mm256_madd_epi16(wo, _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16))));
+        const __m256 vd = _mm256_set1_ps(d * dx[b]);
+        if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), vd, acc1);
+        else acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), vd, acc0);
+        if (type != NS_Q8_0) macc = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(sx8 + b * 8), macc);
+    }
+    return hsum8(_mm256_add_ps(_mm256_add_ps(acc0, acc1), macc));
+}
+
+/* y [M, ldy] (columns n_begin..n_end written), x [M, K] contiguous rows, K % 32 == 0. Returns 0, or -1 when
+ * out of memory. The weight row stays in L1 while every tile of activation rows passes over it, so weights
+ * are read from memory once per call whatever M is. */
+#if NS_AVX2
+struct x16 { int16_t *q; float *d, *s8; };
+
+static inline __attribute__((always_inline)) void linear_rows(
+        int type, const uint8_t *w, const float *xp, const struct x16 *x16, float *y, int64_t M, int64_t K,
+        int64_t ldy, int64_t n_begin, int64_t n_end) {
+    const int64_t nb = K / QK;
+    const size_t row_bytes = (size_t)nb * block_bytes(type);
+    for (int64_t n = n_begin; n < n_end; n++) {
+        const uint8_t *wrow = w + (size_t)n * row_bytes;
+        /* The hardware prefetcher alone keeps a GEMV at ~1/3 of the core's read bandwidth: ask for the row
+         * PREFETCH_ROWS ahead while this one computes. */
+        for (size_t off = 0; off < row_bytes && n + PREFETCH_ROWS < n_end; off += 64)
+            _mm_prefetch((const char *)(wrow + PREFETCH_ROWS * row_bytes + off), _MM_HINT_T0);
+        if (M == 1) {
+            y[n] = x16 ? dot_row1_i16(type, wrow, x16->q, x16->d, x16->s8, nb) : dot_row1(type, wrow, xp, nb);
+            continue;
+        }
+        for (int64_t i0 = 0; i0 < M; i0 += MAX_TILE) {
+            const float *xt = xp + i0 * K;
+            float *yt = y + i0 * ldy + n;
+            switch (M - i0 >= MAX_TILE ? MAX_TILE : (int)(M - i0)) {  /* constant tile sizes unroll fully */
+                case 8: dot_rows(type, 8, wrow, xt, K, yt, ldy); break;
+                case 7: dot_rows(type, 7, wrow, xt, K, yt, ldy); break;
+                case 6: dot_rows(type, 6, wrow, xt, K, yt, ldy); break;
+                case 5: dot_rows(type, 5, wrow, xt, K, yt, ldy); break;
+                case 4: dot_rows(type, 4, wrow, xt, K, yt, ldy); break;
+                case 3: dot_rows(type, 3, wrow, xt, K, yt, ldy); break;
+                case 2: dot_rows(type, 2, wrow, xt, K, yt, ldy); break;
+                default: dot_rows(type, 1, wrow, xt, K, yt, ldy); break;
+            }
+        }
+    }
+}
+#endif
+
+int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
+              int64_t n_begin, int64_t n_end) {
+    const int64_t nb = K / QK;
+    const size_t row_bytes = (size_t)nb * block_bytes(type);
+#if NS_AVX2
+    float *xp = malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
+    if (!xp) return -1;
+    struct x16 q16 = {NULL, NULL, NULL}, *x16 = NULL;
+    if (M == 1 && getenv("NS_FP32_GEMV") == NULL) {
+        q16.q = malloc(sizeof(int16_t) * (size_t)K);
+        q16.d = malloc(sizeof(float) * (size_t)(nb + 1));
+        q16.s8 = malloc(sizeof(float) * (size_t)(8 * nb + 1));
+        if (!q16.q || !q16.d || !q16.s8) { free(q16.q); free(q16.d); free(q16.s8); free(xp); return -1; }
+        quantize_x16(x, K, q16.q, q16.d, q16.s8);
+        x16 = &q16;
+    } else {
+        permute_x(type, x, xp, M, K);
+    }
+    switch (type) {  /* a constant type per instance: no per-block branches on it */
+        case NS_Q4_0: linear_rows(NS_Q4_0, w, xp, x16, y, M, K, ldy, n_begin, n_end); break;
+        case NS_Q4_1: linear_rows(NS_Q4_1, w, xp, x16, y, M, K, ldy, n_begin, n_end); break;
+        default: linear_rows(NS_Q8_0, w, xp, x16, y, M, K, ldy, n_begin, n_end); break;
+    }
+    free(q16.q); free(q16.d); free(q16.s8);
+    free(xp);
+#else
+    float *tmp = malloc(sizeof(float) * (size_t)K);
+    if (!tmp) return -1;
+    for (int64_t n = n_begin; n < n_end; n++) {
+        dequant_row(type, w + (size_t)n * row_bytes, tmp, K);
+        for (int64_t i = 0; i < M; i++) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < K; k++) s += tmp[k] * x[i * K + k];
+            y[i * ldy + n] = s;
+        }
+    }
+    free(tmp);
+#endif
+    return 0;
+}
+
+/* ---------- decode attention over the paged pool (float32) ---------- */
+
+#if NS_AVX2
+/* exp(x) for x <= 0 (softmax arguments after subtracting the max): Cephes' expf polynomial, ~1 ulp. */
+static inline __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    x = _mm256_max_ps(x, lo);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* p[0..n) = exp(p - max) in place; returns their sum. */
+static float softmax_numerators(float *p, int64_t n) {
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t t = 0; t < n; t++) mx = p[t] > mx ? p[t] : mx;
+    int64_t t = 0;
+#if NS_AVX2
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), vmx));
+        _mm256_storeu_ps(p + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    sum = hsum8(vsum);
+#endif
+    for (; t < n; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
+    return sum;
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#if NS_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    s = hsum8(acc);
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float a, const float *x, float *y, int64_t n) {
+    int64_t i = 0;
+#if NS_AVX2
+    const __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* One query token per sequence, K/V read where they lie in the pool: no gather, no padding.
+ *   q [B, H, D]; kv [num_pages, 2, page_size, KH, D] (one layer, K at [:, 0], V at [:, 1]);
+ *   block_tables [B, max_pages]; seq_lens [B]; out [B, H, D].
+ * The H / KH query heads that share a KV head are done together, so each K and V row is read once per
+ * sequence. Two passes per head group (scores, then softmax-weighted V) over a [G, seq_len] score buffer.
+ * Returns 0, or -1 when out of memory. */
+int ns_paged_decode_attention(const float *q, const float *kv, const int64_t *block_tables, int64_t max_pages,
+                              const int64_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KH, int64_t D,
+                              int64_t page_size, float scale) {
+    const int64_t G = H / KH, token_stride = KH * D, page_stride = 2 * page_size * token_stride;
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    float *scores = malloc(sizeof(float) * (size_t)(G * max_len));
+    if (!scores) return -1;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t len = seq_lens[b];
+        const int64_t *table = block_tables + b * max_pages;
+        for (int64_t kh = 0; kh < KH; kh++) {
+            const float *qg = q + (b * H + kh * G) * D;
+            float *og = out + (b * H + kh * G) * D;
+            for (int64_t t = 0; t < len; t++) {
+                const float *k = kv + table[t / page_size] * page_stride + (t % page_size) * token_stride + kh * D;
+                for (int64_t g = 0; g < G; g++) scores[g * max_len + t] = dot(qg + g * D, k, D) * scale;
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float *p = scores + g * max_len;
+                const float inv = 1.0f / softmax_numerators(p, len);
+                for (int64_t t = 0; t < len; t++) p[t] *= inv;
+                memset(og + g * D, 0, sizeof(float) * (size_t)D);
+            }
+            for (int64_t t = 0; t < len; t++) {
+                const float *v = kv + table[t / page_size] * page_stride + (page_size + t % page_size) * token_stride
+                                 + kh * D;
+                for (int64_t g = 0; g < G; g++) axpy(scores[g * max_len + t], v, og + g * D, D);
+            }
+        }
+    }
+    free(scores);
+    return 0;
+}
+
+/* ---------- the model's pointwise ops (float32), one call each instead of 4-10 torch ops ---------- */
+
+static float sum_squares(const float *x, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#if NS_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) { const __m256 v = _mm256_loadu_ps(x + i); acc = _mm256_fmadd_ps(v, v, acc); }
+    s = hsum8(acc);
+#endif
+    for (; i < n; i++) s += x[i] * x[i];
+    return s;
+}
+
+static void scale_mul(const float *x, float r, const float *w, float *out, int64_t n) {
+    int64_t i = 0;
+#if NS_AVX2
+    const __m256 vr = _mm256_set1_ps(r);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), vr)));
+#endif
+    for (; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)): x [T, H] rows ldx apart, out [T, H] contiguous. */
+void ns_rms_norm(const float *x, int64_t ldx, const float *w, float *out, int64_t T, int64_t H, float eps) {
+    for (int64_t t = 0; t < T; t++) {
+        const float r = 1.0f / sqrtf(sum_squares(x + t * ldx, H) / (float)H + eps);
+        scale_mul(x + t * ldx, r, w, out + t * H, H);
+    }
+}
+
+/* In place, both [T, H] contiguous: res += x, then x = rms_norm(res). */
+void ns_add_rms_norm(float *x, float *res, const float *w, int64_t T, int64_t H, float eps) {
+    for (int64_t i = 0; i < T * H; i++) res[i] += x[i];
+    ns_rms_norm(res, H, w, x, T, H, eps);
+}
+
+/* out [T, I] = silu(gu[:, :I]) * gu[:, I:], gu [T, 2I] contiguous. */
+void ns_silu_and_mul(const float *gu, float *out, int64_t T, int64_t I) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        int64_t i = 0;
+#if NS_AVX2
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; i + 8 <= I; i += 8) {
+            const __m256 vg = _mm256_loadu_ps(g + i);
+            const __m256 e = exp256(_mm256_or_ps(vg, sign));  /* exp(-|g|) <= 1: no overflow */
+            const __m256 r = _mm256_div_ps(one, _mm256_add_ps(one, e));
+            /* sigmoid(g) = 1 / (1 + exp(-g)): r for g >= 0, e * r for g < 0 */
+            const __m256 sig = _mm256_blendv_ps(r, _mm256_mul_ps(e, r), vg);
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(vg, sig), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Rotate-half RoPE in place on q [T, H, D] and k [T, KH, D] (rows ldq / ldk apart, heads contiguous within a
+ * row). cos_sin [max_pos, D]: cos of position p's D/2 angles, then their sin. */
+static void rope_rows(float *x, int64_t ld, int64_t T, int64_t heads, int64_t D, const int64_t *pos,
+                      const float *cos_sin) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_sin + pos[t] * D, *s = c + half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *a = x + t * ld + h * D, *b = a + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = a[i], x2 = b[i];
+                a[i] = x1 * c[i] - x2 * s[i];
+                b[i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}
+
+void ns_rope(float *q, int64_t ldq, float *k, int64_t ldk, const int64_t *pos, const float *cos_sin, int64_t T,
+             int64_t H, int64_t KH, int64_t D) {
+    rope_rows(q, ldq, T, H, D, pos, cos_sin);
+    rope_rows(k, ldk, T, KH, D, pos, cos_sin);
+}
+
+/* Scatter T tokens' K and V ([T, KH * D] rows ldk / ldv apart) into one layer of the float32 pool
+ * [num_pages, 2, page_size, KH, D] at flat slots page * page_size + offset. */
+void ns_write_kv(float *kv, const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots,
+                 int64_t T, int64_t KH, int64_t D, int64_t page_size) {
+    const int64_t row = KH * D;
+    for (int64_t t = 0; t < T; t++) {
+        float *dst = kv + (slots[t] / page_size) * 2 * page_size * row + (slots[t] % page_size) * row;
+        memcpy(dst, k + t * ldk, sizeof(float) * (size_t)row);
+        memcpy(dst + page_size * row, v + t * ldv, sizeof(float) * (size_t)row);
+    }
+}
+
+/* For the build check: which paths this binary takes. */
+int ns_isa(void) { return NS_AVX2 ? 2 : 0; }

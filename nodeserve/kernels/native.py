@@ -1,0 +1,183 @@
+"""Builds nodeserve's C kernels (csrc/cpu_kernels.c) for the CPU this process runs on, and calls them on tensors.
+
+Why hand-written C: no maintained package runs GGUF's Q4_0/Q4_1/Q8_0 blocks with float32 activations from
+torch on x86 (torch's weight-only int4/int8 kernels vectorise only for bf16 activations on AVX2 and are ~10x
+slower with float32; llama.cpp's ggml is not a library one can call per op). Why ctypes: the file needs no
+torch headers, so it compiles in about a second with the system C compiler, and ctypes releases the GIL
+during each call, so the device workers' threads run their kernels in parallel.
+
+The build is per machine: `-march=native`, cached under $NODESERVE_CACHE_DIR (default
+~/.cache/nodeserve/kernels) by a key over the source, the compiler and the CPU's flags, so a cache that
+moves to another CPU model is rebuilt instead of executing instructions the CPU lacks. Without a C compiler
+(or if the build fails) load() returns None and callers use their torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# ggml type ids of the block formats the kernels read (gguf.GGMLQuantizationType)
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # bytes per 32 weights
+BLOCK_SIZE = 32
+
+_i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "ns_linear": (_int, [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]),
+    "ns_dequant_rows": (None, [_int, _ptr, _i64, _ptr, _i64, _ptr]),
+    "ns_paged_decode_attention": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32]),
+    "ns_rms_norm": (None, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32]),
+    "ns_add_rms_norm": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32]),
+    "ns_silu_and_mul": (None, [_ptr, _ptr, _i64, _i64]),
+    "ns_rope": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]),
+    "ns_write_kv": (None, [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]),
+    "ns_isa": (_int, []),
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features", "model name")):
+                    return line
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> str:
+    return os.environ.get("NODESERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nodeserve",
+                                                                 "kernels")
+
+
+def _compile(cc: str, src: str, out: str) -> None:
+    flags = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-math-errno"]
+    tmp_dir = os.path.dirname(out)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=tmp_dir)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *flags, src, "-o", tmp, "-lm"], check=True, capture_output=True, text=True, timeout=120)
+        os.replace(tmp, out)  # atomic: processes building at once never load a half-written file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class NativeKernels:
+    """The loaded library; every method takes contiguous CPU tensors and checks what C cannot."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str):
+        self.lib, self.path = lib, path
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        self.isa = {2: "avx2", 0: "scalar"}[lib.ns_isa()]
+
+    def linear(self, qtype: int, weight: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
+        """x [M, K] float32 @ W[N, K]^T -> [M, N]; weight: GGUF blocks as uint8 [N, K / 32 * block bytes]."""
+        m, k = x.shape
+        y = torch.empty(m, out_features, dtype=torch.float32)
+        if self.lib.ns_linear(qtype, weight.data_ptr(), x.data_ptr(), y.data_ptr(), m, k, out_features, 0,
+                              out_features):
+            raise MemoryError("ns_linear: out of memory")
+        return y
+
+    def dequantize(self, qtype: int, weight: torch.Tensor, in_features: int,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows `rows` (int64 [R]; all when None) of a block-quantized matrix as float32 [R, in_features]."""
+        n = weight.shape[0] if rows is None else rows.numel()
+        out = torch.empty(n, in_features, dtype=torch.float32)
+        self.lib.ns_dequant_rows(qtype, weight.data_ptr(), in_features, None if rows is None else rows.data_ptr(),
+                                 n, out.data_ptr())
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, H] (rows may be strided) -> [T, H]."""
+        t, h = x.shape
+        out = torch.empty(t, h, dtype=torch.float32)
+        self.lib.ns_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), t, h, eps)
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """In place on contiguous [T, H] tensors: residual += x; x = rms_norm(residual)."""
+        self.lib.ns_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), *x.shape, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] contiguous -> [T, I]."""
+        t, i2 = gate_up.shape
+        out = torch.empty(t, i2 // 2, dtype=torch.float32)
+        self.lib.ns_silu_and_mul(gate_up.data_ptr(), out.data_ptr(), t, i2 // 2)
+        return out
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+        """In place: q [T, H, D], k [T, KH, D] (heads and D contiguous, rows strided), positions int64 [T]."""
+        t, h, d = q.shape
+        self.lib.ns_rope(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
+                         cos_sin.data_ptr(), t, h, k.shape[1], d)
+
+    def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [T, KH, D] (heads and D contiguous, rows strided) into a float32 pool layer at int64 slots."""
+        t, kh, d = k.shape
+        self.lib.ns_write_kv(kv_layer.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                             slots.data_ptr(), t, kh, d, kv_layer.shape[2])
+
+    def paged_decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, H, D] float32, kv_layer [P, 2, page_size, KH, D] float32, block_tables [B, max_pages] int64,
+        seq_lens [B] int64 -> [B, H, D]."""
+        b, h, d = q.shape
+        out = torch.empty_like(q)
+        if self.lib.ns_paged_decode_attention(
+                q.data_ptr(), kv_layer.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                seq_lens.data_ptr(), out.data_ptr(), b, h, kv_layer.shape[3], d, kv_layer.shape[2], scale):
+            raise MemoryError("ns_paged_decode_attention: out of memory")
+        return out
+
+
+@functools.cache
+def load() -> NativeKernels | None:
+    """The kernels built for this CPU (built on first call, then cached on disk), or None if they can't be."""
+    if not (torch.backends.cpu.get_cpu_capability() and os.name == "posix"):
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        log.warning("no C compiler found: CPU kernels for quantized weights and paged decode attention are off "
+                    "(install gcc for them)")
+        return None
+    src = str(resources.files("nodeserve.kernels") / "csrc" / "cpu_kernels.c")
+    with open(src, "rb") as f:
+        source = f.read()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    cache = _cache_dir()
+    path = os.path.join(cache, f"cpu_kernels-{key}.so")
+    try:
+        if not os.path.exists(path):
+            os.makedirs(cache, exist_ok=True)
+            _compile(cc, src, path)
+        kernels = NativeKernels(ctypes.CDLL(path), path)
+    except subprocess.CalledProcessError as e:
+        log.warning("building the CPU kernels failed, using torch paths: %s", (e.stderr or "").strip()[-500:])
+        return None
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("building the CPU kernels failed, using torch paths: %s", e)
+        return None
+    log.info("CPU kernels: %s (%s)", path, kernels.isa)
+    return kernels

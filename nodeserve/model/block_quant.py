@@ -1,0 +1,141 @@
+"""Block-quantized weights served as they are: GGUF's Q4_0, Q4_1 and Q8_0 blocks (32 weights, fp16 scale, and
+for Q4_1 an fp16 offset), multiplied by float32 activations in nodeserve's native CPU kernels.
+
+Decode on a CPU is bound by reading the weights: the bundled Q4_1 file's matrices are 0.625 bytes a weight where
+float32 is 4. `model.quantization = "auto"` keeps a GGUF file's Q4_0/Q4_1/Q8_0 tensors in their blocks (the
+weights llama.cpp computes with, bit for bit); "int8" and "int4" quantize any other weight to Q8_0 / Q4_1.
+Activations stay float32 for batched rows; a single row (batch-1 decode) is rounded to int16 per block of 32
+inside the kernel (see cpu_kernels.c), far finer than llama.cpp's int8 activations.
+
+Large batches (prefill chunks) dequantize the matrix to float32 and run torch's GEMM: compute-bound work goes
+to the best GEMM the CPU has, and the dequantization costs a few percent of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nodeserve.kernels import native
+
+BLOCK_FORMATS = {"int8": native.Q8_0, "int4": native.Q4_1}
+# Rows up to which the fused kernel beats dequantize + GEMM (bench/micro.py --block-quant measures the
+# crossover; bench/README.md has the numbers).
+MAX_GEMV_ROWS = 32
+
+
+@dataclass
+class QuantizedWeight:
+    """A [out_features, in_features] matrix as rows of 32-weight blocks: data is uint8 [out, in / 32 * block bytes]."""
+
+    qtype: int
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+    def dequantize(self) -> torch.Tensor:
+        return _kernels().dequantize(self.qtype, self.data, self.shape[1])
+
+    def permute_rows(self, order: torch.Tensor) -> QuantizedWeight:
+        return QuantizedWeight(self.qtype, self.data[order].contiguous(), self.shape)
+
+
+def _kernels() -> native.NativeKernels:
+    kernels = native.load()
+    if kernels is None:
+        raise RuntimeError("block-quantized weights need nodeserve's CPU kernels, which could not be built "
+                           "(see the log; install a C compiler)")
+    return kernels
+
+
+def available() -> bool:
+    return native.load() is not None
+
+
+def quantize(weight: torch.Tensor, qtype: int) -> QuantizedWeight:
+    """A float matrix [N, K] (K % 32 == 0) in Q8_0 (d = amax / 127) or Q4_1 (d = (max - min) / 15, m = min) blocks,
+    with the quants computed against the fp16-rounded scales the kernels will read."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // 32, 32)
+    if qtype == native.Q8_0:
+        d = (w.abs().amax(-1) / 127).half()
+        inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+        q = (w * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+        blocks = torch.cat([d.view(torch.uint8).reshape(n, -1, 2), q.view(torch.uint8)], -1)
+    elif qtype == native.Q4_1:
+        lo, hi = w.amin(-1), w.amax(-1)
+        d, m = ((hi - lo) / 15).half(), lo.half()
+        inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+        q = ((w - m.float()[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
+        qs = q[..., :16] | (q[..., 16:] << 4)
+        blocks = torch.cat([d.view(torch.uint8).reshape(n, -1, 2), m.view(torch.uint8).reshape(n, -1, 2), qs], -1)
+    else:
+        raise ValueError(f"cannot quantize to ggml type {qtype}")
+    return QuantizedWeight(qtype, blocks.reshape(n, -1).contiguous(), (n, k))
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T + b with W in blocks. x: [..., in] -> [..., out] float32."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.qtype = weight.qtype
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.data)  # uint8 blocks: counted in the replica's bytes
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.kernels = _kernels()
+
+    @property
+    def quantized(self) -> QuantizedWeight:
+        return QuantizedWeight(self.qtype, self.weight, (self.out_features, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).float().contiguous()  # [M, in]
+        if x2.shape[0] <= MAX_GEMV_ROWS:
+            y = self.kernels.linear(self.qtype, self.weight, x2, self.out_features)
+            if self.bias is not None:
+                y += self.bias
+        else:
+            y = F.linear(x2, self.kernels.dequantize(self.qtype, self.weight, self.in_features), self.bias)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, ggml_type={self.qtype}"
+
+
+class QuantEmbedding(nn.Module):
+    """Rows of a block-quantized table, dequantized on lookup (the table may be shared with a tied lm_head)."""
+
+    def __init__(self, weight: QuantizedWeight):
+        super().__init__()
+        self.qtype = weight.qtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.register_buffer("weight", weight.data)
+        self.kernels = _kernels()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = ids.reshape(-1).to(torch.int64).contiguous()
+        out = self.kernels.dequantize(self.qtype, self.weight, self.embedding_dim, rows)
+        return out.view(*ids.shape, self.embedding_dim)
+
+
+def fuse(linears: list[nn.Module]) -> nn.Module | None:
+    """One QuantLinear whose output is the given QuantLinears' outputs concatenated, or None when they can't
+    share one (not all block-quantized in the same format)."""
+    if not all(isinstance(m, QuantLinear) for m in linears) or len({m.qtype for m in linears}) != 1:
+        return None
+    data = torch.cat([m.weight for m in linears])
+    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+    return QuantLinear(QuantizedWeight(linears[0].qtype, data, (data.shape[0], linears[0].in_features)), bias)
+
+
+def dense(module: nn.Module) -> nn.Linear:
+    """A QuantLinear as a float32 nn.Linear with the same (dequantized) weights."""
+    lin = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+    lin.weight = nn.Parameter(module.quantized.dequantize(), requires_grad=False)
+    if module.bias is not None:
+        lin.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=False)
+    return lin
