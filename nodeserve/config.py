@@ -24,7 +24,8 @@ class ModelSection:
     name: str = ""                        # the served model id; defaults to the path's base name
     dtype: str = "auto"                   # auto | float32 | bfloat16 | float16 (auto: bf16 where the hardware has it)
     max_model_len: int = 0                # 0: the checkpoint's context length
-    quantization: str = "none"            # none | fp16: fp16 weights, fp32 compute on CPU (model/quant.py)
+    # auto | none | int8 | int4 | fp16: CPU weight formats, float32 compute (model/block_quant.py, model/quant.py)
+    quantization: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -95,9 +96,21 @@ class Config:
 
         if self.model.dtype != "auto":
             return self.model.dtype
-        if self.model.quantization != "none":
+        if self.quantization != "none":
             return "float32"  # the packed formats compute in float32
         return auto_dtype(self.prefill_devices + self.decode_devices)
+
+    @property
+    def quantization(self) -> str:
+        """model.quantization with "auto" resolved: a GGUF file's own blocks on CPU devices; "none" (the model's
+        dtype) on CUDA devices and for HF checkpoints."""
+        q = self.model.quantization
+        if q != "auto":
+            return q
+        if self.model.dtype not in ("auto", "float32"):  # an explicit bf16/fp16 model computes in that dtype
+            return "none"
+        on_cuda = any(n.strip().lower().startswith("cuda") for n in self.prefill_devices + self.decode_devices)
+        return "none" if on_cuda or os.path.isdir(os.path.expanduser(self.model.path)) else "auto"
 
     @property
     def api_key(self) -> str:
@@ -185,12 +198,13 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
     m, s, d, kv, sch = cfg.model, cfg.server, cfg.devices, cfg.kv, cfg.scheduler
     if m.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"'model.dtype' must be one of auto, float32, bfloat16, float16, got {m.dtype!r}")
-    if m.quantization not in ("none", "fp16"):
-        raise ConfigError(f"'model.quantization' must be \"none\" or \"fp16\", got {m.quantization!r}")
-    if m.quantization != "none":
+    if m.quantization not in ("auto", "none", "int8", "int4", "fp16"):
+        raise ConfigError(f"'model.quantization' must be one of auto, none, int8, int4, fp16, got {m.quantization!r}")
+    if cfg.quantization != "none":
         if m.dtype not in ("auto", "float32"):
             raise ConfigError(f"'model.quantization = \"{m.quantization}\"' computes in float32: set "
                               f"model.dtype to \"auto\" or \"float32\", or quantization to \"none\"")
+        # "auto" never gets here with cuda devices: it resolves to "none" there
         if any(n.strip().lower().startswith("cuda") for n in cfg.prefill_devices + cfg.decode_devices):
             raise ConfigError("'model.quantization' is a CPU weight format; use \"none\" with cuda devices")
     if not m.path:

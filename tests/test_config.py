@@ -189,12 +189,31 @@ def test_check_config_rejects_bad_config(tmp_path, body, key):
 def test_auto_dtype_follows_the_hardware(monkeypatch):
     import nodeserve.device.cpu as cpu
 
-    cfg = config_from_dict({}, check_devices=False)
+    cfg = config_from_dict({"model": {"quantization": "none"}}, check_devices=False)
     monkeypatch.setattr(cpu, "has_fast_bf16", lambda: True)
     assert cfg.dtype == "bfloat16"
     monkeypatch.setattr(cpu, "has_fast_bf16", lambda: False)
     assert cfg.dtype == "float32"
     assert config_from_dict({"model": {"dtype": "float16"}}, check_devices=False).dtype == "float16"
+
+
+def test_auto_quantization_keeps_gguf_blocks_on_cpu_only(monkeypatch, tmp_path):
+    import nodeserve.device.cpu as cpu
+
+    monkeypatch.setattr(cpu, "has_fast_bf16", lambda: True)
+    cfg = config_from_dict({}, check_devices=False)  # the bundled GGUF on cpu:0 / cpu:1
+    assert (cfg.model.quantization, cfg.quantization, cfg.dtype) == ("auto", "auto", "float32")
+    cuda = {"devices": {"prefill": ["cuda:0"], "decode": ["cuda:1"]}}
+    assert config_from_dict(cuda, check_devices=False).quantization == "none"
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    hf = config_from_dict({"model": {"path": str(hf_dir)}}, check_devices=False)
+    assert (hf.quantization, hf.dtype) == ("none", "bfloat16")  # an HF checkpoint keeps the hardware's dtype
+    # an explicit bf16 model computes in bf16: auto leaves its weights dense instead of refusing
+    assert config_from_dict({"model": {"dtype": "bfloat16"}}, check_devices=False).quantization == "none"
+    for fmt in ("int8", "int4"):
+        msg = _error({"model": {"quantization": fmt}, **cuda}, check_devices=False)
+        assert "'model.quantization'" in msg and "cuda" in msg
 
 
 def test_fp16_weights_compute_in_float32(monkeypatch):
@@ -204,7 +223,7 @@ def test_fp16_weights_compute_in_float32(monkeypatch):
     assert config_from_dict({"model": {"quantization": "fp16"}}, check_devices=False).dtype == "float32"
     msg = _error({"model": {"quantization": "fp16", "dtype": "bfloat16"}}, check_devices=False)
     assert "'model.quantization" in msg and "float32" in msg
-    assert "'model.quantization'" in _error({"model": {"quantization": "int4"}}, check_devices=False)
+    assert "'model.quantization'" in _error({"model": {"quantization": "int3"}}, check_devices=False)
     msg = _error({"model": {"quantization": "fp16"}, "devices": {"prefill": ["cuda:0"], "decode": ["cuda:1"]}},
                  check_devices=False)
     assert "'model.quantization'" in msg and "cuda" in msg

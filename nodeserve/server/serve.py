@@ -83,7 +83,7 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
 
     start = time.monotonic()
     load = loop.run_in_executor(None, lambda: load_model(config.model.path, parse_dtype(config.dtype),
-                                                         _Progress(notifier), config.model.quantization))
+                                                         _Progress(notifier), config.quantization))
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait([load, waiter], return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():

@@ -29,6 +29,7 @@ class Server:
 path = "smollm2-135m-instruct"
 name = "smollm2"
 dtype = "float32"
+quantization = "none"  # the exact path: these servers' greedy output is compared with transformers'
 [server]
 host = "127.0.0.1"
 port = {self.port}

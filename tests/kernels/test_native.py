@@ -1,0 +1,171 @@
+"""The native CPU kernels (nodeserve/kernels): each against the torch computation it replaces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nodeserve.kernels import native
+
+kernels = native.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="the native kernels could not be built (no C compiler?)")
+
+TYPES = {"Q4_0": native.Q4_0, "Q4_1": native.Q4_1, "Q8_0": native.Q8_0}
+
+
+def gguf_blocks(w: np.ndarray, name: str) -> torch.Tensor:
+    """w [N, K] float32 quantized by the gguf package (llama.cpp's reference quantizer): uint8 [N, row bytes]."""
+    import gguf
+    from gguf.quants import quantize
+
+    return torch.from_numpy(np.ascontiguousarray(quantize(w, gguf.GGMLQuantizationType[name])))
+
+
+def gguf_dense(blocks: torch.Tensor, name: str, k: int) -> torch.Tensor:
+    import gguf
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(blocks.numpy(), gguf.GGMLQuantizationType[name]).reshape(-1, k).copy())
+
+
+@pytest.fixture(scope="module")
+def matrices():
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((40, 96)) * rng.uniform(0.01, 2, (40, 1))).astype(np.float32)
+    w[3] = 0.0  # an all-zero row: scale 0
+    return {name: gguf_blocks(w, name) for name in TYPES}
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_is_bit_exact_with_gguf(matrices, name):
+    blocks = matrices[name]
+    want = gguf_dense(blocks, name, 96)
+    assert torch.equal(kernels.dequantize(TYPES[name], blocks, 96), want)
+    rows = torch.tensor([5, 0, 39, 5])
+    assert torch.equal(kernels.dequantize(TYPES[name], blocks, 96, rows), want[rows])
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("m", [2, 3, 8, 9, 17])
+def test_linear_is_float32_math_on_the_blocks_weights(matrices, name, m):
+    torch.manual_seed(m)
+    x = torch.randn(m, 96)
+    want = x @ gguf_dense(matrices[name], name, 96).T
+    got = kernels.linear(TYPES[name], matrices[name], x, 40)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_one_row_rounds_activations_to_int16_per_block(matrices, name):
+    """Batch-1 decode: activations are rounded to 15 bits per block of 32, so each output is within
+    sum_b |w_b| * amax(x_b) / 32767 / 2 of the float32 product, and far closer than int8 activations."""
+    torch.manual_seed(1)
+    x = torch.randn(1, 96) * torch.logspace(-2, 1, 96)  # blocks of very different scales
+    dense = gguf_dense(matrices[name], name, 96)
+    want = x @ dense.T
+    got = kernels.linear(TYPES[name], matrices[name], x, 40)
+    xb = x.view(1, 3, 32).abs().amax(-1)  # [1, blocks]
+    bound = (dense.abs().view(40, 3, 32).sum(-1) * xb / 32767 / 2).sum(-1) + 1e-5  # [40]
+    assert ((got - want).abs()[0] <= bound).all()
+    assert not torch.equal(got, want)  # the rounding is real
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_linear_on_raw_random_blocks(m):
+    """Any bytes are a valid block (fp16 scales kept finite): the kernel reads every field where gguf does."""
+    torch.manual_seed(2)
+    for name, qtype in TYPES.items():
+        blocks = torch.randint(0, 256, (16, 64 // 32 * native.BLOCK_BYTES[qtype]), dtype=torch.uint8)
+        view = blocks.view(16, 2, -1)
+        scales = (torch.rand(16, 2, 2 if name == "Q4_1" else 1) * 0.1).half().view(torch.uint8).view(16, 2, -1)
+        view[..., :scales.shape[-1]] = scales
+        x = torch.randn(m, 64)
+        want = x @ gguf_dense(blocks, name, 64).T
+        got = kernels.linear(qtype, blocks, x, 16)
+        tol = 1e-3 * want.abs().max().item() if m == 1 else 2e-4  # one row: int16 activations (test above)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_paged_decode_attention_matches_sdpa_over_gathered_pages(one_thread):
+    from nodeserve.attention.torch_ref import attend_decode, gather_kv
+
+    torch.manual_seed(3)
+    num_pages, page_size, kh, d, h = 40, 4, 3, 64, 9
+    kv = torch.randn(num_pages, 2, page_size, kh, d)
+    seq_lens = [1, 4, 5, 13, 37]
+    perm = torch.randperm(num_pages).tolist()
+    tables = torch.zeros(len(seq_lens), 10, dtype=torch.int64)
+    for b, n in enumerate(seq_lens):
+        pages = [perm.pop() for _ in range(-(-n // page_size))]
+        tables[b, :len(pages)] = torch.tensor(pages)
+    q = torch.randn(len(seq_lens), h, d)
+    got = kernels.paged_decode_attention(q, kv, tables, torch.tensor(seq_lens), 0.125)
+    for b, n in enumerate(seq_lens):
+        k, v = gather_kv(kv, tables[b:b + 1], n)
+        want = attend_decode(q[b:b + 1], k, v, None, 0.125)
+        torch.testing.assert_close(got[b:b + 1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_pointwise_kernels_match_torch_ops(one_thread):
+    from nodeserve.model.native_ops import NativeOps
+    from nodeserve.model.ops import TorchOps
+    from nodeserve.model.rope import RotaryEmbedding
+
+    torch.manual_seed(4)
+    rope = RotaryEmbedding(64, 10000.0, None)
+    ref, nat = TorchOps(rope), NativeOps(kernels, rope, 512)
+    x, res, w = torch.randn(5, 96) * 3, torch.randn(5, 96), torch.rand(96) + 0.5
+    torch.testing.assert_close(nat.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+    want = ref.add_rms_norm(x, res, w, 1e-5)
+    got = nat.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    gu = torch.randn(5, 2 * 80) * 10
+    torch.testing.assert_close(nat.silu_and_mul(gu), ref.silu_and_mul(gu))
+    qkv = torch.randn(5, (9 + 3 + 3) * 64)  # rows of the fused projection: q and k are strided views
+    positions = torch.tensor([0, 1, 7, 300, 511])
+    q, k = qkv[:, :576].view(5, 9, 64), qkv[:, 576:768].view(5, 3, 64)
+    want_q, want_k = ref.rotary(positions, torch.float32).apply(q.clone(), k.clone())
+    got_q, got_k = nat.rotary(positions, torch.float32).apply(q, k)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+    assert got_q.data_ptr() == q.data_ptr()  # in place
+
+
+def test_write_kv_scatters_like_index_put():
+    from nodeserve.attention.torch_ref import write_kv
+
+    torch.manual_seed(5)
+    kv = torch.zeros(6, 2, 4, 3, 8)
+    qkv = torch.randn(5, 9 * 8)
+    k, v = qkv[:, :24].view(5, 3, 8), qkv[:, 24:48].view(5, 3, 8)
+    slots = torch.tensor([0, 5, 23, 9, 10])
+    want = kv.clone()
+    write_kv(want, k, v, slots)
+    kernels.write_kv(kv, k, v, slots)
+    assert torch.equal(kv, want)
+
+
+def test_build_is_cached_per_cpu_and_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("NODESERVE_CACHE_DIR", str(tmp_path))
+    native.load.cache_clear()
+    try:
+        first = native.load()
+        assert first is not None and first.path.startswith(str(tmp_path))
+        native.load.cache_clear()
+        monkeypatch.setattr(native, "_cpu_flags", lambda: "flags : another cpu")
+        second = native.load()
+        assert second.path != first.path  # another CPU model gets its own build
+    finally:
+        native.load.cache_clear()
+
+
+def test_no_compiler_means_no_kernels(monkeypatch, tmp_path):
+    monkeypatch.setenv("NODESERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    native.load.cache_clear()
+    try:
+        assert native.load() is None
+    finally:
+        native.load.cache_clear()
