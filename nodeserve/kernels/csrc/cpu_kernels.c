@@ -332,10 +332,9 @@ static inline __m256 exp256(__m256 x) {
 }
 #endif
 
-/* p[0..n) = exp(p - max) in place; returns their sum. */
-static float softmax_numerators(float *p, int64_t n) {
-    float mx = -INFINITY, sum = 0.0f;
-    for (int64_t t = 0; t < n; t++) mx = p[t] > mx ? p[t] : mx;
+/* p[0..n) = exp(p - mx) in place (mx >= every p); returns their sum. */
+static float softmax_numerators_max(float *p, int64_t n, float mx) {
+    float sum = 0.0f;
     int64_t t = 0;
 #if NS_AVX2
     const __m256 vmx = _mm256_set1_ps(mx);
@@ -349,6 +348,13 @@ static float softmax_numerators(float *p, int64_t n) {
 #endif
     for (; t < n; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
     return sum;
+}
+
+/* p[0..n) = exp(p - max(p)) in place; returns their sum. */
+static float softmax_numerators(float *p, int64_t n) {
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; t++) mx = p[t] > mx ? p[t] : mx;
+    return softmax_numerators_max(p, n, mx);
 }
 
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -372,11 +378,105 @@ static inline void axpy(float a, const float *x, float *y, int64_t n) {
     for (; i < n; i++) y[i] += a * x[i];
 }
 
+#if NS_AVX2
+/* [sum(a[0]), ..., sum(a[7])]: eight horizontal sums in 6 hadds, 2 permutes and 1 add. */
+static inline __m256 hsum8x8(const __m256 a[8]) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Scores of one query head (pre-scaled, in D8 registers) against n keys token_stride apart: out[0..n). Eight
+ * keys at a time accumulate in eight registers and one transpose-reduce gives their eight scores. */
+static inline __attribute__((always_inline)) void page_scores(
+        const int D8, const __m256 *vq, const float *k, int64_t n, int64_t token_stride, float *out) {
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) {
+            const float *kt = k + (t + j) * token_stride;
+            acc[j] = _mm256_mul_ps(vq[0], _mm256_loadu_ps(kt));
+            for (int c = 1; c < D8; c++) acc[j] = _mm256_fmadd_ps(vq[c], _mm256_loadu_ps(kt + 8 * c), acc[j]);
+        }
+        _mm256_storeu_ps(out + t, hsum8x8(acc));
+    }
+    for (; t < n; t++) {
+        const float *kt = k + t * token_stride;
+        __m256 acc = _mm256_mul_ps(vq[0], _mm256_loadu_ps(kt));
+        for (int c = 1; c < D8; c++) acc = _mm256_fmadd_ps(vq[c], _mm256_loadu_ps(kt + 8 * c), acc);
+        out[t] = hsum8(acc);
+    }
+}
+
+/* Every query head of one sequence (H of them, G per KV head), for head_dim 8 * D8, page by page with an
+ * online softmax (running max m, running sum l, output rescaled when the max grows): each page's K and V are
+ * read from memory once, in address order, and stay in L1 while every head reads its part.
+ * p: page_size floats of scratch; m, l: H floats each. */
+static inline __attribute__((always_inline)) void attend_seq(
+        const int D8, const float *q, int64_t H, int64_t G, const float *kv, const int64_t *table, int64_t len,
+        int64_t page_size, int64_t page_stride, int64_t token_stride, float scale, float *p, float *m, float *l,
+        float *out) {
+    for (int64_t g = 0; g < H; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        memset(out + g * 8 * D8, 0, sizeof(float) * 8 * (size_t)D8);
+    }
+    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+        const float *page = kv + table[t0 / page_size] * page_stride;
+        const int64_t n = len - t0 < page_size ? len - t0 : page_size;
+        if (t0 + page_size < len) {  /* pages are scattered: fetch the next one while this one computes */
+            const char *next = (const char *)(kv + table[t0 / page_size + 1] * page_stride);
+            for (int64_t off = 0; off < page_stride * 4; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+        }
+        for (int64_t g = 0; g < H; g++) {  /* head g reads KV head g / G */
+            const float *k = page + (g / G) * 8 * D8, *v = k + page_size * token_stride;
+            __m256 vq[16], acc[16];
+            for (int c = 0; c < D8; c++)
+                vq[c] = _mm256_mul_ps(_mm256_loadu_ps(q + g * 8 * D8 + 8 * c), _mm256_set1_ps(scale));
+            page_scores(D8, vq, k, n, token_stride, p);
+            float mx = m[g];
+            for (int64_t t = 0; t < n; t++) mx = p[t] > mx ? p[t] : mx;
+            const float corr = expf(m[g] - mx);  /* 0 on the first page (m = -inf) */
+            const float psum = softmax_numerators_max(p, n, mx);
+            l[g] = l[g] * corr + psum;
+            m[g] = mx;
+            float *o = out + g * 8 * D8;
+            const __m256 vc = _mm256_set1_ps(corr);
+            for (int c = 0; c < D8; c++) acc[c] = _mm256_mul_ps(_mm256_loadu_ps(o + 8 * c), vc);
+            const float *vt = v;
+            for (int64_t t = 0; t < n; t++, vt += token_stride) {
+                const __m256 w = _mm256_set1_ps(p[t]);
+                for (int c = 0; c < D8; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * c), acc[c]);
+            }
+            for (int c = 0; c < D8; c++) _mm256_storeu_ps(o + 8 * c, acc[c]);
+        }
+    }
+    for (int64_t g = 0; g < H; g++) {
+        const __m256 inv = _mm256_set1_ps(1.0f / l[g]);
+        float *o = out + g * 8 * D8;
+        for (int c = 0; c < D8; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(o + 8 * c), inv));
+    }
+}
+#endif
+
+/* Any head_dim, plainly. */
+static void attend_head_any(const float *q, const float *kv, const int64_t *table, int64_t len, int64_t page_size,
+                            int64_t page_stride, int64_t token_stride, int64_t D, float scale, float *p,
+                            float *out) {
+    for (int64_t t = 0; t < len; t++)
+        p[t] = dot(q, kv + table[t / page_size] * page_stride + (t % page_size) * token_stride, D) * scale;
+    const float inv = 1.0f / softmax_numerators(p, len);
+    memset(out, 0, sizeof(float) * (size_t)D);
+    for (int64_t t = 0; t < len; t++)
+        axpy(p[t] * inv, kv + table[t / page_size] * page_stride + (page_size + t % page_size) * token_stride,
+             out, D);
+}
+
 /* One query token per sequence, K/V read where they lie in the pool: no gather, no padding.
  *   q [B, H, D]; kv [num_pages, 2, page_size, KH, D] (one layer, K at [:, 0], V at [:, 1]);
  *   block_tables [B, max_pages]; seq_lens [B]; out [B, H, D].
- * The H / KH query heads that share a KV head are done together, so each K and V row is read once per
- * sequence. Two passes per head group (scores, then softmax-weighted V) over a [G, seq_len] score buffer.
+ * Flash-decoding's shape on one core: per sequence, page by page, an online softmax for every head, so each
+ * K and V byte is read from memory once.
  * Returns 0, or -1 when out of memory. */
 int ns_paged_decode_attention(const float *q, const float *kv, const int64_t *block_tables, int64_t max_pages,
                               const int64_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KH, int64_t D,
@@ -384,32 +484,25 @@ int ns_paged_decode_attention(const float *q, const float *kv, const int64_t *bl
     const int64_t G = H / KH, token_stride = KH * D, page_stride = 2 * page_size * token_stride;
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    float *scores = malloc(sizeof(float) * (size_t)(G * max_len));
-    if (!scores) return -1;
+    float *p = malloc(sizeof(float) * (size_t)(max_len + page_size + 2 * H + 8));
+    if (!p) return -1;
     for (int64_t b = 0; b < B; b++) {
-        const int64_t len = seq_lens[b];
         const int64_t *table = block_tables + b * max_pages;
-        for (int64_t kh = 0; kh < KH; kh++) {
-            const float *qg = q + (b * H + kh * G) * D;
-            float *og = out + (b * H + kh * G) * D;
-            for (int64_t t = 0; t < len; t++) {
-                const float *k = kv + table[t / page_size] * page_stride + (t % page_size) * token_stride + kh * D;
-                for (int64_t g = 0; g < G; g++) scores[g * max_len + t] = dot(qg + g * D, k, D) * scale;
-            }
-            for (int64_t g = 0; g < G; g++) {
-                float *p = scores + g * max_len;
-                const float inv = 1.0f / softmax_numerators(p, len);
-                for (int64_t t = 0; t < len; t++) p[t] *= inv;
-                memset(og + g * D, 0, sizeof(float) * (size_t)D);
-            }
-            for (int64_t t = 0; t < len; t++) {
-                const float *v = kv + table[t / page_size] * page_stride + (page_size + t % page_size) * token_stride
-                                 + kh * D;
-                for (int64_t g = 0; g < G; g++) axpy(scores[g * max_len + t], v, og + g * D, D);
-            }
+        const float *qb = q + b * H * D;
+        float *ob = out + b * H * D;
+#if NS_AVX2
+        if (D == 64 || D == 128) {
+            float *m = p + max_len + page_size + 8, *l = m + H;
+            if (D == 64) attend_seq(8, qb, H, G, kv, table, seq_lens[b], page_size, page_stride, token_stride, scale, p, m, l, ob);
+            else attend_seq(16, qb, H, G, kv, table, seq_lens[b], page_size, page_stride, token_stride, scale, p, m, l, ob);
+            continue;
         }
+#endif
+        for (int64_t h = 0; h < H; h++)
+            attend_head_any(qb + h * D, kv + (h / G) * D, table, seq_lens[b], page_size, page_stride, token_stride, D,
+                            scale, p, ob + h * D);
     }
-    free(scores);
+    free(p);
     return 0;
 }
 
