@@ -128,6 +128,7 @@ class LlamaModel(nn.Module):
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.ops: Kernels = TorchOps(self.rope)
+        self.native_decoder: Callable | None = None  # decode-only steps in one native call per layer (CPU)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -155,6 +156,8 @@ class LlamaModel(nn.Module):
         """
         ops = self.ops
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.native_decoder is not None and self.native_decoder.takes(x, meta, kv_layers):
+            return self.norm(self.native_decoder(x, positions, meta, kv_layers, on_layer_done), ops)
         rotary = ops.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rotary, kv_layers[i], meta, backend, ops)

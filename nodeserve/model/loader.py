@@ -13,6 +13,7 @@ from nodeserve.kernels import native
 from nodeserve.model import block_quant
 from nodeserve.model.config import LoadError, ModelConfig
 from nodeserve.model.llama import LlamaModel
+from nodeserve.model.native_decoder import NativeDecoder
 from nodeserve.model.native_ops import NativeOps
 from nodeserve.tokenizer import Tokenizer, TokenizerError
 
@@ -132,7 +133,10 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     if quantization in block_quant.BLOCK_FORMATS:
         _quantize_dense_linears(model, block_quant.BLOCK_FORMATS[quantization])
     if blocks or quantization in block_quant.BLOCK_FORMATS:
-        model.use_kernels(NativeOps(native.load(), model.rope, cfg.max_position_embeddings))
+        ops = NativeOps(native.load(), model.rope, cfg.max_position_embeddings)
+        model.use_kernels(ops)
+        if NativeDecoder.usable(model):
+            model.native_decoder = NativeDecoder(model, native.load(), ops.cos_sin_cache)
     elif quantization == "fp16":
         quantize_linears(model, quantization)
     model.eval()

@@ -92,3 +92,29 @@ def test_quantized_decode_follows_float32_on_the_same_weights(loaded_auto, loade
             r.pool.allocator.free(t)
     assert agree / total >= 0.97, f"{agree}/{total}"
     assert max_diff < 0.1, max_diff  # measured: 96/96 tokens agree, max difference 0.013 (logits span ~75)
+
+
+def test_native_decoder_is_the_module_path_in_one_call(loaded_auto, one_thread):
+    """Decode-only steps through ns_decode_layer give what the per-op path (NativeOps, paged attention, the
+    same kernels) gives, row for row, and fill the pool the same way."""
+    from nodeserve.attention.torch_ref import TorchAttention
+    from nodeserve.engine.model_runner import ModelRunner, SeqChunk
+    from nodeserve.kv.pool import KVPool
+
+    model = loaded_auto.model
+    assert model.native_decoder is not None
+    pools = [KVPool(model.cfg, 32, 16, torch.float32, torch.device("cpu")) for _ in range(2)]
+    runners = [ModelRunner(model, pool, TorchAttention()) for pool in pools]
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [400, 401, 402], [9000] * 40]
+    tables = [[list(range(0, 4)), list(range(4, 8)), list(range(8, 12))] for _ in pools]
+    for runner, table in zip(runners, tables):
+        runner.run([SeqChunk(p, 0, t) for p, t in zip(prompts, table)])
+    decoder, outs = model.native_decoder, []
+    for runner, table, use_native in zip(runners, tables, (True, False)):
+        model.native_decoder = decoder if use_native else None
+        try:
+            outs.append(runner.run([SeqChunk([7 + i], len(p), t) for i, (p, t) in enumerate(zip(prompts, table))]))
+        finally:
+            model.native_decoder = decoder
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(pools[0].data, pools[1].data, rtol=1e-6, atol=1e-6)

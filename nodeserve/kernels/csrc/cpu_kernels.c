@@ -29,7 +29,7 @@
 enum { NS_Q4_0 = 2, NS_Q4_1 = 3, NS_Q8_0 = 8 };  /* ggml type ids */
 #define QK 32
 #ifndef PREFETCH_ROWS
-#define PREFETCH_ROWS 4
+#define PREFETCH_ROWS 8
 #endif
 #define MAX_TILE 8  /* activation rows per pass over a weight row: 8 accumulators + 4 weight vectors fit 16 ymm */
 
@@ -213,31 +213,45 @@ static void quantize_x16(const float *x, int64_t K, int16_t *xq, float *dx, floa
     }
 }
 
-static inline __attribute__((always_inline)) float dot_row1_i16(
-        int type, const uint8_t *wrow, const int16_t *xq, const float *dx, const float *sx8, int64_t nb) {
-    const size_t bb = block_bytes(type);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, macc = acc0;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wrow + b * bb, *qs = block_quants(type, blk);
-        float d, m;
-        block_scalars(type, blk, &d, &m);
-        __m256i we, wo;  /* weights 0..15 and 16..31 as int16: one widening load each, or one for both */
-        if (type == NS_Q8_0) {
-            we = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qs));
-            wo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
-        } else {
-            const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));
-            we = _mm256_and_si256(v, _mm256_set1_epi16(0x000f));
-            wo = _mm256_srli_epi16(v, 4);
-        }
-        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(we, _mm256_loadu_si256((const __m256i *)(xq + b * QK))),
-                                           _mm256_madd_epi16(wo, _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16))));
-        const __m256 vd = _mm256_set1_ps(d * dx[b]);
-        if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), vd, acc1);
-        else acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), vd, acc0);
-        if (type != NS_Q8_0) macc = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(sx8 + b * 8), macc);
+/* Block b of one weight row times the int16 activations: 8 int32 partial sums. */
+static inline __attribute__((always_inline)) __m256i block_dot_i16(int type, const uint8_t *qs, const int16_t *xb) {
+    __m256i we, wo;  /* weights 0..15 and 16..31 as int16: one widening load each, or one for both */
+    if (type == NS_Q8_0) {
+        we = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qs));
+        wo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
+    } else {
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));
+        we = _mm256_and_si256(v, _mm256_set1_epi16(0x000f));
+        wo = _mm256_srli_epi16(v, 4);
     }
-    return hsum8(_mm256_add_ps(_mm256_add_ps(acc0, acc1), macc));
+    return _mm256_add_epi32(_mm256_madd_epi16(we, _mm256_loadu_si256((const __m256i *)xb)),
+                            _mm256_madd_epi16(wo, _mm256_loadu_si256((const __m256i *)(xb + 16))));
+}
+
+/* Weight rows r0 and r1 against one int16 activation row, interleaved: two rows' independent chains keep
+ * the vector units busy while the next blocks load, and the activation loads are shared. */
+static inline __attribute__((always_inline)) void dot_rows2_i16(
+        int type, const uint8_t *r0, const uint8_t *r1, const int16_t *xq, const float *dx, const float *sx8,
+        int64_t nb, float *y0, float *y1) {
+    const size_t bb = block_bytes(type);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, m0 = a0, m1 = a0;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *k0 = r0 + b * bb, *k1 = r1 + b * bb;
+        float d0, mm0, d1, mm1;
+        block_scalars(type, k0, &d0, &mm0);
+        block_scalars(type, k1, &d1, &mm1);
+        const __m256i p0 = block_dot_i16(type, block_quants(type, k0), xq + b * QK);
+        const __m256i p1 = block_dot_i16(type, block_quants(type, k1), xq + b * QK);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * dx[b]), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * dx[b]), a1);
+        if (type != NS_Q8_0) {
+            const __m256 s = _mm256_loadu_ps(sx8 + b * 8);
+            m0 = _mm256_fmadd_ps(_mm256_set1_ps(mm0), s, m0);
+            m1 = _mm256_fmadd_ps(_mm256_set1_ps(mm1), s, m1);
+        }
+    }
+    *y0 = hsum8(_mm256_add_ps(a0, m0));
+    *y1 = hsum8(_mm256_add_ps(a1, m1));
 }
 
 /* y [M, ldy] (columns n_begin..n_end written), x [M, K] contiguous rows, K % 32 == 0. Returns 0, or -1 when
@@ -251,14 +265,29 @@ static inline __attribute__((always_inline)) void linear_rows(
         int64_t ldy, int64_t n_begin, int64_t n_end) {
     const int64_t nb = K / QK;
     const size_t row_bytes = (size_t)nb * block_bytes(type);
+    if (x16) {  /* one activation row: two weight rows at a time */
+        int64_t n = n_begin;
+        for (; n + 1 < n_end; n += 2) {
+            const uint8_t *wrow = w + (size_t)n * row_bytes;
+            /* The hardware prefetcher alone leaves a GEMV well short of the core's read bandwidth: ask for
+             * the rows PREFETCH_ROWS ahead while these compute. */
+            for (size_t off = 0; off < 2 * row_bytes && n + PREFETCH_ROWS + 1 < n_end; off += 64)
+                _mm_prefetch((const char *)(wrow + PREFETCH_ROWS * row_bytes + off), _MM_HINT_T0);
+            dot_rows2_i16(type, wrow, wrow + row_bytes, x16->q, x16->d, x16->s8, nb, y + n, y + n + 1);
+        }
+        if (n < n_end) {
+            float unused;
+            const uint8_t *wrow = w + (size_t)n * row_bytes;
+            dot_rows2_i16(type, wrow, wrow, x16->q, x16->d, x16->s8, nb, y + n, &unused);
+        }
+        return;
+    }
     for (int64_t n = n_begin; n < n_end; n++) {
         const uint8_t *wrow = w + (size_t)n * row_bytes;
-        /* The hardware prefetcher alone keeps a GEMV at ~1/3 of the core's read bandwidth: ask for the row
-         * PREFETCH_ROWS ahead while this one computes. */
         for (size_t off = 0; off < row_bytes && n + PREFETCH_ROWS < n_end; off += 64)
             _mm_prefetch((const char *)(wrow + PREFETCH_ROWS * row_bytes + off), _MM_HINT_T0);
         if (M == 1) {
-            y[n] = x16 ? dot_row1_i16(type, wrow, x16->q, x16->d, x16->s8, nb) : dot_row1(type, wrow, xp, nb);
+            y[n] = dot_row1(type, wrow, xp, nb);
             continue;
         }
         for (int64_t i0 = 0; i0 < M; i0 += MAX_TILE) {
@@ -287,7 +316,7 @@ int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, i
     float *xp = malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
     if (!xp) return -1;
     struct x16 q16 = {NULL, NULL, NULL}, *x16 = NULL;
-    if (M == 1 && getenv("NS_FP32_GEMV") == NULL) {
+    if (M == 1) {
         q16.q = malloc(sizeof(int16_t) * (size_t)K);
         q16.d = malloc(sizeof(float) * (size_t)(nb + 1));
         q16.s8 = malloc(sizeof(float) * (size_t)(8 * nb + 1));
@@ -610,6 +639,57 @@ void ns_write_kv(float *kv, const float *k, int64_t ldk, const float *v, int64_t
         memcpy(dst, k + t * ldk, sizeof(float) * (size_t)row);
         memcpy(dst + page_size * row, v + t * ldv, sizeof(float) * (size_t)row);
     }
+}
+
+/* ---------- one decoder layer for a decode-only step: the Llama layer of model/llama.py in one call ---------- */
+
+/* A layer's weights and shapes, filled once at load (model/native_decoder.py mirrors this struct). */
+struct ns_layer {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps;
+    const float *input_norm, *post_norm, *qkv_bias;  /* qkv_bias may be NULL */
+    const uint8_t *qkv, *o, *gate_up, *down;
+    int32_t qkv_type, o_type, gate_up_type, down_type;
+};
+
+/* One decode step's rows and where their KV lives, filled once per step. */
+struct ns_step {
+    int64_t num_rows, max_pages, page_size;
+    const int64_t *positions, *slots, *block_tables, *seq_lens;
+    const float *cos_sin;
+    float scale;
+};
+
+/* x [T, hidden], the residual stream, in place: x += attn(norm(x)); x += mlp(norm(x)), for T rows that each
+ * decode one token; kv is this layer's float32 pool [num_pages, 2, page_size, KH, D]. The same kernels, in the
+ * same order, as the per-op path (LlamaModel.forward with NativeOps and the paged attention): one call per
+ * layer instead of ~50 Python-level ops. Returns 0, or -1 when out of memory. */
+int ns_decode_layer(const struct ns_layer *L, const struct ns_step *S, float *x, float *kv) {
+    const int64_t T = S->num_rows, H = L->hidden, D = L->head_dim, NH = L->num_heads, KH = L->num_kv_heads;
+    const int64_t q_size = NH * D, kv_size = KH * D, n_qkv = q_size + 2 * kv_size, I = L->intermediate;
+    float *buf = malloc(sizeof(float) * (size_t)(T * (H + n_qkv + q_size + q_size + 2 * I + I + H)));
+    if (!buf) return -1;
+    float *h = buf, *qkv = h + T * H, *q = qkv + T * n_qkv, *attn = q + T * q_size, *gu = attn + T * q_size;
+    float *act = gu + T * 2 * I, *y = act + T * I;
+    int err = 0;
+    ns_rms_norm(x, H, L->input_norm, h, T, H, L->eps);
+    err |= ns_linear(L->qkv_type, L->qkv, h, qkv, T, H, n_qkv, 0, n_qkv);
+    if (L->qkv_bias)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < n_qkv; j++) qkv[t * n_qkv + j] += L->qkv_bias[j];
+    ns_rope(qkv, n_qkv, qkv + q_size, n_qkv, S->positions, S->cos_sin, T, NH, KH, D);
+    ns_write_kv(kv, qkv + q_size, n_qkv, qkv + q_size + kv_size, n_qkv, S->slots, T, KH, D, S->page_size);
+    for (int64_t t = 0; t < T; t++) memcpy(q + t * q_size, qkv + t * n_qkv, sizeof(float) * (size_t)q_size);
+    err |= ns_paged_decode_attention(q, kv, S->block_tables, S->max_pages, S->seq_lens, attn, T, NH, KH, D,
+                                     S->page_size, S->scale);
+    err |= ns_linear(L->o_type, L->o, attn, y, T, q_size, H, 0, H);
+    ns_add_rms_norm(y, x, L->post_norm, T, H, L->eps);  /* x += o; y = norm(x) */
+    err |= ns_linear(L->gate_up_type, L->gate_up, y, gu, T, H, 2 * I, 0, 2 * I);
+    ns_silu_and_mul(gu, act, T, I);
+    err |= ns_linear(L->down_type, L->down, act, y, T, I, H, 0, H);
+    for (int64_t i = 0; i < T * H; i++) x[i] += y[i];
+    free(buf);
+    return err ? -1 : 0;
 }
 
 /* For the build check: which paths this binary takes. */

@@ -1,0 +1,156 @@
+"""The CPU fast path, piece by piece, against the machine's own limits: one core's DRAM read bandwidth and
+fp32 matmul peak, the block-quantized GEMM per batch size, paged decode attention, whole decode steps and
+prefill. Every row names the bound it is compared with.
+
+    python bench/kernels.py                      # ~3 minutes on the 2-core machine; run it on a quiet machine
+    python bench/kernels.py --json bench/results/kernels.json
+
+What each row means:
+  * bandwidth: sum() over 1 GiB of written float32 on one thread (GB/s): the read bound everything below uses.
+  * gemm M=m: every projection of one decode step (30 layers + lm_head) at m activation rows, from DRAM: the
+    file's Q4_1/Q8_0 blocks through the native kernel vs the dense float32 weights through F.linear;
+    "x bound" = time / (weight bytes / bandwidth).
+  * attention B x L: one layer's paged decode attention for B sequences of L tokens (pages scattered),
+    "x bound" = time / (K and V bytes / bandwidth).
+  * step B x L: ModelRunner.run of B decode rows with L tokens each (what a decode worker runs per step),
+    quantization auto vs none; "x bound" = time / ((weight + KV bytes) / bandwidth).
+  * prefill: a 512-token chunk, tok/s, and its FLOP rate as a fraction of the measured fp32 matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from nodeserve.engine.engine import build_runner, weight_bytes
+from nodeserve.engine.model_runner import SeqChunk
+from nodeserve.kernels import native
+from nodeserve.kv.pool import KVPool, pages_for
+from nodeserve.model.block_quant import QuantLinear
+from nodeserve.model.loader import load_model
+
+MODEL = "smollm2-135m-instruct"
+
+
+def timed(fn, repeat: int) -> float:
+    """Median seconds of `repeat` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bandwidth() -> float:
+    a = torch.ones(256 * 1024 * 1024 // 4)  # written, so its pages are real (not the shared zero page)
+    return a.numel() * 4 / timed(a.sum, 5) / 1e9
+
+
+def matmul_peak() -> float:
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    return 2 * 1024 ** 3 / timed(lambda: a @ b, 10) / 1e9
+
+
+def gemm_rows(quant, dense, gbs: float, ms: list[int]) -> list[dict]:
+    q_mods = [m for m in quant.modules() if isinstance(m, QuantLinear)]
+    d_mods = [m for m in dense.modules() if isinstance(m, torch.nn.Linear)]
+    q_bytes = sum(m.weight.numel() for m in q_mods)
+    d_bytes = sum(m.weight.numel() * 4 for m in d_mods)
+    rows = []
+    for m in ms:
+        xs = {k: torch.randn(m, k) for k in {mod.in_features for mod in q_mods}}
+        tq = timed(lambda: [mod(xs[mod.in_features]) for mod in q_mods], 5)
+        td = timed(lambda: [mod(xs[mod.in_features]) for mod in d_mods], 3)
+        rows.append({"what": f"gemm M={m}", "auto_ms": tq * 1e3, "none_ms": td * 1e3,
+                     "auto_x_bound": tq / (q_bytes / gbs / 1e9), "none_x_bound": td / (d_bytes / gbs / 1e9),
+                     "auto_MB": q_bytes / 1e6, "none_MB": d_bytes / 1e6})
+    return rows
+
+
+def attention_rows(kernels, gbs: float, shapes: list[tuple[int, int]]) -> list[dict]:
+    rows = []
+    for b, length in shapes:
+        pps = pages_for(length, 16)
+        kv = torch.randn(b * pps + 7, 2, 16, 3, 64)
+        tables = torch.randperm(b * pps + 7)[:b * pps].view(b, pps)  # scattered pages, as in a busy pool
+        q, seq_lens = torch.randn(b, 9, 64), torch.full((b,), length, dtype=torch.int64)
+        t = timed(lambda: kernels.paged_decode_attention(q, kv, tables, seq_lens, 0.125), 10)
+        kv_bytes = b * length * 2 * 3 * 64 * 4
+        rows.append({"what": f"attention {b}x{length}", "ms": t * 1e3, "x_bound": t / (kv_bytes / gbs / 1e9)})
+    return rows
+
+
+def step_rows(models: dict, gbs: float, shapes: list[tuple[int, int]]) -> list[dict]:
+    rows = []
+    for b, length in shapes:
+        row = {"what": f"step {b}x{length}"}
+        for name, model in models.items():
+            pps = pages_for(length + 20, 16)
+            pool = KVPool(model.cfg, b * pps + 1, 16, torch.float32, torch.device("cpu"))
+            runner = build_runner(model, pool, "auto", cuda_graphs=False, max_num_seqs=b)
+            tables = [pool.allocator.allocate(pps) for _ in range(b)]
+            step = [0]
+
+            def run():
+                runner.run([SeqChunk([1], length + step[0] % 10, t) for t in tables])
+                step[0] += 1
+
+            t = timed(run, 10)
+            kv_bytes = b * length * pool.bytes_per_page_per_layer // 16 * model.cfg.num_layers
+            row[f"{name}_ms"] = t * 1e3
+            row[f"{name}_x_bound"] = t / ((weight_bytes(model) + kv_bytes) / gbs / 1e9)
+        rows.append(row)
+    return rows
+
+
+def prefill_rows(models: dict, peak: float, tokens: int = 512) -> list[dict]:
+    row = {"what": f"prefill {tokens}"}
+    for name, model in models.items():
+        pool = KVPool(model.cfg, pages_for(tokens, 16) + 1, 16, torch.float32, torch.device("cpu"))
+        runner = build_runner(model, pool, "auto", cuda_graphs=False, max_num_seqs=1)
+        table = pool.allocator.allocate(pages_for(tokens, 16))
+        ids = torch.randint(100, 40000, (tokens,)).tolist()
+        t = timed(lambda: runner.run([SeqChunk(ids, 0, table)]), 3)
+        flops = 2 * tokens * sum(m.in_features * m.out_features for m in model.modules()
+                                 if isinstance(m, (QuantLinear, torch.nn.Linear)) and m is not model.lm_head)
+        row[f"{name}_tok_s"] = tokens / t
+        row[f"{name}_of_peak"] = flops / t / 1e9 / peak
+    return [row]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # one core, as a CPU worker runs
+    kernels = native.load()
+    if kernels is None:
+        raise SystemExit("the native kernels could not be built (is a C compiler installed?)")
+    gbs, peak = bandwidth(), matmul_peak()
+    quant = load_model(MODEL, torch.float32, quantization="auto").model
+    dense = load_model(MODEL, torch.float32, quantization="none").model
+    models = {"auto": quant, "none": dense}
+    result = {"machine": platform.processor() or platform.machine(), "isa": kernels.isa,
+              "bandwidth_GBs": gbs, "fp32_peak_GFLOPs": peak, "rows": []}
+    print(f"one-core DRAM read {gbs:.1f} GB/s, fp32 matmul peak {peak:.1f} GFLOP/s, kernels: {kernels.isa}")
+    result["rows"] += gemm_rows(quant, dense, gbs, [1, 2, 4, 8, 16, 32])
+    result["rows"] += attention_rows(kernels, gbs, [(1, 512), (1, 2048), (16, 1024), (32, 256)])
+    result["rows"] += step_rows(models, gbs, [(1, 128), (1, 1024), (16, 1024), (32, 128)])
+    result["rows"] += prefill_rows(models, peak)
+    for row in result["rows"]:
+        print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

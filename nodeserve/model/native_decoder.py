@@ -1,0 +1,90 @@
+"""Decode-only steps of a block-quantized model on CPU, one native call per layer (ns_decode_layer in
+nodeserve/kernels/csrc/cpu_kernels.c).
+
+A batch-1 decode step through LlamaModel's modules is ~50 Python-level ops per layer; on one core their
+dispatch cost was about a third of the step (bench/README.md). This runs the same kernels in the same order
+with one call per layer, the way CUDA graphs replay a step on a GPU. LlamaModel.forward takes it for steps whose
+every row decodes one token over a float32 pool; prefill chunks and mixed steps take the module path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Callable
+
+import torch
+
+from nodeserve.attention.base import AttentionMetadata
+from nodeserve.kernels.native import NativeKernels
+
+_i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):  # struct ns_layer
+    _fields_ = [("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64),
+                ("intermediate", _i64), ("eps", _f32), ("input_norm", _p), ("post_norm", _p), ("qkv_bias", _p),
+                ("qkv", _p), ("o", _p), ("gate_up", _p), ("down", _p), ("qkv_type", _i32), ("o_type", _i32),
+                ("gate_up_type", _i32), ("down_type", _i32)]
+
+
+class _Step(ctypes.Structure):  # struct ns_step
+    _fields_ = [("num_rows", _i64), ("max_pages", _i64), ("page_size", _i64), ("positions", _p), ("slots", _p),
+                ("block_tables", _p), ("seq_lens", _p), ("cos_sin", _p), ("scale", _f32)]
+
+
+class NativeDecoder:
+    def __init__(self, model, kernels: NativeKernels, cos_sin_cache: torch.Tensor):
+        """model: a LlamaModel whose projections are fused QuantLinears (checked by `usable`)."""
+        cfg = model.cfg
+        self.kernels, self.cos_sin_cache = kernels, cos_sin_cache
+        self.scale = cfg.head_dim ** -0.5
+        self._fn = kernels.lib.ns_decode_layer
+        self._fn.restype, self._fn.argtypes = ctypes.c_int, [_p, _p, _p, _p]
+        self.layers = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            bias = attn.qkv_proj.bias
+            self.layers.append(_Layer(
+                cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                cfg.rms_norm_eps, layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                attn.qkv_proj.weight.data_ptr(), attn.o_proj.weight.data_ptr(), mlp.gate_up_proj.weight.data_ptr(),
+                mlp.down_proj.weight.data_ptr(), attn.qkv_proj.qtype, attn.o_proj.qtype, mlp.gate_up_proj.qtype,
+                mlp.down_proj.qtype))
+        self._model = model  # keeps the weights the structs point into alive
+
+    @staticmethod
+    def usable(model) -> bool:
+        """Every projection block-quantized (fused qkv and gate/up), and only qkv with a bias (Qwen2)."""
+        from nodeserve.model.block_quant import QuantLinear
+
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(m, QuantLinear) for m in projections):
+                return False
+            if any(m.bias is not None for m in projections[1:]):
+                return False
+        return True
+
+    @staticmethod
+    def takes(x: torch.Tensor, meta: AttentionMetadata, kv_layers: list[torch.Tensor]) -> bool:
+        """Whether this step is one it runs: every row decodes one token, over a float32 pool on the CPU."""
+        return (meta.num_decodes == meta.num_seqs and x.device.type == "cpu" and x.dtype == torch.float32
+                and kv_layers[0].dtype == torch.float32)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_layers: list[torch.Tensor], on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """x: [T, hidden] embeddings -> the residual stream after the last layer (before the final norm)."""
+        x = x.contiguous()
+        positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
+        tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
+        step = _Step(x.shape[0], tables.shape[1], meta.page_size, positions.data_ptr(), slots.data_ptr(),
+                     tables.data_ptr(), seq_lens.data_ptr(), self.cos_sin_cache.data_ptr(), self.scale)
+        step_ptr, x_ptr = ctypes.byref(step), x.data_ptr()
+        for i, layer in enumerate(self.layers):
+            if self._fn(ctypes.byref(layer), step_ptr, x_ptr, kv_layers[i].data_ptr()):
+                raise MemoryError("ns_decode_layer: out of memory")
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return x
