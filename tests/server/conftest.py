@@ -19,7 +19,7 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp_dir, devices: str, extra: str = ""):
+    def __init__(self, tmp_dir, devices: str, extra: str = "", quantization: str = "none"):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = os.path.join(tmp_dir, "nodeserve.toml")
@@ -29,7 +29,7 @@ class Server:
 path = "smollm2-135m-instruct"
 name = "smollm2"
 dtype = "float32"
-quantization = "none"  # the exact path: these servers' greedy output is compared with transformers'
+quantization = "{quantization}"  # "none", the exact path, unless a test asks: its greedy output is transformers'
 [server]
 host = "127.0.0.1"
 port = {self.port}
@@ -90,13 +90,13 @@ def make_server(tmp_path):
     started = []
 
     def make(extra: str = "", devices: str = 'mode = "disaggregated"\nprefill = ["cpu:0"]\ndecode = ["cpu:1"]',
-             env: dict | None = None) -> Server:
+             env: dict | None = None, quantization: str = "none") -> Server:
         sub = tmp_path / f"server{len(started)}"
         sub.mkdir()
         old = dict(os.environ)
         os.environ.update(env or {})
         try:
-            s = Server(sub, devices, extra)
+            s = Server(sub, devices, extra, quantization)
         finally:
             os.environ.clear()
             os.environ.update(old)
