@@ -7,7 +7,8 @@ torch headers, so it compiles in about a second with the system C compiler, and 
 during each call, so the device workers' threads run their kernels in parallel.
 
 The build is per machine: `-march=native`, cached under $NODESERVE_CACHE_DIR (default
-~/.cache/nodeserve/kernels) by a key over the source, the compiler and the CPU's flags, so a cache that
+$XDG_CACHE_HOME/nodeserve/kernels, else ~/.cache/nodeserve/kernels; a temporary directory when neither is
+writable) by a key over the source, the compiler and the CPU's flags, so a cache that
 moves to another CPU model is rebuilt instead of executing instructions the CPU lacks. Without a C compiler
 (or if the build fails) load() returns None and callers use their torch paths.
 """
@@ -60,8 +61,10 @@ def _cpu_flags() -> str:
 
 
 def _cache_dir() -> str:
-    return os.environ.get("NODESERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nodeserve",
-                                                                 "kernels")
+    if os.environ.get("NODESERVE_CACHE_DIR"):
+        return os.environ["NODESERVE_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "nodeserve", "kernels")
 
 
 def _compile(cc: str, src: str, out: str) -> None:
@@ -167,10 +170,15 @@ def load() -> NativeKernels | None:
         version = ""
     key = hashlib.sha256(source + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
     cache = _cache_dir()
+    try:
+        os.makedirs(cache, exist_ok=True)
+    except OSError:
+        pass
+    if not os.access(cache, os.W_OK):  # a read-only home (a locked-down service): build for this process only
+        cache = tempfile.mkdtemp(prefix="nodeserve-kernels-")
     path = os.path.join(cache, f"cpu_kernels-{key}.so")
     try:
         if not os.path.exists(path):
-            os.makedirs(cache, exist_ok=True)
             _compile(cc, src, path)
         kernels = NativeKernels(ctypes.CDLL(path), path)
     except subprocess.CalledProcessError as e:
