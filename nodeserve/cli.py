@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
+from nodeserve import __version__
 
-def _load_config(path: str, prefix: str):
-    """The validated config, or None after printing the one-line reason."""
+
+def _load_config(path: str, prefix: str, args: argparse.Namespace | None = None):
+    """The validated config (file, NODESERVE_* variables, then command-line overrides), or None after printing
+    the one-line reason."""
     from nodeserve.config import ConfigError, load_config
 
+    overrides: dict = {}
+    for flag, section, key in (("host", "server", "host"), ("port", "server", "port"), ("model", "model", "path")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.setdefault(section, {})[key] = value
     try:
-        return load_config(path)
+        return load_config(path, overrides=overrides)
     except ConfigError as e:
         print(f"{prefix}{e}", file=sys.stderr)
         return None
@@ -22,7 +31,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from nodeserve.config import ConfigError
     from nodeserve.model.config import LoadError
 
-    config = _load_config(args.config, "nodeserve: config error: ")
+    config = _load_config(args.config, "nodeserve: config error: ", args)
     if config is None:
         return 2
     from nodeserve.server.serve import run
@@ -44,11 +53,22 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     config = _load_config(args.config, f"{args.config}: ")
     if config is None:
         return 2
+    from nodeserve.model.config import LoadError
+    from nodeserve.model.loader import resolve_path
+
+    try:
+        model_path = resolve_path(config.model.path)
+    except LoadError as e:
+        print(f"{args.config}: 'model.path': {e}", file=sys.stderr)
+        return 2
+    if not os.access(model_path, os.R_OK | (os.X_OK if os.path.isdir(model_path) else 0)):
+        print(f"{args.config}: 'model.path': {model_path} is not readable by this user", file=sys.stderr)
+        return 2
     d = config.devices
     devices = f"prefill={list(d.prefill)} decode={list(d.decode)}" if d.mode == "disaggregated" \
         else f"devices={list(d.devices)}"
-    print(f"{args.config}: OK: model={config.model.path} ({config.dtype}) mode={d.mode} {devices} "
-          f"listen={config.server.host}:{config.server.port}")
+    print(f"{args.config}: OK: model={config.model.path} ({config.dtype}, weights {config.quantization}) "
+          f"mode={d.mode} {devices} listen={config.server.host}:{config.server.port}")
     return 0
 
 
@@ -63,9 +83,15 @@ def _cmd_devices(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nodeserve", description="Single-node LLM server with disaggregated "
                                      "prefill and decode in one process.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="start the server", description="Start the OpenAI-compatible server.")
+    p = sub.add_parser("run", help="start the server", description="Start the OpenAI-compatible server. "
+                       "Settings come from the file, then NODESERVE_<SECTION>_<KEY> environment variables "
+                       "(e.g. NODESERVE_SERVER_PORT=8080), then these flags.")
     p.add_argument("--config", default="nodeserve.toml", help="path to nodeserve.toml (default: %(default)s)")
+    p.add_argument("--host", help="server.host")
+    p.add_argument("--port", type=int, help="server.port")
+    p.add_argument("--model", help="model.path: a .gguf file, an HF checkpoint directory or a bundled model name")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_cmd_run)
     p = sub.add_parser("check-config", help="validate a config file and exit",

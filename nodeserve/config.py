@@ -181,7 +181,40 @@ def config_from_dict(raw: dict[str, Any], check_devices: bool = True) -> Config:
     return cfg
 
 
-def load_config(path: str, check_devices: bool = True) -> Config:
+ENV_PREFIX = "NODESERVE_"
+
+
+def _env_value(text: str) -> Any:
+    """An environment variable's value as TOML reads it (8080, 0.5, true, ["cpu:0"], "x"), else the plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def env_overrides(environ: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """NODESERVE_<SECTION>_<KEY> variables as {section: {key: value}}, e.g. NODESERVE_SERVER_PORT=8080.
+    Variables outside the five sections (NODESERVE_API_KEY, NODESERVE_CACHE_DIR) are not config keys."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        section = next((s for s in _SECTION_TYPES if rest.startswith(s + "_")), None)
+        if section is None:
+            continue
+        key = rest[len(section) + 1:]
+        valid = [f.name for f in dataclasses.fields(_SECTION_TYPES[section])]
+        if key not in valid:
+            raise ConfigError(f"environment variable {name}: unknown key '{section}.{key}'; valid keys in "
+                              f"[{section}]: {', '.join(valid)}")
+        out.setdefault(section, {})[key] = _env_value(text)
+    return out
+
+
+def load_config(path: str, check_devices: bool = True, overrides: dict[str, dict[str, Any]] | None = None,
+                environ: dict[str, str] | None = None) -> Config:
+    """The file, then NODESERVE_<SECTION>_<KEY> environment variables, then `overrides` (the command line)."""
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
@@ -189,6 +222,11 @@ def load_config(path: str, check_devices: bool = True) -> Config:
         raise ConfigError(f"config file '{path}' not found") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    for layer in (env_overrides(os.environ if environ is None else environ), overrides or {}):
+        for section, values in layer.items():
+            if not isinstance(raw.get(section, {}), dict):
+                raise ConfigError(f"'{section}' must be a table: write it as [{section}] followed by key = value lines")
+            raw.setdefault(section, {}).update(values)
     return config_from_dict(raw, check_devices)
 
 
