@@ -120,7 +120,8 @@ class Engine:
                                   cfg.devices.cuda_graphs and role != "prefill", cfg.scheduler.max_num_seqs)
             log.info("%s: %s attention, %d KV pages of %s%s", name, type(runner.backend).__name__, num_pages,
                      kv_dtype, ", CUDA graphs at warm-up" if runner.graphs is not None else "")
-            return Worker(device, role, runner, Sampler(device.torch_device), self.tokenizer.eos_token_ids, limits,
+            sampler = Sampler(device.torch_device, eos_token_ids=self.tokenizer.eos_token_ids)
+            return Worker(device, role, runner, sampler, self.tokenizer.eos_token_ids, limits,
                           self._emit_batch_threadsafe, self._pages_freed_threadsafe)
 
         self.prefill_workers = [make_worker(n, "prefill") for n in cfg.prefill_devices]

@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -106,7 +107,7 @@ class KVTransfer:
         self._failed: dict[str, str] = {}  # request id -> error of a copy that carried its pages; copy thread only
         self.num_bytes = 0        # bytes copied so far
         self.busy_seconds = 0.0   # time spent copying, for the device timeline
-        self.records: list[tuple[float, float, int]] = []  # (start, end, bytes) per copy, bounded below
+        self.records: deque[tuple[float, float, int]] = deque(maxlen=100_000)  # (start, end, bytes) per copy, a ring
 
     def start(self) -> None:
         peer = peer_access(self.src_device.torch_device, self.dst_device.torch_device)
@@ -161,8 +162,7 @@ class KVTransfer:
         end = time.monotonic()
         self.num_bytes += nbytes
         self.busy_seconds += end - start
-        if len(self.records) < 100_000:
-            self.records.append((start, end, nbytes))
+        self.records.append((start, end, nbytes))
 
     def _copy_pages(self, layer: int, pages: PageMap) -> int:
         """Issues one layer's copy on the transfer's streams; returns the bytes moved."""
