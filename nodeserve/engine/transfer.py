@@ -149,7 +149,7 @@ class KVTransfer:
                         self._finish(job)
                 except Exception as e:
                     log.exception("%s: %s failed", self.name, type(job).__name__.strip("_"))
-                    error = f"KV transfer {self.name} failed: {type(e).__name__}: {e}"
+                    error = f"KV transfer {self.name} failed (the error is in the server log)"
                     if isinstance(job, _CopyLayer):
                         self._failed.update((rid, error) for rid in job.pages.request_ids)
                     else:

@@ -215,7 +215,7 @@ def test_a_failed_copy_fails_its_request_and_the_pair_keeps_serving():
 
     copy_log = h.run(lambda: (h.prefill(bad), h.finish(bad), h.prefill(good), h.finish(good)))
     assert [d[0] for d in h.delivered] == ["good"] and h.released == ["bad"]
-    assert h.failed == [("bad", "KV transfer kv cpu:0->cpu:1 failed: RuntimeError: injected copy fault")]
+    assert h.failed == [("bad", "KV transfer kv cpu:0->cpu:1 failed (the error is in the server log)")]
     # Its pages come back only after a host wait on whatever copies of it did run.
     i = copy_log.index(("release", "bad"))
     assert copy_log[i - 1][0] == "sync" and copy_log[i + 1] == ("fail", "bad")
@@ -238,7 +238,7 @@ def test_a_failed_handoff_frees_both_sides_and_fails_the_request():
 
     h.run(lambda: (h.prefill(bad), h.finish(bad), h.prefill(good), h.finish(good)))
     assert [d[0] for d in h.delivered] == ["good"] and h.released == ["bad"]
-    assert [f[0] for f in h.failed] == ["bad"] and "injected handoff fault" in h.failed[0][1]
+    assert [f[0] for f in h.failed] == ["bad"] and "injected" not in h.failed[0][1]
     assert h.src_pool.allocator.num_free == NUM_PAGES
     assert h.dst_pool.allocator.num_free == NUM_PAGES - len(good.pages)
 
