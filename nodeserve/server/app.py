@@ -171,6 +171,8 @@ async def health(request: web.Request) -> web.Response:
     if state.engine is not None and state.engine.router is not None:
         body["kv"] = [asdict(s) for s in state.engine.pool_stats()]
         body["num_pending"] = state.engine.num_pending
+        if state.engine.warnings:
+            body["warnings"] = list(state.engine.warnings)
     return web.json_response(body, status=200 if state.status == "ready" else 503)
 
 

@@ -41,6 +41,7 @@ class FakeEngine:
         self.router = object()
         self.workers, self.transfers = [], []
         self.num_pending = 0
+        self.warnings: list[str] = []
         self.added: list[RequestStream] = []
         self.aborted: list[RequestStream] = []
         self.reject: Exception | None = None
@@ -132,6 +133,21 @@ def test_debug_routes_need_the_key_even_when_health_and_metrics_are_open():
         return out
     assert run(state, body) == {"/debug/kv": 401, "/debug/steps": 401, "/health": 200, "/metrics": 200,
                                 "with key": 200}
+
+
+def test_health_shows_the_engines_warnings(tokenizer):
+    engine = FakeEngine(tokenizer)
+    state = make_state(engine)
+
+    async def body(client):
+        async with client.get("/health") as r:
+            quiet = await r.json()
+        engine.warnings.append("flashinfer does not import, so CUDA devices run the PyTorch reference attention")
+        async with client.get("/health") as r:
+            return quiet, r.status, await r.json()
+    quiet, status, loud = run(state, body)
+    assert "warnings" not in quiet
+    assert status == 200 and loud["warnings"] == engine.warnings
 
 
 # ---- content type and cross-site requests ------------------------------------------------------------------
