@@ -319,6 +319,48 @@ def test_disaggregated_engine_across_gpus_equals_one_gpu(loaded_bf16, prompt_ids
 
 
 @needs_flashinfer
+def test_colocated_engine_on_one_gpu_equals_the_eager_runner(loaded_bf16, prompt_ids):
+    """A single-GPU host's end-to-end check: worker threads, compute streams, FlashInfer plans and decode-graph
+    replay through the engine. Each prompt alone (batch 1, whole-prompt prefill) must give the eager runner's
+    greedy tokens exactly; then all at once must finish with every page back."""
+    from nodeserve.config import config_from_dict
+    from nodeserve.engine.engine import Engine, build_runner
+    from nodeserve.kv.pool import KVPool
+    from nodeserve.sampling_params import SamplingParams
+
+    device, num_tokens = torch.device("cuda", 0), 24
+    cfg = config_from_dict({"model": {"dtype": "bfloat16"}, "devices": {"mode": "colocated", "devices": ["cuda:0"]},
+                            "kv": {"memory_gib": 1.0}})
+    replica = _replica(loaded_bf16.model, device)
+    eager = build_runner(replica, KVPool(loaded_bf16.config, 512, 16, torch.bfloat16, device), "auto", False, 8)
+    expected = [_greedy_decode(eager, [ids], num_tokens)[0] for ids in prompt_ids]
+
+    async def main():
+        engine = Engine(cfg, loaded_bf16)
+        engine.start(asyncio.get_running_loop())
+        await asyncio.get_running_loop().run_in_executor(None, engine.warmup)
+        assert engine.workers[0].runner.graphs is not None, "the engine should replay decode graphs here"
+        params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+        try:
+            alone = []
+            for ids in prompt_ids:
+                alone.append([ev.token_id async for ev in engine.add_request(ids, params) if ev.token_id is not None])
+            streams = [engine.add_request(ids, params) for ids in prompt_ids]
+            together = [[ev.token_id async for ev in s if ev.token_id is not None] for s in streams]
+            for _ in range(100):
+                if all(p.num_free == p.num_pages for p in engine.pool_stats()):
+                    break
+                await asyncio.sleep(0.05)
+            return alone, together, engine.pool_stats()
+        finally:
+            engine.stop()
+    alone, together, pools = asyncio.run(main())
+    assert alone == expected
+    assert [len(t) for t in together] == [num_tokens] * len(prompt_ids)
+    assert all(p.num_free == p.num_pages for p in pools), pools
+
+
+@needs_flashinfer
 def test_flashinfer_ops_match_torch_ops_in_bf16():
     from nodeserve.model.flashinfer_ops import FlashInferOps
     from nodeserve.model.ops import TorchOps
