@@ -171,8 +171,11 @@ class KVTransfer:
             for s, d, n in pages.runs:
                 dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
             return sum(n for _, _, n in pages.runs) * src[0].numel() * src.element_size()
-        # Allocated and used on the transfer's own streams only, so the caching allocator's stream-ordered
-        # reuse is safe without record_stream.
+        # The index tensors were made on the prefill worker's thread, on other streams: without record_stream a
+        # block freed there could be reused while these copies still read it, scattering KV into the wrong pages.
+        # `staged` is allocated and used on the transfer's own streams only, so stream-ordered reuse covers it.
+        self.src_device.record_stream(pages.src)
+        self.dst_device.record_stream(pages.dst)
         staged = src.index_select(0, pages.src).to(dst.device, non_blocking=True)
         dst.index_copy_(0, pages.dst, staged)
         return staged.numel() * staged.element_size()

@@ -441,3 +441,56 @@ def test_upload_does_not_wait_for_queued_gpu_work():
     assert busy, "the matmuls finished before upload returned: the test cannot tell blocking from not"
     assert returned - queued < (done - start) / 2, (returned - queued, done - start)
     assert t.tolist() == list(range(1000)) and t.device == device
+
+
+@needs_flashinfer
+def test_graph_plan_does_not_wait_for_queued_gpu_work():
+    """A CUDA-graph decode backend's plan() (every decode step) returns while a long kernel is still running: its
+    kv_indices reach the GPU through pinned memory (a host kv_indices is copied with non_blocking=False by FlashInfer
+    0.7.2 in graph mode, a wait for all queued work)."""
+    import time
+
+    from nodeserve.attention.flashinfer_backend import FlashInferAttention
+
+    device = torch.device("cuda", 0)
+    _, _, _, _, meta = _step(DECODES, 16, device, seed=3)
+    backend = FlashInferAttention(device, graph_batch_size=len(DECODES), max_num_pages=256)
+    a = torch.randn(4096, 4096, device=device)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(20):
+        a = a @ a / 64
+    queued = time.perf_counter()
+    backend.plan(meta, H, KH, D, torch.bfloat16, torch.bfloat16, SCALE)  # the first plan: no previous one to wait on
+    returned = time.perf_counter()
+    busy = not torch.cuda.current_stream(device).query()
+    torch.cuda.synchronize(device)
+    done = time.perf_counter()
+    assert busy, "the matmuls finished before plan returned: the test cannot tell blocking from not"
+    assert returned - queued < (done - start) / 2, (returned - queued, done - start)
+
+
+@needs_flashinfer
+@needs_two_gpus
+def test_decode_graphs_on_a_second_gpu_equal_eager(loaded_bf16, prompt_ids):
+    """Graphs captured on cuda:0 and then on cuda:1 (each on its own capture stream) replay correctly on both."""
+    from nodeserve.attention.flashinfer_backend import FlashInferAttention
+    from nodeserve.engine.cuda_graphs import DecodeGraphs
+    from nodeserve.engine.model_runner import ModelRunner
+    from nodeserve.engine.warmup import warmup_runner
+    from nodeserve.kv.pool import KVPool
+
+    prompts = prompt_ids[:3]  # the graph of 4 with one padding row
+    for index in (0, 1):
+        device = torch.device("cuda", index)
+        model = _replica(loaded_bf16.model, device)
+        runners = []
+        for use_graphs in (False, True):
+            pool = KVPool(loaded_bf16.config, 256, 16, torch.bfloat16, device)
+            graphs = DecodeGraphs(model, pool, max_batch=4) if use_graphs else None
+            runner = ModelRunner(model, pool, FlashInferAttention(device), graphs)
+            warmup_runner(runner)
+            runners.append(runner)
+        assert runners[1].graphs.capture_stream.device == device
+        eager, graphed = (_greedy_decode(r, prompts, 16) for r in runners)
+        assert graphed == eager, f"cuda:{index}"
