@@ -58,8 +58,12 @@ def in_daemon_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any], nam
     future = loop.create_future()
 
     def settle(ok: bool, value: Any) -> None:
-        if not future.done():
-            future.set_result(value) if ok else future.set_exception(value)
+        if future.done():
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
 
     def target() -> None:
         try:

@@ -40,7 +40,7 @@ exit 0
     ran = calls.read_text().splitlines()
     assert any("pytest tests/cuda" in c and "--timeout 3600" in c for c in ran), ran
     assert any("nodeserve devices" in c for c in ran) and any("handoff_bench.py" in c for c in ran)
-    assert any(f"decode_host.py" in c and str(out / "decode_host.json") in c for c in ran), ran
+    assert any("decode_host.py" in c and str(out / "decode_host.json") in c for c in ran), ran
     summary = r.stdout[r.stdout.index("== summary"):]
     assert "FAILED: environment (exit 1" in summary and "FAILED: decode-host (exit 3" in summary
     assert "FAILED: nvcc (not found)" in summary and "tests-cuda" not in summary

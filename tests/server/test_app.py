@@ -5,6 +5,7 @@ and timeout order, streamed logprob offsets, rejection counts), fast and without
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import deque
 from types import SimpleNamespace
@@ -367,7 +368,6 @@ def test_streamed_completion_logprobs_offsets_continue_across_chunks(tokenizer):
             raw = await r.read()
         return full, raw
     full, raw = run(state, body)
-    import json
     chunks = [json.loads(f[6:]) for f in raw.split(b"\n\n") if f.startswith(b"data: {")]
     streamed = [o for c in chunks for o in (c["choices"][0]["logprobs"] or {}).get("text_offset", [])]
     assert len(chunks) > 2
