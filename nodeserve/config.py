@@ -18,6 +18,10 @@ class ConfigError(ValueError):
     """The config is invalid; the message names the key and how to fix it."""
 
 
+FLASHINFER_FLOAT32 = ("'devices.attention' = \"flashinfer\" with a float32 model: FlashInfer has no float32 kernels; "
+                      "set model.dtype = \"bfloat16\" (or \"auto\"), or devices.attention = \"torch\"")
+
+
 @dataclass(frozen=True)
 class ModelSection:
     path: str = "smollm2-135m-instruct"   # a .gguf file, an HF checkpoint dir, or a bundled model name
@@ -306,6 +310,8 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
                 raise ConfigError(f"'{key}' lists '{name}', which this machine does not have "
                                   f"(available: {listed}); remove it or pick one of those")
     _validate_cuda_only(cfg, sorted(n for n in seen if n.startswith("cpu:")))
+    if d.attention == "flashinfer" and m.dtype == "float32":  # decided here, before minutes of loading
+        raise ConfigError(FLASHINFER_FLOAT32)
 
 
 def _validate_cuda_only(cfg: Config, cpu_devices: list[str]) -> None:

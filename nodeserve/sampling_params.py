@@ -25,6 +25,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token's logprob plus top-k alternatives
+    min_tokens: int = 0          # EOS (unless ignore_eos) and stop_token_ids are not sampled before this many tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, before sampling
 
     @property
     def greedy(self) -> bool:

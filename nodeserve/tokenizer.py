@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -163,6 +164,12 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         return self._backend.token_text(token_id)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token's text has: a text of n characters is at least n / this many tokens,
+        so a prompt far over the context can be refused without tokenizing it."""
+        return max(1, max((len(self.token_text(i)) for i in range(self.vocab_size)), default=1))
+
     # ---- chat ----
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -237,7 +244,9 @@ class _TokenizersBackend:
 
     def encode(self, text: str) -> list[int]:
         # No post-processor: BOS is the Tokenizer's business. Added tokens in the text still parse as one id.
-        return self.tk.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: it releases the GIL (encode holds it, 7 s for 4 MB of text), so the server's
+        # event loop keeps turning while a thread tokenizes a long prompt.
+        return self.tk.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -49,6 +49,9 @@ def test_cuda_options_load_for_gpu_devices():
     ({"kv": {"memory_headroom": 1.0}}, ["'kv.memory_headroom'"]),
     ({"kv": {"memory_headroom": -0.1}}, ["'kv.memory_headroom'"]),
     ({"devices": {"cuda_graphs": "yes"}}, ["'devices.cuda_graphs'"]),
+    # FlashInfer has no float32 kernels: refused before anything loads, naming both ways out.
+    ({"model": {"dtype": "float32"}, "devices": {**GPUS, "attention": "flashinfer"}},
+     ["'devices.attention'", "float32", "model.dtype = \"bfloat16\"", "devices.attention = \"torch\""]),
 ])
 def test_errors_name_the_key(raw, words):
     message = _error(raw)

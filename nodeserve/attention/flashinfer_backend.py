@@ -14,6 +14,7 @@ import torch
 
 from nodeserve.attention.base import AttentionMetadata
 from nodeserve.attention.torch_ref import is_fp8, layer_scales, write_kv_scaled
+from nodeserve.device import upload
 
 if TYPE_CHECKING:
     from nodeserve.kv.pool import KVPool
@@ -53,6 +54,23 @@ def paged_indices(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int]
     return PagedIndices(i32(qo), i32(kv), i32(indices), i32(last))
 
 
+def for_plan(indices: PagedIndices, device: torch.device) -> PagedIndices:
+    """The tensors as plan() takes them without a host sync on a GPU: indptrs and last_page_len stay on the host
+    (plan() reads them there) but pinned, so its copies of them do not block; kv_indices, which plan() only copies,
+    goes to the GPU first from pinned memory, since plan() copies a host kv_indices into a CUDA-graph buffer with
+    non_blocking=False (FlashInfer 0.7.2), a wait for all queued GPU work every decode step."""
+    if device.type != "cuda":
+        return indices
+    return PagedIndices(indices.qo_indptr.pin_memory(), indices.kv_indptr.pin_memory(),
+                        upload(indices.kv_indices, device), indices.kv_last_page_len.pin_memory())
+
+
+def _recorded_cuda_event(device: torch.device) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 def split_indices(meta: AttentionMetadata) -> tuple[PagedIndices | None, PagedIndices | None]:
     """(decode rows [0, num_decodes), prefill rows [num_decodes, B)) of a step; None for an empty part.
     Prefill qo_indptr counts from the first prefill token, i.e. it indexes q[num_decodes:]."""
@@ -86,6 +104,11 @@ class FlashInferAttention:
         self.device = device
         self.kv_pool: KVPool | None = None  # whose per-layer FP8 scales forward() uses (ModelRunner binds it)
         self._meta: AttentionMetadata | None = None
+        # plan() fills a pinned host buffer and copies it to the GPU asynchronously: planning again before that
+        # copy has run would overwrite the previous step's plan. An event after each plan, waited on before the next
+        # (steps that do not sample, like intermediate prefill chunks, never sync otherwise).
+        self._record_plan_event = (lambda: _recorded_cuda_event(device)) if device.type == "cuda" else (lambda: None)
+        self._plan_event = None
         self.workspace = workspace if workspace is not None else \
             torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         graph = {}
@@ -105,8 +128,10 @@ class FlashInferAttention:
     def plan(self, meta: AttentionMetadata, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              q_dtype: torch.dtype, kv_dtype: torch.dtype, scale: float) -> None:
         """Plans both wrappers for this step; forward() then runs every layer on that plan."""
-        decode, prefill = split_indices(meta)
+        decode, prefill = (None if part is None else for_plan(part, self.device) for part in split_indices(meta))
         common = dict(q_data_type=q_dtype, kv_data_type=kv_dtype, o_data_type=q_dtype, sm_scale=scale)
+        if self._plan_event is not None:
+            self._plan_event.synchronize()  # the previous plan's copies have run: its host buffer is free
         if decode is not None:
             self.decode.plan(decode.kv_indptr, decode.kv_indices, decode.kv_last_page_len, num_qo_heads,
                              num_kv_heads, head_dim, meta.page_size, pos_encoding_mode="NONE", **common)
@@ -115,6 +140,7 @@ class FlashInferAttention:
                 raise ValueError("a CUDA-graph decode backend cannot run prefill chunks")
             self.prefill.plan(prefill.qo_indptr, prefill.kv_indptr, prefill.kv_indices, prefill.kv_last_page_len,
                               num_qo_heads, num_kv_heads, head_dim, meta.page_size, causal=True, **common)
+        self._plan_event = self._record_plan_event()
         self._meta = meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

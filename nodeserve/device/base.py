@@ -67,6 +67,10 @@ class Device:
     def synchronize_event(self, event: Any) -> None:
         """Block the host until `event` has completed."""
 
+    def record_stream(self, tensor: Any) -> None:
+        """Tell the caching allocator that `tensor`, allocated on another stream, is used on this device's current
+        stream: its memory is not handed out again before the work issued here so far has run."""
+
     def new_stream(self) -> Any:
         """A stream of its own on this device (a KV transfer makes one per device pair); None on CPU."""
         return None

@@ -38,6 +38,9 @@ class CUDADevice(Device):
         if event is not None:
             event.synchronize()
 
+    def record_stream(self, tensor) -> None:
+        tensor.record_stream(torch.cuda.current_stream(self.torch_device))
+
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(self.torch_device)
 

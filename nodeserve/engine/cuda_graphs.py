@@ -90,6 +90,7 @@ class DecodeGraphs:
         self.backends[largest] = first
         for backend in self.backends.values():
             backend.kv_pool = pool  # FP8 scales: read at capture, fixed in the graphs from then on
+        self.capture_stream: torch.cuda.Stream | None = None  # this device's own, made at capture()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [bucket, hidden] per graph, in the shared pool
         self.captured_scales: tuple[list[float], list[float]] | None = None  # the pool's FP8 scales at capture
@@ -103,6 +104,10 @@ class DecodeGraphs:
         mem_pool = torch.cuda.graph_pool_handle()
         self.captured_scales = (list(self.pool.k_scales), list(self.pool.v_scales))
         with torch.cuda.device(self.device):
+            # A stream of this device for every capture and its warm-up pass: torch.cuda.graph's default capture
+            # stream is made once, on whichever device was current at the first capture in the process, so a
+            # second GPU's graphs would be captured on the first GPU's stream.
+            self.capture_stream = torch.cuda.Stream(self.device)
             for bucket in reversed(self.buckets):
                 meta = AttentionMetadata(
                     slot_mapping=self.slot_mapping[:bucket],
@@ -114,15 +119,15 @@ class DecodeGraphs:
                 self._plan(bucket, meta)  # outside the capture; forward() then sees this meta as planned
                 args = (self.input_ids[:bucket], self.positions[:bucket], meta, self.pool.layers,
                         self.backends[bucket])
-                # One eager run on a side stream first: lazy init (cuBLAS handles, JIT) must not be captured.
-                side = torch.cuda.Stream(self.device)
+                # One eager run on the capture stream first: lazy init (cuBLAS handles, JIT) must not be captured.
+                side = self.capture_stream
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
                     self.model(*args)
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: idle worker threads of other devices may touch CUDA meanwhile.
-                with torch.cuda.graph(graph, pool=mem_pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=mem_pool, stream=side, capture_error_mode="thread_local"):
                     self.outputs[bucket] = self.model(*args)
                 self.graphs[bucket] = graph
             torch.cuda.synchronize(self.device)

@@ -11,7 +11,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from nodeserve.attention import make_backend
+from nodeserve.attention import auto_fallback, make_backend
 from nodeserve.attention.flashinfer_backend import FlashInferAttention
 from nodeserve.config import Config, ConfigError
 from nodeserve.device import make_device
@@ -87,6 +87,7 @@ class Engine:
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.router: Router | None = None
+        self.warnings: list[str] = []  # said at start and shown in /health: e.g. a CUDA host without FlashInfer
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -120,7 +121,12 @@ class Engine:
                                   cfg.devices.cuda_graphs and role != "prefill", cfg.scheduler.max_num_seqs)
             log.info("%s: %s attention, %d KV pages of %s%s", name, type(runner.backend).__name__, num_pages,
                      kv_dtype, ", CUDA graphs at warm-up" if runner.graphs is not None else "")
-            return Worker(device, role, runner, Sampler(device.torch_device), self.tokenizer.eos_token_ids, limits,
+            fallback = auto_fallback(cfg.devices.attention, device.torch_device, dtype)
+            if fallback is not None and fallback not in self.warnings:
+                log.warning(fallback)
+                self.warnings.append(fallback)
+            sampler = Sampler(device.torch_device, eos_token_ids=self.tokenizer.eos_token_ids)
+            return Worker(device, role, runner, sampler, self.tokenizer.eos_token_ids, limits,
                           self._emit_batch_threadsafe, self._pages_freed_threadsafe)
 
         self.prefill_workers = [make_worker(n, "prefill") for n in cfg.prefill_devices]
@@ -246,7 +252,7 @@ def build_runner(replica: LlamaModel, pool: KVPool, attention: str, cuda_graphs:
     """A device's step runner: the attention backend `attention` asks for; with FlashInfer, its norm, RoPE and
     SiLU kernels on the replica (set once, before any graph capture) and, if `cuda_graphs`, decode graphs for
     batches up to max_num_seqs (captured at warm-up)."""
-    backend = make_backend(attention, pool.device)
+    backend = make_backend(attention, pool.device, replica.embed_tokens.weight.dtype)
     if not isinstance(backend, FlashInferAttention):
         return ModelRunner(replica, pool, backend)
     if replica.dtype in FLASHINFER_OPS_DTYPES and not isinstance(replica.ops, FlashInferOps):

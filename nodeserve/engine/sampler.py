@@ -1,6 +1,6 @@
 """Sampler: turn one step's batch of next-token logits into one token per row.
 
-Per row, with vLLM's semantics: penalties, then either greedy argmax or
+Per row, with vLLM's semantics: logit_bias and min_tokens' masking, penalties, then either greedy argmax or
 temperature -> top-k -> top-p -> min-p -> random draw, plus optional logprobs.
 """
 
@@ -67,6 +67,42 @@ def apply_penalties(
     return logits.index_copy(0, rows_t, x)
 
 
+def apply_logit_bias_and_min_tokens(
+    logits: torch.Tensor,                  # [B, V]
+    params: Sequence[SamplingParams],
+    output_ids: Sequence[Sequence[int]],
+    eos_token_ids: frozenset[int],
+) -> torch.Tensor:
+    """Each row's logit_bias added, and for rows short of their min_tokens the tokens that would end them (EOS
+    unless ignore_eos, and stop_token_ids) set to -inf: one scatter each over the listed (row, token) pairs, never
+    a loop over the vocabulary. Returns `logits` itself when no row asks for either, else a new tensor."""
+    V = logits.shape[-1]
+    bias_rows, bias_ids, bias_vals, mask_rows, mask_ids = [], [], [], [], []
+    for i, p in enumerate(params):
+        for token, b in p.logit_bias.items():
+            if token < V:  # the API checks ids against the vocabulary; rows of an embedding past it stay as they are
+                bias_rows.append(i)
+                bias_ids.append(token)
+                bias_vals.append(b)
+        if len(output_ids[i]) < p.min_tokens:
+            enders = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | eos_token_ids
+            for token in enders:
+                if token < V:
+                    mask_rows.append(i)
+                    mask_ids.append(token)
+    if not bias_rows and not mask_rows:
+        return logits
+    device = logits.device
+    logits = logits.clone()
+    if bias_rows:
+        logits.index_put_((upload(bias_rows, device, torch.int64), upload(bias_ids, device, torch.int64)),
+                          upload(bias_vals, device, logits.dtype), accumulate=True)
+    if mask_rows:
+        logits.index_put_((upload(mask_rows, device, torch.int64), upload(mask_ids, device, torch.int64)),
+                          torch.tensor(float("-inf"), device=device, dtype=logits.dtype))
+    return logits
+
+
 def _token_counts(seqs: Sequence[Sequence[int]], V: int, device: torch.device) -> torch.Tensor:
     """[R, V] float counts of each token id per sequence."""
     R = len(seqs)
@@ -102,8 +138,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 class Sampler:
     """Samples one token per row. Stateless apart from the shared generator for unseeded rows."""
 
-    def __init__(self, device: torch.device, seed: int | None = None):
+    def __init__(self, device: torch.device, seed: int | None = None, eos_token_ids: frozenset[int] = frozenset()):
         self.device = torch.device(device)
+        self.eos_token_ids = eos_token_ids  # what min_tokens keeps from being sampled (with stop_token_ids)
         # Shared by every row without its own generator; seed it to make unseeded runs reproducible.
         self._generator = torch.Generator(device=self.device)
         if seed is None:
@@ -141,6 +178,7 @@ class Sampler:
     ) -> SamplerOutput:
         B, V = logits.shape
         want_logprobs = any(p.logprobs is not None for p in params)
+        logits = apply_logit_bias_and_min_tokens(logits, params, output_ids, self.eos_token_ids)
         if not want_logprobs and all(p.greedy and not p.has_penalties for p in params):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
 

@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -106,7 +107,7 @@ class KVTransfer:
         self._failed: dict[str, str] = {}  # request id -> error of a copy that carried its pages; copy thread only
         self.num_bytes = 0        # bytes copied so far
         self.busy_seconds = 0.0   # time spent copying, for the device timeline
-        self.records: list[tuple[float, float, int]] = []  # (start, end, bytes) per copy, bounded below
+        self.records: deque[tuple[float, float, int]] = deque(maxlen=100_000)  # (start, end, bytes) per copy, a ring
 
     def start(self) -> None:
         peer = peer_access(self.src_device.torch_device, self.dst_device.torch_device)
@@ -148,7 +149,7 @@ class KVTransfer:
                         self._finish(job)
                 except Exception as e:
                     log.exception("%s: %s failed", self.name, type(job).__name__.strip("_"))
-                    error = f"KV transfer {self.name} failed: {type(e).__name__}: {e}"
+                    error = f"KV transfer {self.name} failed (the error is in the server log)"
                     if isinstance(job, _CopyLayer):
                         self._failed.update((rid, error) for rid in job.pages.request_ids)
                     else:
@@ -161,8 +162,7 @@ class KVTransfer:
         end = time.monotonic()
         self.num_bytes += nbytes
         self.busy_seconds += end - start
-        if len(self.records) < 100_000:
-            self.records.append((start, end, nbytes))
+        self.records.append((start, end, nbytes))
 
     def _copy_pages(self, layer: int, pages: PageMap) -> int:
         """Issues one layer's copy on the transfer's streams; returns the bytes moved."""
@@ -171,8 +171,11 @@ class KVTransfer:
             for s, d, n in pages.runs:
                 dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
             return sum(n for _, _, n in pages.runs) * src[0].numel() * src.element_size()
-        # Allocated and used on the transfer's own streams only, so the caching allocator's stream-ordered
-        # reuse is safe without record_stream.
+        # The index tensors were made on the prefill worker's thread, on other streams: without record_stream a
+        # block freed there could be reused while these copies still read it, scattering KV into the wrong pages.
+        # `staged` is allocated and used on the transfer's own streams only, so stream-ordered reuse covers it.
+        self.src_device.record_stream(pages.src)
+        self.dst_device.record_stream(pages.dst)
         staged = src.index_select(0, pages.src).to(dst.device, non_blocking=True)
         dst.index_copy_(0, pages.dst, staged)
         return staged.numel() * staged.element_size()

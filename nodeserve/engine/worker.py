@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+FORWARD_FAILED = "the model's forward pass failed for this request (the error is in the server log)"
+
 
 @dataclass
 class StepRecord:
@@ -207,7 +209,8 @@ class Worker:
         sample_reqs, sample_rows = [], []
         for i, (req, result) in enumerate(zip(items, results)):
             if isinstance(result, Exception):
-                events.append((req, TokenEvent(None, finish_reason="error", error=f"{type(result).__name__}: {result}")))
+                # The exception is in the log (above); the client gets no raw exception text.
+                events.append((req, TokenEvent(None, finish_reason="error", error=FORWARD_FAILED)))
                 self._retire(req)
                 continue
             if i >= num_decodes:

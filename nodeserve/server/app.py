@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import copy
 import hmac
+import ipaddress
 import logging
 import time
 import uuid
@@ -21,6 +23,9 @@ from nodeserve.server.generation import Generation, GenerationError, Piece
 from nodeserve.tokenizer import TemplateError
 
 log = logging.getLogger(__name__)
+
+ERROR_WRITE_TIMEOUT_S = 5.0  # how long a final error event may wait for a client that stopped reading
+DEBUG_STEPS_MAX_RECORDS = 5_000  # per device and per transfer in one /debug/steps answer (~20 ms of JSON each)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -49,7 +54,8 @@ def error_response(err: P.APIError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=headers, dumps=P.to_json)
 
 
-_REJECT_REASONS = {400: "bad_request", 413: "bad_request", 401: "unauthorized"}
+_REJECT_REASONS = {400: "bad_request", 413: "bad_request", 415: "bad_request", 401: "unauthorized",
+                   403: "unauthorized"}
 
 
 @web.middleware
@@ -57,7 +63,7 @@ async def errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except P.APIError as err:
-        reason = _REJECT_REASONS.get(err.status)
+        reason = err.reject_reason or _REJECT_REASONS.get(err.status)
         if reason is not None:
             request.app[STATE].metrics.rejected(reason)
         return error_response(err)
@@ -77,17 +83,55 @@ async def errors_middleware(request: web.Request, handler):
         return error_response(P.APIError(500, "internal server error"))
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a bind address or a Host/Origin name is this machine only (localhost, 127.0.0.0/8, ::1)."""
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(value: str) -> str:
+    """The name in a Host header or an Origin ("http://name:port"), without scheme and port."""
+    value = value.partition("://")[2] if "://" in value else value
+    if value.startswith("["):  # [::1]:8000
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rpartition(":")[0] if value.count(":") == 1 else value
+
+
+@web.middleware
+async def origin_middleware(request: web.Request, handler):
+    """On a loopback address, only loopback names: a web page the operator visits could otherwise reach the API
+    through DNS rebinding (its own name resolving to 127.0.0.1), or post to it from another origin."""
+    if is_loopback(request.app[STATE].config.server.host):
+        host = request.headers.get("Host", "")
+        if not is_loopback(_host_name(host)):
+            raise P.APIError(403, "this server listens on a loopback address and answers only requests for "
+                                  "localhost, 127.0.0.1 or [::1] (the Host header named another host)")
+        origin = request.headers.get("Origin")
+        if origin is not None and not is_loopback(_host_name(origin)):
+            raise P.APIError(403, "cross-origin requests are not accepted (the Origin header named another host)")
+    return await handler(request)
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    """Authorization: Bearer <key>, when a key is configured; /health and /metrics may be left open."""
+    """Authorization: Bearer <key>, when a key is configured; /health and /metrics may be left open, /debug/*
+    never is."""
     state = request.app[STATE]
     if state.api_key:
         open_paths = {"/health": state.config.server.open_health, "/metrics": state.config.server.open_metrics}
         if not open_paths.get(request.path, False):
             given = request.headers.get("Authorization", "")
             scheme, _, token = given.partition(" ")
-            # compare_digest: the time taken does not depend on how much of the key matched
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key):
+            # aiohttp keeps a header's non-UTF-8 bytes as surrogates, which .encode() refuses: such a key is
+            # simply wrong, not a server error. compare_digest: the time taken does not depend on how much of
+            # the key matched.
+            given_key = token.strip().encode("utf-8", "surrogateescape")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given_key, state.api_key):
                 raise P.APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'")
     return await handler(request)
 
@@ -97,6 +141,9 @@ def _state(request: web.Request) -> ServerState:
 
 
 async def _read_body(request: web.Request) -> Any:
+    # Only JSON: a browser sends a cross-origin form or text/plain POST without asking first, but not JSON.
+    if request.content_type != "application/json":
+        raise P.APIError(415, f"Content-Type must be application/json, got '{request.content_type}'")
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -108,9 +155,8 @@ async def _read_body(request: web.Request) -> Any:
 
 def _ready_engine(state: ServerState, model: str | None) -> Engine:
     if state.status != "ready" or state.engine is None:
-        state.metrics.rejected("draining")
         raise P.APIError(503, "the server is loading the model" if state.status == "loading"
-                         else "the server is shutting down")
+                         else "the server is shutting down", reject_reason="draining")
     if model is not None and model != state.model_name:
         raise P.APIError(404, f"The model '{model}' does not exist; this server serves '{state.model_name}'",
                          param="model")
@@ -125,6 +171,8 @@ async def health(request: web.Request) -> web.Response:
     if state.engine is not None and state.engine.router is not None:
         body["kv"] = [asdict(s) for s in state.engine.pool_stats()]
         body["num_pending"] = state.engine.num_pending
+        if state.engine.warnings:
+            body["warnings"] = list(state.engine.warnings)
     return web.json_response(body, status=200 if state.status == "ready" else 503)
 
 
@@ -146,13 +194,29 @@ async def debug_steps(request: web.Request) -> web.Response:
         since = float(request.query.get("since", "0"))
     except ValueError:
         raise P.APIError(400, "'since' must be a number (seconds, server monotonic clock)", param="since")
+    try:
+        limit = int(request.query.get("limit", str(DEBUG_STEPS_MAX_RECORDS)))
+    except ValueError:
+        limit = -1
+    if not 1 <= limit <= DEBUG_STEPS_MAX_RECORDS:
+        raise P.APIError(400, f"'limit' must be an integer from 1 to {DEBUG_STEPS_MAX_RECORDS}", param="limit")
     engine = state.engine
-    devices = [{"device": w.name, "role": w.role,
-                "steps": [[r.start, r.end, r.num_prefill_tokens, r.num_decodes] for r in list(w.records)
-                          if r.end >= since]} for w in engine.workers]
-    transfers = [{"name": t.name, "copies": [list(c) for c in list(t.records) if c[1] >= since]}
-                 for t in engine.transfers]
-    return web.json_response({"now": time.monotonic(), "devices": devices, "transfers": transfers})
+    now = time.monotonic()
+    # Both kinds of records are rings appended in time order, so the first record ending at or after `since` is a
+    # bisection away; at most `limit` of each go out (a page: ask again from the last one's end).
+    devices, transfers = [], []
+    for w in engine.workers:
+        records = list(w.records)
+        first = bisect.bisect_left(records, since, key=lambda r: r.end)
+        page = records[first:first + limit]
+        devices.append({"device": w.name, "role": w.role, "truncated": first + limit < len(records),
+                        "steps": [[r.start, r.end, r.num_prefill_tokens, r.num_decodes] for r in page]})
+    for t in engine.transfers:
+        records = list(t.records)
+        first = bisect.bisect_left(records, since, key=lambda c: c[1])
+        transfers.append({"name": t.name, "truncated": first + limit < len(records),
+                          "copies": [list(c) for c in records[first:first + limit]]})
+    return web.json_response({"now": now, "devices": devices, "transfers": transfers})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -167,17 +231,29 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
     req = P.parse_completion_request(await _read_body(request), state.limits)
     engine = _ready_engine(state, req.model)
+    _check_logit_bias(engine, req.params)
     tok = engine.tokenizer
-    prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
-    echo_texts = [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in req.prompts]
+    texts = [p for p in req.prompts if isinstance(p, str)]
+
+    def encode() -> tuple[list[list[int]], list[str]]:
+        _check_text_length(engine, texts, "prompt")
+        prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
+        echo = [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in req.prompts]
+        return prompts, echo
+    prompts, echo_texts = await _off_loop(encode)
     jobs = [(pi, prompts[pi], echo_texts[pi]) for pi in range(len(prompts)) for _ in range(req.n)]
     gens = _start(state, engine, [(ids, req.params) for _, ids, _ in jobs], seed_offsets=True,
                   want_logprobs=req.params.logprobs is not None, prompt_param="prompt")
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
     if req.stream:
+        offsets = [len(echo) for _, _, echo in jobs]  # per choice: where its next token starts in its text
+
         def chunk(i: int, piece: Piece, first: bool) -> dict:
             text = (jobs[i][2] if first else "") + piece.text
-            lp = P.completion_logprobs(piece.logprobs, 0) if req.params.logprobs is not None else None
+            lp = None
+            if req.params.logprobs is not None:
+                lp = P.completion_logprobs(piece.logprobs, offsets[i])
+                offsets[i] += sum(len(tok) for tok, _, _ in piece.logprobs)
             return P.completion_chunk(rid, model, created, i, text, piece.finish_reason, lp)
         return await _stream(request, engine, gens, chunk, None, "text_completion", rid, model, created,
                              req.include_usage, req.n)
@@ -194,11 +270,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
     req = P.parse_chat_request(await _read_body(request), state.limits)
     engine = _ready_engine(state, req.model)
+    _check_logit_bias(engine, req.params)
     tok = engine.tokenizer
-    try:
-        prompt = tok.encode(tok.apply_chat_template(req.messages, add_generation_prompt=True))
-    except TemplateError as e:
-        raise P.APIError(400, f"chat template error: {e}", param="messages")
+
+    def encode() -> list[int]:
+        _check_text_length(engine, [m["content"] for m in req.messages if m["content"]], "messages")
+        try:
+            return tok.encode(tok.apply_chat_template(req.messages, add_generation_prompt=True))
+        except TemplateError as e:
+            raise P.APIError(400, f"chat template error: {e}", param="messages")
+    prompt = await _off_loop(encode)
     if not req.max_tokens_given:
         req.params.max_tokens = state.config.server.default_max_tokens
     gens = _start(state, engine, [(prompt, req.params)] * req.n, seed_offsets=True, want_logprobs=req.logprobs)
@@ -221,6 +302,30 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 # ---- plumbing ------------------------------------------------------------------------------------------
 
+async def _off_loop(fn):
+    """Runs fn (template rendering, tokenization: seconds for a long prompt) in a thread, so that streams,
+    /health and the watchdog keep going meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+
+def _check_logit_bias(engine: Engine, params) -> None:
+    vocab_size = engine.loaded.config.vocab_size
+    outside = sorted(t for t in params.logit_bias if t >= vocab_size)
+    if outside:
+        raise P.APIError(400, f"'logit_bias' has token id {outside[0]} outside the vocabulary [0, {vocab_size})",
+                         param="logit_bias")
+
+
+def _check_text_length(engine: Engine, texts: list[str], param: str) -> None:
+    """Refuses text that cannot fit the context whatever it tokenizes to, before spending time tokenizing it."""
+    limit = engine.max_model_len * engine.tokenizer.max_token_chars
+    num_chars = sum(len(t) for t in texts)
+    if num_chars > limit:
+        raise P.APIError(400, f"This model's maximum context length is {engine.max_model_len} tokens, at most "
+                              f"{limit} characters of text; your request has {num_chars} characters.",
+                         param=param, reject_reason="too_large")
+
+
 def _start(state: ServerState, engine: Engine, jobs: list[tuple[list[int], Any]], seed_offsets: bool,
            want_logprobs: bool, prompt_param: str = "messages") -> list[Generation]:
     """Admits every choice, or none: if one is refused, the ones already admitted are aborted."""
@@ -234,12 +339,11 @@ def _start(state: ServerState, engine: Engine, jobs: list[tuple[list[int], Any]]
             gens.append(Generation(engine, engine.tokenizer, stream, p.stop, want_logprobs, state.metrics))
     except (PromptTooLong, TooLarge) as e:
         _abort_all(engine, gens)
-        state.metrics.rejected("too_large")
-        raise P.APIError(400, str(e), param=prompt_param if "context" in str(e) else None)
+        raise P.APIError(400, str(e), param=prompt_param if "context" in str(e) else None,
+                         reject_reason="too_large")
     except QueueFull as e:
         _abort_all(engine, gens)
-        state.metrics.rejected("queue_full")
-        raise P.APIError(503, f"the server is overloaded ({e}); retry later")
+        raise P.APIError(503, f"the server is overloaded ({e}); retry later", reject_reason="queue_full")
     return gens
 
 
@@ -282,7 +386,6 @@ async def _collect(state: ServerState, engine: Engine, gens: list[Generation]) -
 async def _stream(request: web.Request, engine: Engine, gens: list[Generation], chunk, role_chunk,
                   obj: str, rid: str, model: str, created: int, include_usage: bool, n: int) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS)
-    await resp.prepare(request)
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, g: Generation) -> None:
@@ -294,20 +397,31 @@ async def _stream(request: web.Request, engine: Engine, gens: list[Generation], 
         finally:
             await queue.put((i, None))
 
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    tasks: list[asyncio.Task] = []
     state = request.app[STATE]
-    try:
-        async with _timeout(state):
-            await _write_stream(resp, gens, queue, chunk, role_chunk, obj, rid, model, created, include_usage, n)
-    except TimeoutError:
-        err = P.APIError(504, f"the request ran longer than server.request_timeout "
-                              f"({state.config.server.request_timeout:g} s)", type="TimeoutError")
-        await resp.write(P.sse(err.body()))
-        await resp.write(P.sse("[DONE]"))
-    finally:
+
+    def end_all() -> None:
         for t in tasks:
             t.cancel()
         _abort_all(engine, gens)  # on disconnect (ConnectionResetError / CancelledError) frees every device
+
+    try:
+        await resp.prepare(request)  # inside the try: a closing transport must not leave the requests running
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        async with _timeout(state):
+            await _write_stream(resp, gens, queue, chunk, role_chunk, obj, rid, model, created, include_usage, n)
+    except TimeoutError:
+        end_all()  # first: a client that stopped reading must not keep the pages while the error waits to go out
+        err = P.APIError(504, f"the request ran longer than server.request_timeout "
+                              f"({state.config.server.request_timeout:g} s)", type="TimeoutError")
+        try:
+            async with asyncio.timeout(ERROR_WRITE_TIMEOUT_S):
+                await resp.write(P.sse(err.body()))
+                await resp.write(P.sse("[DONE]"))
+        except (TimeoutError, ConnectionResetError):
+            log.info("request %s: could not deliver the timeout error to the client", rid)
+    finally:
+        end_all()
     return resp
 
 
@@ -337,7 +451,7 @@ async def _write_stream(resp, gens, queue, chunk, role_chunk, obj, rid, model, c
 
 
 def create_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware, auth_middleware],
+    app = web.Application(middlewares=[errors_middleware, origin_middleware, auth_middleware],
                           client_max_size=state.config.server.max_body_bytes)
     app[STATE] = state
     app.router.add_get("/metrics", state.metrics.handler())

@@ -8,7 +8,8 @@ already has, and gives OpenAI-shaped 400s whose message and `param` name the off
 
 Rules shared by both routes:
   - A field sent as JSON null counts as absent (SDK-generated clients send nulls for unset fields).
-  - Unknown fields are accepted and ignored.
+  - Unknown fields are accepted and ignored; known OpenAI fields nodeserve does not implement (tools,
+    response_format, best_of, suffix) are a 400 naming them.
   - Integers must be JSON integers (5.0 is accepted as 5; true, 5.5 and "5" are not).
   - Floats accept integers; NaN and infinities are rejected (Python's json parser accepts them).
 """
@@ -29,6 +30,7 @@ from nodeserve.sampling_params import SamplingParams
 _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     429: "RateLimitError",
     500: "InternalServerError",
@@ -40,9 +42,12 @@ class APIError(Exception):
     """An error the client should see, with its HTTP status and OpenAI-shaped body."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, reject_reason: str | None = None):
         super().__init__(message)
         self.status = status
+        # The metrics' rejection reason, when it is not the one the status implies (a prompt too large for
+        # the context is a 400 counted as "too_large", once).
+        self.reject_reason = reject_reason
         self.message = message
         self.param = param
         # Statuses without their own name (413, 422, ...) fall back by class, like the openai SDK.
@@ -253,6 +258,44 @@ def _parse_stream(body: dict) -> tuple[bool, bool]:
     return stream, _as_bool(include_usage, "stream_options.include_usage")
 
 
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows; each costs the sampler a little every step
+_TOKEN_ID_KEY = re.compile(r"(0|[1-9][0-9]{0,8})")  # a token id as a JSON object key; the vocabulary check is later
+
+
+def _parse_logit_bias(value: object, param: str) -> dict[int, float]:
+    bias = _as_object(value, param)
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise _bad(param, f"'{param}' may have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    out = {}
+    for key, b in bias.items():
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise _bad(param, f"'{param}' keys must be token ids (decimal integers), got {_show(key)}")
+        out[int(key)] = _as_float(b, param, -100.0, 100.0)
+    return out
+
+
+def _reject_unsupported(body: dict, fields: tuple[str, ...]) -> None:
+    """Fields nodeserve does not implement are a 400 naming them, never silently ignored. The values that mean
+    "nothing asked" (no tools, text output, best_of 1) are accepted."""
+    if "response_format" in fields and body.get("response_format") is not None:
+        fmt = _as_object(body["response_format"], "response_format")
+        if fmt.get("type") != "text":
+            raise _bad("response_format", "'response_format' other than {\"type\": \"text\"} is not supported "
+                                          "(no structured output)")
+    if "tools" in fields and body.get("tools") is not None:
+        if _as_list(body["tools"], "tools"):
+            raise _bad("tools", "'tools' is not supported (no tool calling); send no tools")
+    if "tool_choice" in fields and body.get("tool_choice") is not None:
+        if body["tool_choice"] not in ("none", "auto"):
+            raise _bad("tool_choice", "'tool_choice' is not supported (no tool calling); only \"none\" or "
+                                      "\"auto\" without tools")
+    if "best_of" in fields and body.get("best_of") is not None:
+        if _as_int(body["best_of"], "best_of") != 1:
+            raise _bad("best_of", "'best_of' other than 1 is not supported; use 'n'")
+    if "suffix" in fields and body.get("suffix") is not None:
+        raise _bad("suffix", "'suffix' is not supported (no fill-in-the-middle)")
+
+
 def _check_body(body: object) -> dict:
     if type(body) is not dict:
         raise APIError(400, f"Request body must be a JSON object, got {_kind(body)}")
@@ -280,6 +323,8 @@ def _parse_common(body: dict, limits: Limits) -> tuple[str | None, int, Sampling
         stop=[] if stop is None else _parse_stop(stop, limits),
         stop_token_ids=[] if stop_token_ids is None else _parse_stop_token_ids(stop_token_ids),
         ignore_eos=_get(body, "ignore_eos", _as_bool, default=False),
+        min_tokens=_get(body, "min_tokens", _as_int, 0, limits.max_tokens, default=0),
+        logit_bias=_get(body, "logit_bias", _parse_logit_bias, default={}),
     )
     return model, n, params
 
@@ -331,6 +376,7 @@ def parse_completion_request(body: object, limits: Limits) -> CompletionRequest:
     """Validate a /v1/completions body. Raises APIError(400) naming the first bad field."""
     body = _check_body(body)
     model, n, params = _parse_common(body, limits)
+    _reject_unsupported(body, ("response_format", "best_of", "suffix"))
     prompts = _parse_prompts(body.get("prompt"), limits)
     max_tokens = _parse_max_tokens(body, "max_tokens", limits)
     params.max_tokens = 16 if max_tokens is None else max_tokens
@@ -387,6 +433,7 @@ def parse_chat_request(body: object, limits: Limits) -> ChatRequest:
     """Validate a /v1/chat/completions body. Raises APIError(400) naming the first bad field."""
     body = _check_body(body)
     model, n, params = _parse_common(body, limits)
+    _reject_unsupported(body, ("response_format", "tools", "tool_choice"))
     messages = _parse_messages(body.get("messages"))
     # max_completion_tokens replaced max_tokens in OpenAI's API (LangChain sends it); it wins.
     max_tokens = _parse_max_tokens(body, "max_tokens", limits)

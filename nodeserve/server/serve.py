@@ -11,8 +11,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -20,7 +21,7 @@ from nodeserve.config import Config
 from nodeserve.engine.engine import Engine
 from nodeserve.metrics import DeviceState
 from nodeserve.model.loader import load_model, parse_dtype
-from nodeserve.server.app import ServerState, create_app
+from nodeserve.server.app import ServerState, create_app, is_loopback
 from nodeserve.server.systemd import Notifier, watchdog_loop, workers_healthy
 
 log = logging.getLogger("nodeserve")
@@ -51,6 +52,48 @@ class _Progress:
             self.notifier.status(f"loading weights {done}/{total}")
 
 
+def in_daemon_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any], name: str) -> asyncio.Future:
+    """fn() in a daemon thread, as a future of this loop. Not the loop's executor: asyncio.run waits for the
+    executor's threads at exit, so a signal during a load or warm-up of minutes would wait for it to finish."""
+    future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if future.done():
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def target() -> None:
+        try:
+            result = (True, fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result = (False, e)
+        try:
+            loop.call_soon_threadsafe(settle, *result)
+        except RuntimeError:  # the loop is closed: nobody waits for it any more
+            pass
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return future
+
+
+async def _unless_stopped(future: asyncio.Future, stop: asyncio.Event) -> bool:
+    """Waits for future or for a stop signal; True if the future finished and no signal came."""
+    waiter = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([future, waiter], return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    return not stop.is_set()
+
+
+def exposure_warning(config: Config) -> str | None:
+    """A warning when the API is reachable from other machines without a key."""
+    if is_loopback(config.server.host) or config.api_key:
+        return None
+    return (f"listening on {config.server.host}, not a loopback address, without an API key: anyone who can reach "
+            f"port {config.server.port} can use this server; set server.api_key (or NODESERVE_API_KEY)")
+
+
 async def serve(config: Config, on_ready: Callable[[ServerState], None] | None = None) -> int:
     """Serves until SIGTERM/SIGINT, then drains. on_ready(state) runs once the engine is up (tests use it)."""
     loop = asyncio.get_running_loop()
@@ -64,6 +107,8 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     await site.start()  # /health answers 503 while the model loads
     log.info("listening on http://%s:%d, loading %s as %s", config.server.host, config.server.port,
              config.model.path, config.dtype)
+    if (warning := exposure_warning(config)) is not None:
+        log.warning(warning)
     notifier.status(f"loading {config.model.path}")
 
     stop = asyncio.Event()
@@ -82,20 +127,25 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
         loop.add_signal_handler(sig, on_signal)
 
     start = time.monotonic()
-    load = loop.run_in_executor(None, lambda: load_model(config.model.path, parse_dtype(config.dtype),
-                                                         _Progress(notifier), config.quantization))
-    waiter = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([load, waiter], return_when=asyncio.FIRST_COMPLETED)
-    if stop.is_set():
+    load = in_daemon_thread(loop, lambda: load_model(config.model.path, parse_dtype(config.dtype),
+                                                     _Progress(notifier), config.quantization), "load")
+    if not await _unless_stopped(load, stop):  # the load thread is left to die with the process
         notifier.stopping()
         await runner.cleanup()
         return 0
-    waiter.cancel()
     loaded = load.result()
     engine = Engine(config, loaded, on_transfer=state.metrics.observe_transfer)
     engine.start(loop)
     notifier.status("warming up")
-    await loop.run_in_executor(None, engine.warmup)  # CUDA: FlashInfer JIT + decode graphs; CPU: nothing
+    # CUDA: FlashInfer JIT + decode graphs (minutes when cold); CPU: FP8 scales at most. A signal meanwhile
+    # stops here: READY=1 must never follow a SIGTERM.
+    warm = in_daemon_thread(loop, engine.warmup, "warmup")
+    if not await _unless_stopped(warm, stop):
+        notifier.stopping()
+        await runner.cleanup()
+        engine.stop()
+        return 0
+    warm.result()  # a warm-up that raised stops the start-up here
     state.engine = engine
     state.metrics.set_state_source(lambda: [DeviceState(s.device, s.role, s.num_running, s.num_waiting,
                                                         s.num_pages, s.num_free) for s in engine.pool_stats()])

@@ -100,3 +100,33 @@ def test_make_backend_on_cpu():
         make_backend("flashinfer", cpu)
     with pytest.raises(ConfigError, match="devices.attention"):
         make_backend("triton", cpu)
+
+
+# ---- "auto" on a CUDA host: what it picks when it cannot use FlashInfer, and that it says so ------------------
+
+CUDA0 = torch.device("cuda:0")  # a device object only: nothing below touches a GPU
+
+
+def test_auto_falls_back_with_a_reason_when_flashinfer_is_missing(monkeypatch):
+    import nodeserve.attention as attention
+
+    monkeypatch.setattr(attention, "flashinfer_importable", lambda: False)  # a CUDA host without flashinfer
+    reason = attention.auto_fallback("auto", CUDA0, torch.bfloat16)
+    assert "flashinfer does not import" in reason and "pip install -e '.[cuda]'" in reason
+    assert isinstance(make_backend("auto", CUDA0, torch.bfloat16), TorchAttention)
+    monkeypatch.setattr(attention, "flashinfer_importable", lambda: True)
+    assert attention.auto_fallback("auto", CUDA0, torch.bfloat16) is None
+    # Not a fallback: an explicit choice, or a CPU device where "auto" always means the reference.
+    assert attention.auto_fallback("torch", CUDA0, torch.bfloat16) is None
+    assert attention.auto_fallback("auto", torch.device("cpu"), torch.float32) is None
+
+
+def test_a_float32_model_never_reaches_flashinfer(monkeypatch):
+    import nodeserve.attention as attention
+
+    monkeypatch.setattr(attention, "flashinfer_importable", lambda: True)
+    reason = attention.auto_fallback("auto", CUDA0, torch.float32)
+    assert "float32" in reason and "model.dtype" in reason
+    assert isinstance(make_backend("auto", CUDA0, torch.float32), TorchAttention)
+    with pytest.raises(ConfigError, match="no float32 kernels"):
+        make_backend("flashinfer", CUDA0, torch.float32)

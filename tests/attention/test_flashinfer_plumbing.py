@@ -177,3 +177,55 @@ def test_model_runner_greedy_tokens_equal_torch_backend(fake_flashinfer, loaded_
         return out
 
     assert greedy(fake_flashinfer(torch.device("cpu"))) == greedy(TorchAttention())
+
+
+def test_each_plan_waits_for_the_previous_plans_copies(fake_flashinfer):
+    """plan() fills a pinned host buffer that the GPU copies later: an event is recorded after every plan and the
+    next plan waits on it first, so a step that never syncs (an intermediate prefill chunk) cannot have its plan
+    overwritten before the copy ran."""
+    log = []
+
+    class Event:
+        def __init__(self, n):
+            self.n = n
+            log.append(("record", n))
+
+        def synchronize(self):
+            log.append(("sync", self.n))
+    backend = fake_flashinfer(torch.device("cpu"))
+    events = iter(range(100))
+    backend._record_plan_event = lambda: Event(next(events))
+    for wrapper in (backend.decode, backend.prefill):
+        plan = wrapper.plan
+        wrapper.plan = lambda *args, plan=plan, **kw: (log.append(("plan",)), plan(*args, **kw))[1]
+    kv, q, k, v, _ = _ragged(16, seed=1)
+    for seed in (1, 2, 3):  # three steps: three plans (decode + prefill each)
+        meta = _ragged(16, seed=seed)[4]
+        backend.forward(q, k, v, kv, meta, SCALE)
+        backend.forward(q, k, v, kv, meta, SCALE)  # a later layer of the step: no plan, no wait
+    assert log == [("plan",), ("plan",), ("record", 0),
+                   ("sync", 0), ("plan",), ("plan",), ("record", 1),
+                   ("sync", 1), ("plan",), ("plan",), ("record", 2)]
+
+
+def test_plan_inputs_reach_a_gpu_without_a_host_sync(monkeypatch):
+    """On CUDA, kv_indices goes to the GPU (pinned, non-blocking) before plan(), which would copy a host kv_indices
+    into a CUDA-graph buffer with non_blocking=False; the indptrs stay on the host (plan() reads them) but pinned."""
+    import nodeserve.attention.flashinfer_backend as fb
+
+    pinned = []
+
+    def pin_memory(self):
+        out = self.clone()
+        pinned.append(out)
+        return out
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    uploads = []
+    monkeypatch.setattr(fb, "upload", lambda t, device: uploads.append((t, device)) or t.clone())
+    indices = fb.paged_indices([[3, 5], [7]], [6, 2], [1, 1], 4)
+    cuda = torch.device("cuda", 1)
+    got = fb.for_plan(indices, cuda)
+    assert [u[1] for u in uploads] == [cuda] and torch.equal(uploads[0][0], indices.kv_indices)
+    assert all(any(t is p for p in pinned) for t in (got.qo_indptr, got.kv_indptr, got.kv_last_page_len))
+    assert got.kv_indptr.tolist() == indices.kv_indptr.tolist() and got.kv_indices.tolist() == [3, 5, 7]
+    assert fb.for_plan(indices, torch.device("cpu")) is indices  # CPU: nothing to move

@@ -319,6 +319,48 @@ def test_disaggregated_engine_across_gpus_equals_one_gpu(loaded_bf16, prompt_ids
 
 
 @needs_flashinfer
+def test_colocated_engine_on_one_gpu_equals_the_eager_runner(loaded_bf16, prompt_ids):
+    """A single-GPU host's end-to-end check: worker threads, compute streams, FlashInfer plans and decode-graph
+    replay through the engine. Each prompt alone (batch 1, whole-prompt prefill) must give the eager runner's
+    greedy tokens exactly; then all at once must finish with every page back."""
+    from nodeserve.config import config_from_dict
+    from nodeserve.engine.engine import Engine, build_runner
+    from nodeserve.kv.pool import KVPool
+    from nodeserve.sampling_params import SamplingParams
+
+    device, num_tokens = torch.device("cuda", 0), 24
+    cfg = config_from_dict({"model": {"dtype": "bfloat16"}, "devices": {"mode": "colocated", "devices": ["cuda:0"]},
+                            "kv": {"memory_gib": 1.0}})
+    replica = _replica(loaded_bf16.model, device)
+    eager = build_runner(replica, KVPool(loaded_bf16.config, 512, 16, torch.bfloat16, device), "auto", False, 8)
+    expected = [_greedy_decode(eager, [ids], num_tokens)[0] for ids in prompt_ids]
+
+    async def main():
+        engine = Engine(cfg, loaded_bf16)
+        engine.start(asyncio.get_running_loop())
+        await asyncio.get_running_loop().run_in_executor(None, engine.warmup)
+        assert engine.workers[0].runner.graphs is not None, "the engine should replay decode graphs here"
+        params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+        try:
+            alone = []
+            for ids in prompt_ids:
+                alone.append([ev.token_id async for ev in engine.add_request(ids, params) if ev.token_id is not None])
+            streams = [engine.add_request(ids, params) for ids in prompt_ids]
+            together = [[ev.token_id async for ev in s if ev.token_id is not None] for s in streams]
+            for _ in range(100):
+                if all(p.num_free == p.num_pages for p in engine.pool_stats()):
+                    break
+                await asyncio.sleep(0.05)
+            return alone, together, engine.pool_stats()
+        finally:
+            engine.stop()
+    alone, together, pools = asyncio.run(main())
+    assert alone == expected
+    assert [len(t) for t in together] == [num_tokens] * len(prompt_ids)
+    assert all(p.num_free == p.num_pages for p in pools), pools
+
+
+@needs_flashinfer
 def test_flashinfer_ops_match_torch_ops_in_bf16():
     from nodeserve.model.flashinfer_ops import FlashInferOps
     from nodeserve.model.ops import TorchOps
@@ -399,3 +441,56 @@ def test_upload_does_not_wait_for_queued_gpu_work():
     assert busy, "the matmuls finished before upload returned: the test cannot tell blocking from not"
     assert returned - queued < (done - start) / 2, (returned - queued, done - start)
     assert t.tolist() == list(range(1000)) and t.device == device
+
+
+@needs_flashinfer
+def test_graph_plan_does_not_wait_for_queued_gpu_work():
+    """A CUDA-graph decode backend's plan() (every decode step) returns while a long kernel is still running: its
+    kv_indices reach the GPU through pinned memory (a host kv_indices is copied with non_blocking=False by FlashInfer
+    0.7.2 in graph mode, a wait for all queued work)."""
+    import time
+
+    from nodeserve.attention.flashinfer_backend import FlashInferAttention
+
+    device = torch.device("cuda", 0)
+    _, _, _, _, meta = _step(DECODES, 16, device, seed=3)
+    backend = FlashInferAttention(device, graph_batch_size=len(DECODES), max_num_pages=256)
+    a = torch.randn(4096, 4096, device=device)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(20):
+        a = a @ a / 64
+    queued = time.perf_counter()
+    backend.plan(meta, H, KH, D, torch.bfloat16, torch.bfloat16, SCALE)  # the first plan: no previous one to wait on
+    returned = time.perf_counter()
+    busy = not torch.cuda.current_stream(device).query()
+    torch.cuda.synchronize(device)
+    done = time.perf_counter()
+    assert busy, "the matmuls finished before plan returned: the test cannot tell blocking from not"
+    assert returned - queued < (done - start) / 2, (returned - queued, done - start)
+
+
+@needs_flashinfer
+@needs_two_gpus
+def test_decode_graphs_on_a_second_gpu_equal_eager(loaded_bf16, prompt_ids):
+    """Graphs captured on cuda:0 and then on cuda:1 (each on its own capture stream) replay correctly on both."""
+    from nodeserve.attention.flashinfer_backend import FlashInferAttention
+    from nodeserve.engine.cuda_graphs import DecodeGraphs
+    from nodeserve.engine.model_runner import ModelRunner
+    from nodeserve.engine.warmup import warmup_runner
+    from nodeserve.kv.pool import KVPool
+
+    prompts = prompt_ids[:3]  # the graph of 4 with one padding row
+    for index in (0, 1):
+        device = torch.device("cuda", index)
+        model = _replica(loaded_bf16.model, device)
+        runners = []
+        for use_graphs in (False, True):
+            pool = KVPool(loaded_bf16.config, 256, 16, torch.bfloat16, device)
+            graphs = DecodeGraphs(model, pool, max_batch=4) if use_graphs else None
+            runner = ModelRunner(model, pool, FlashInferAttention(device), graphs)
+            warmup_runner(runner)
+            runners.append(runner)
+        assert runners[1].graphs.capture_stream.device == device
+        eager, graphed = (_greedy_decode(r, prompts, 16) for r in runners)
+        assert graphed == eager, f"cuda:{index}"

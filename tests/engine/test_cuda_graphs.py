@@ -72,3 +72,75 @@ def test_pad_decode_batch_exact_bucket_and_errors():
     meta.num_decodes = 1  # a prefill chunk in the step: graphs are decode-only
     with pytest.raises(ValueError):
         pad_decode_batch(ids, pos, meta, 4, 9)
+
+
+# ---- capture streams, with torch.cuda stood in for: which stream each capture and warm-up pass ran on ---------
+
+class _Stream:
+    def __init__(self, device=None):
+        self.device = torch.device(device)
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+def _graphs(device: torch.device, log: list, current: list):
+    """A DecodeGraphs without FlashInfer: its model logs the stream each forward ran on."""
+    from types import SimpleNamespace
+
+    from nodeserve.engine.cuda_graphs import DecodeGraphs
+
+    g = DecodeGraphs.__new__(DecodeGraphs)
+
+    class Model:
+        embed_tokens = SimpleNamespace(weight=torch.zeros(1, dtype=torch.bfloat16))
+
+        def __call__(self, input_ids, *args):
+            log.append((g, current[-1] if current else None))
+            return torch.zeros(len(input_ids), 4)
+    g.model, g.device = Model(), device
+    g.pool = SimpleNamespace(k_scales=[], v_scales=[], page_size=PAGE_SIZE, layers=[], dtype=torch.bfloat16)
+    g.dims, g.scale, g.buckets, g.scratch_page = (2, 1, 4), 0.5, [1, 2, 4], 7
+    g.input_ids, g.positions, g.slot_mapping = (torch.zeros(4, dtype=torch.int64) for _ in range(3))
+    g.backends = {b: SimpleNamespace(plan=lambda *args: None) for b in g.buckets}
+    g.graphs, g.outputs, g.capture_stream = {}, {}, None
+    return g
+
+
+def test_each_device_captures_on_a_stream_of_its_own(monkeypatch):
+    """torch.cuda.graph's default capture stream is made once, on the device current at the first capture: a second
+    GPU must pass its own stream, and run its warm-up pass on it too."""
+    import contextlib
+
+    current, log, captures = [], [], []
+
+    @contextlib.contextmanager
+    def use(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        captures.append(stream)
+        with use(stream):
+            yield
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", use)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(device))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    first, second = _graphs(torch.device("cpu"), log, current), _graphs(torch.device("meta"), log, current)
+    for g in (first, second):
+        g.capture()
+    assert len(captures) == 6 and sorted(first.graphs) == sorted(second.graphs) == [1, 2, 4]
+    for g in (first, second):
+        assert isinstance(g.capture_stream, _Stream) and g.capture_stream.device == g.device
+        # Every forward of this object's capture (3 warm-up passes, 3 captures) ran on its own capture stream.
+        assert [stream for owner, stream in log if owner is g] == [g.capture_stream] * 6
+    assert captures == [first.capture_stream] * 3 + [second.capture_stream] * 3
+    assert first.capture_stream is not second.capture_stream

@@ -300,3 +300,44 @@ def test_request_generator_follows_the_request_across_devices():
     assert a.device == CPU and torch.equal(a.get_state(), b.get_state())
     assert not torch.equal(a.get_state(), sampler.new_generator(5).get_state())
     assert torch.equal(sampler.request_generator(None, 5, 0).get_state(), sampler.new_generator(5).get_state())
+
+
+# ---- logit_bias and min_tokens ----------------------------------------------------------------------
+
+def test_logit_bias_is_added_per_row_greedy_and_sampled():
+    torch.manual_seed(2)
+    logits = torch.randn(4, 64)
+    before = logits.clone()
+    top = logits.argmax(-1).tolist()
+    params = [SamplingParams(temperature=0.0, logit_bias={7: 100.0}),             # forced
+              SamplingParams(temperature=0.0, logit_bias={top[1]: -100.0}),       # banned: the runner-up wins
+              SamplingParams(temperature=0.0),                                     # untouched
+              SamplingParams(temperature=1.0, seed=0, logit_bias={t: -100.0 for t in range(64) if t != 9})]
+    gens = [None, None, None, Sampler(CPU).new_generator(0)]
+    out = run(Sampler(CPU), logits, params, generators=gens)
+    assert out.token_ids == [7, logits[1].topk(2).indices[1].item(), top[2], 9]
+    assert torch.equal(logits, before)  # the caller's logits are never modified
+    # The bias is in the reported logprobs, like the penalties: token 7 is near-certain in row 0.
+    out = run(Sampler(CPU), logits, [SamplingParams(temperature=0.0, logprobs=1, logit_bias={7: 100.0})] * 1)
+    assert out.logprobs[0] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    eos = 2
+    logits = torch.full((4, 10), 0.0)
+    logits[:, eos] = 10.0  # EOS is the argmax of every row
+    logits[:, 5] = 9.0     # then a stop token id
+    logits[:, 8] = 8.0
+    sampler = Sampler(CPU, eos_token_ids=frozenset({eos}))
+    params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5]),   # 2 tokens so far: masked
+              SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5]),   # 3 tokens so far: free
+              SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True),      # EOS does not end it: kept
+              SamplingParams(temperature=1.0, seed=1, min_tokens=1, stop_token_ids=[5, 10**6])]  # id past vocab
+    outputs = [[1, 1], [1, 1, 1], [], []]
+    out = run(sampler, logits, params, output_ids=outputs,
+              generators=[None, None, None, sampler.new_generator(1)])
+    assert out.token_ids[:3] == [8, eos, eos]
+    assert out.token_ids[3] not in (eos, 5)
+    # A sampled row never draws a masked token however often it draws.
+    many = run(sampler, logits[3:].expand(256, -1).contiguous(), [params[3]] * 256, output_ids=[[]] * 256)
+    assert not {eos, 5} & set(many.token_ids)

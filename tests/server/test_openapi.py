@@ -42,7 +42,7 @@ _ANNOTATIONS = {"description", "examples", "default", "format", "title", "deprec
 _KNOWN = _ANNOTATIONS | {
     "$ref", "type", "enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
     "maxLength", "pattern", "minItems", "maxItems", "items", "properties", "required", "additionalProperties",
-    "anyOf", "oneOf", "allOf", "not", "if", "then", "else"}
+    "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "maxProperties", "propertyNames"}
 
 
 def _is_type(v, t: str) -> bool:
@@ -101,6 +101,11 @@ def schema_errors(v, schema: dict, doc: dict, path: str = "$") -> list[str]:
                 errs += schema_errors(item, schema["items"], doc, f"{path}[{i}]")
     if type(v) is dict:
         errs += [f"{path}: missing {k!r}" for k in schema.get("required", []) if k not in v]
+        if len(v) > schema.get("maxProperties", math.inf):
+            errs.append(f"{path}: {len(v)} properties, more than {schema['maxProperties']}")
+        if "propertyNames" in schema:
+            for k in v:
+                errs += schema_errors(k, schema["propertyNames"], doc, f"{path}[{k!r:.40}]")
         props = schema.get("properties", {})
         for k, item in v.items():
             if k in props:
@@ -223,7 +228,7 @@ def test_every_documented_parameter_is_accepted_with_its_example(doc, name):
             assert schema_errors(body, schema, doc) == [], (field, example)
             req = _parse(name, body)  # raises APIError if protocol.py disagrees with the document
             got = getattr(req, field, getattr(req.params, field, None))
-            if field not in ("stop", "logprobs", "stream_options") and got is not None:
+            if field not in ("stop", "logprobs", "stream_options", "logit_bias") and got is not None:
                 assert got == example, (field, got, example)
         # null counts as absent for every optional field
         if field not in schema["required"]:
@@ -286,7 +291,11 @@ _MESSAGES = [
     [{"role": "user", "content": "a"}, 5], [[]],
 ]
 _EXTRA = {"prompt": _PROMPTS, "messages": _MESSAGES, "stop": ["\n", ["\n", "x"], [1], ["a", ""]],
-          "stop_token_ids": [[0, 5], [1.5], ["1"], [None]]}
+          "stop_token_ids": [[0, 5], [1.5], ["1"], [None]],
+          "logit_bias": [{"2": 5}, {"02": 1}, {"2": 101}, {"-1": 0}, {"2": "x"}],
+          "response_format": [{"type": "text"}, {"type": "json_object"}, {"type": "text", "x": 1}],
+          "tool_choice": ["none", "auto", "required", {"type": "function"}],
+          "tools": [[{"type": "function"}]]}
 _UNKNOWN = ["foo", "functions", "echo", "max_completion_tokens", "top_logprobs", "best_of"]
 
 

@@ -277,6 +277,66 @@ def test_completion_rejects(fields, param):
     _expect_400(parse_completion_request, {"model": "m", "prompt": "hi", **fields}, param)
 
 
+# Fields nodeserve does not implement: a 400 naming the field, never a 200 that ignores them.
+UNSUPPORTED_CHAT = [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": "json"}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tools": "f"}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+]
+UNSUPPORTED_COMPLETION = [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"best_of": 2}, "best_of"),
+    ({"best_of": 0}, "best_of"),
+    ({"best_of": "2"}, "best_of"),
+    ({"suffix": "return x"}, "suffix"),
+    ({"suffix": ""}, "suffix"),
+]
+BAD_LOGIT_BIAS_AND_MIN_TOKENS = [
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"01": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"logit_bias": {"5": -101}}, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"logit_bias": {"5": True}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"logit_bias": [1]}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 1.5}, "min_tokens"),
+    ({"min_tokens": 10**7}, "min_tokens"),
+]
+
+
+@pytest.mark.parametrize("fields, param", UNSUPPORTED_CHAT + BAD_LOGIT_BIAS_AND_MIN_TOKENS)
+def test_chat_rejects_what_it_does_not_implement(fields, param):
+    _expect_400(parse_chat_request, {"model": "m", "messages": USER, **fields}, param)
+
+
+@pytest.mark.parametrize("fields, param", UNSUPPORTED_COMPLETION + BAD_LOGIT_BIAS_AND_MIN_TOKENS)
+def test_completion_rejects_what_it_does_not_implement(fields, param):
+    _expect_400(parse_completion_request, {"model": "m", "prompt": "hi", **fields}, param)
+
+
+def test_the_values_that_ask_for_nothing_are_accepted():
+    for fields in ({"response_format": {"type": "text"}}, {"tools": []}, {"tool_choice": "none"},
+                   {"tool_choice": "auto"}, {"tools": None, "tool_choice": None, "response_format": None}):
+        chat(**fields)
+    for fields in ({"best_of": 1}, {"suffix": None}, {"response_format": {"type": "text"}}):
+        completion(**fields)
+
+
+def test_logit_bias_and_min_tokens_reach_the_sampling_params():
+    for parsed in (chat(logit_bias={"2": -100, "17": 5.5}, min_tokens=3),
+                   completion(logit_bias={"2": -100, "17": 5.5}, min_tokens=3)):
+        assert parsed.params.logit_bias == {2: -100.0, 17: 5.5}
+        assert parsed.params.min_tokens == 3
+    assert chat().params.logit_bias == {} and chat().params.min_tokens == 0
+
+
 def test_image_part_message():
     body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
     err = _expect_400(parse_chat_request, body, "messages[0].content[0]")

@@ -1,0 +1,422 @@
+"""nodeserve.server.app in process, over a stand-in engine that plays scripted token events: the server's edges
+(auth, content type, Host/Origin, prompt size and tokenization off the loop, /debug/steps paging, stream set-up
+and timeout order, streamed logprob offsets, rejection counts), fast and without a model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from nodeserve.config import config_from_dict
+from nodeserve.engine.engine import PromptTooLong, RequestStream
+from nodeserve.engine.worker import StepRecord
+from nodeserve.request import Request, TokenEvent
+from nodeserve.server import app as app_module
+from nodeserve.server.app import ServerState, create_app
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gguf_path):
+    from nodeserve.model.gguf_loader import open_reader, read_metadata
+    from nodeserve.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf_metadata(read_metadata(open_reader(gguf_path)))
+
+
+class FakeEngine:
+    """What the routes use of an Engine. Each admitted request plays `script` (token ids, then "length"); with
+    script None it never produces anything."""
+
+    def __init__(self, tokenizer, script: list[int] | None = None, max_model_len: int = 8192):
+        self.tokenizer, self.script, self.max_model_len = tokenizer, script, max_model_len
+        self.loaded = SimpleNamespace(config=SimpleNamespace(vocab_size=49152))
+        self.router = object()
+        self.workers, self.transfers = [], []
+        self.num_pending = 0
+        self.warnings: list[str] = []
+        self.added: list[RequestStream] = []
+        self.aborted: list[RequestStream] = []
+        self.reject: Exception | None = None
+
+    def pool_stats(self) -> list:
+        return []
+
+    def add_request(self, prompt_ids, params) -> RequestStream:
+        if self.reject is not None:
+            raise self.reject
+        stream = RequestStream(Request(f"r{len(self.added)}", list(prompt_ids), params))
+        self.added.append(stream)
+        if self.script is not None:
+            asyncio.get_running_loop().call_soon(self._play, stream)
+        return stream
+
+    def _play(self, stream: RequestStream) -> None:
+        for i, token in enumerate(self.script):
+            last = i == len(self.script) - 1
+            stream.put(TokenEvent(token, -0.5, [], "length" if last else None))
+
+    def abort(self, stream: RequestStream, reason: str = "abort") -> None:
+        self.aborted.append(stream)
+        stream.done = True
+
+
+def make_state(engine=None, **server) -> ServerState:
+    state = ServerState(config_from_dict({"server": server}, check_devices=False))
+    if engine is not None:
+        state.engine, state.status = engine, "ready"
+    return state
+
+
+async def _client(state: ServerState) -> TestClient:
+    client = TestClient(TestServer(create_app(state), host="127.0.0.1"))
+    await client.start_server()
+    return client
+
+
+def run(state: ServerState, body):
+    """Runs body(client) against the app on a test server; returns what it returns."""
+    async def main():
+        client = await _client(state)
+        try:
+            return await body(client)
+        finally:
+            await client.close()
+    return asyncio.run(main())
+
+
+def rejected(state: ServerState) -> dict[str, float]:
+    text = generate_latest(state.metrics.registry).decode()
+    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "nodeserve:request_rejected_total"}
+
+
+JSON = {"Content-Type": "application/json"}
+PROMPT = {"prompt": "Hello", "max_tokens": 4}
+
+
+# ---- authentication -------------------------------------------------------------------------------------
+
+def test_a_non_utf8_authorization_header_is_a_401_not_a_500():
+    state = make_state(api_key="sekrit")
+
+    async def body(client):
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer \xff\xfe\xc3\r\n"
+                     b"Connection: close\r\n\r\n")
+        await writer.drain()
+        raw = await reader.read()
+        writer.close()
+        return raw
+    raw = run(state, body)
+    assert raw.startswith(b"HTTP/1.1 401"), raw[:200]
+    assert b'"type":"AuthenticationError"' in raw.replace(b" ", b"")
+
+
+def test_debug_routes_need_the_key_even_when_health_and_metrics_are_open():
+    state = make_state(FakeEngine(None), api_key="sekrit", open_health=True, open_metrics=True)
+
+    async def body(client):
+        out = {}
+        for path in ("/debug/kv", "/debug/steps", "/health", "/metrics"):
+            async with client.get(path) as r:
+                out[path] = r.status
+        async with client.get("/debug/steps", headers={"Authorization": "Bearer sekrit"}) as r:
+            out["with key"] = r.status
+        return out
+    assert run(state, body) == {"/debug/kv": 401, "/debug/steps": 401, "/health": 200, "/metrics": 200,
+                                "with key": 200}
+
+
+def test_health_shows_the_engines_warnings(tokenizer):
+    engine = FakeEngine(tokenizer)
+    state = make_state(engine)
+
+    async def body(client):
+        async with client.get("/health") as r:
+            quiet = await r.json()
+        engine.warnings.append("flashinfer does not import, so CUDA devices run the PyTorch reference attention")
+        async with client.get("/health") as r:
+            return quiet, r.status, await r.json()
+    quiet, status, loud = run(state, body)
+    assert "warnings" not in quiet
+    assert status == 200 and loud["warnings"] == engine.warnings
+
+
+# ---- content type and cross-site requests ------------------------------------------------------------------
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                          None])
+def test_posts_must_be_json(content_type):
+    state = make_state()  # loading: a request that got past the checks would be a 503
+
+    async def body(client):
+        headers = {"Content-Type": content_type} if content_type else {}
+        data = b'{"prompt": "hi"}'
+        async with client.post("/v1/completions", data=data, headers=headers,
+                               skip_auto_headers=["Content-Type"]) as r:
+            return r.status, await r.json()
+    status, err = run(state, body)
+    assert status == 415 and err["error"]["message"].startswith("Content-Type must be application/json")
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+
+
+def test_json_with_a_charset_is_json():
+    state = make_state()
+
+    async def body(client):
+        async with client.post("/v1/completions", data=b'{"prompt": "hi"}',
+                               headers={"Content-Type": "application/json; charset=utf-8"}) as r:
+            return r.status
+    assert run(state, body) == 503  # past the content-type check: the model is loading
+
+
+@pytest.mark.parametrize("headers, status", [
+    ({"Host": "evil.example"}, 403),                       # DNS rebinding: a foreign name for 127.0.0.1
+    ({"Host": "evil.example:8000"}, 403),
+    ({"Host": "localhost:8000"}, 503),
+    ({"Host": "127.0.0.1"}, 503),
+    ({"Host": "[::1]:8000"}, 503),
+    ({"Origin": "http://evil.example"}, 403),              # a page elsewhere posting to the API
+    ({"Origin": "null"}, 403),
+    ({"Origin": "http://localhost:3000"}, 503),
+])
+def test_a_loopback_server_answers_only_loopback_hosts_and_origins(headers, status):
+    state = make_state()
+
+    async def body(client):
+        async with client.post("/v1/completions", json=PROMPT, headers=headers) as r:
+            return r.status
+    assert run(state, body) == status
+
+
+def test_a_server_on_another_address_takes_any_host():
+    state = make_state(host="0.0.0.0")
+
+    async def body(client):
+        async with client.post("/v1/completions", json=PROMPT, headers={"Host": "gpu-node-7:8000"}) as r:
+            return r.status
+    assert run(state, body) == 503
+
+
+# ---- prompts: size first, tokenization off the loop --------------------------------------------------------
+
+class SlowTokenizer:
+    """The real tokenizer, but encode holds its thread for `delay` seconds (a long prompt)."""
+
+    def __init__(self, tokenizer, delay: float):
+        self.inner, self.delay, self.num_encodes = tokenizer, delay, 0
+
+    def encode(self, text, *args, **kwargs):
+        self.num_encodes += 1
+        time.sleep(self.delay)
+        return self.inner.encode(text, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hello there", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 2}),
+])
+def test_tokenizing_a_prompt_does_not_stall_the_event_loop(tokenizer, path, body):
+    tok = SlowTokenizer(tokenizer, delay=1.5)
+    state = make_state(FakeEngine(tok, script=[42, 43]))
+
+    async def run_body(client):
+        start = time.monotonic()  # client and server share this loop: a stalled loop delays everything below
+        post = asyncio.create_task(client.post(path, json=body))
+        await asyncio.sleep(0.2)  # the request is being tokenized now
+        async with client.get("/health") as r:
+            health = (r.status, time.monotonic() - start)
+        resp = await post
+        status = resp.status
+        resp.release()
+        return health, status, time.monotonic() - start
+    (health_status, health_seconds), status, total = run(state, run_body)
+    assert status == 200 and tok.num_encodes == 1 and total >= 1.5
+    assert health_status == 200 and health_seconds < 1.0, health_seconds  # answered while tokenizing
+
+
+@pytest.mark.parametrize("path, field, make", [
+    ("/v1/completions", "prompt", lambda text: {"prompt": text}),
+    ("/v1/completions", "prompt", lambda text: {"prompt": ["short", text]}),
+    ("/v1/chat/completions", "messages", lambda text: {"messages": [{"role": "user", "content": text}]}),
+])
+def test_text_too_long_for_any_tokenization_is_refused_untokenized(tokenizer, path, field, make):
+    tok = SlowTokenizer(tokenizer, delay=0.0)
+    engine = FakeEngine(tok, script=[42], max_model_len=64)
+    state = make_state(engine)
+    text = "a" * (64 * tokenizer.max_token_chars + 1)
+
+    async def body(client):
+        async with client.post(path, json=make(text)) as r:
+            return r.status, await r.json()
+    status, err = run(state, body)
+    assert status == 400 and err["error"]["param"] == field
+    assert "maximum context length is 64 tokens" in err["error"]["message"]
+    assert tok.num_encodes == 0 and engine.added == []
+    assert rejected(state)["too_large"] == 1 and rejected(state)["bad_request"] == 0
+
+
+def test_max_token_chars_bounds_every_token(tokenizer):
+    longest = max(len(tokenizer.token_text(i)) for i in range(tokenizer.vocab_size))
+    assert tokenizer.max_token_chars == longest > 1
+
+
+def test_a_prompt_the_engine_refuses_is_counted_once(tokenizer):
+    engine = FakeEngine(tokenizer)
+    engine.reject = PromptTooLong("This model's maximum context length is 8192 tokens. However, ...")
+    state = make_state(engine)
+
+    async def body(client):
+        async with client.post("/v1/completions", json=PROMPT) as r:
+            return r.status
+    assert run(state, body) == 400
+    counts = rejected(state)
+    assert counts["too_large"] == 1 and counts["bad_request"] == 0
+
+
+def test_logit_bias_ids_outside_the_vocabulary_are_a_400(tokenizer):
+    state = make_state(FakeEngine(tokenizer, script=[42]))
+
+    async def body(client):
+        async with client.post("/v1/completions", json={**PROMPT, "logit_bias": {"49152": 1}}) as r:
+            bad = r.status, await r.json()
+        async with client.post("/v1/completions", json={**PROMPT, "logit_bias": {"49151": 1}}) as r:
+            return bad, r.status
+    (status, err), ok = run(state, body)
+    assert status == 400 and err["error"]["param"] == "logit_bias" and "49152" in err["error"]["message"]
+    assert ok == 200
+
+
+# ---- streams -------------------------------------------------------------------------------------------------
+
+STREAM = {**PROMPT, "stream": True, "n": 2}
+
+
+def test_a_stream_whose_response_cannot_start_aborts_its_requests(tokenizer, monkeypatch):
+    engine = FakeEngine(tokenizer, script=None)
+    state = make_state(engine)
+
+    async def refuse(self, request):
+        raise ConnectionResetError("the client went away before the headers")
+    monkeypatch.setattr(web.StreamResponse, "prepare", refuse)
+
+    async def body(client):
+        try:
+            async with client.post("/v1/completions", json=STREAM) as r:
+                await r.read()
+        except Exception:  # the connection dies with the handler; what matters is the engine side
+            pass
+        for _ in range(50):
+            if len(engine.added) == 2 and set(map(id, engine.aborted)) >= set(map(id, engine.added)):
+                break
+            await asyncio.sleep(0.02)
+    run(state, body)
+    assert len(engine.added) == 2
+    assert set(map(id, engine.aborted)) >= set(map(id, engine.added))
+
+
+def test_a_timed_out_stream_frees_its_requests_before_writing_the_error(tokenizer, monkeypatch):
+    engine = FakeEngine(tokenizer, script=None)  # nothing ever comes: the request times out
+    state = make_state(engine, request_timeout=0.3)
+    monkeypatch.setattr(app_module, "ERROR_WRITE_TIMEOUT_S", 0.5, raising=False)
+    original_write = web.StreamResponse.write
+    aborted_at_error = []
+
+    async def stuck_write(self, data):
+        if b"TimeoutError" in data:  # a client that stopped reading: this write never completes
+            aborted_at_error.append(len(engine.aborted))
+            await asyncio.sleep(3600)
+        return await original_write(self, data)
+    monkeypatch.setattr(web.StreamResponse, "write", stuck_write)
+
+    async def body(client):
+        start = time.monotonic()
+        async with client.post("/v1/completions", json=STREAM) as r:
+            assert r.status == 200
+            try:
+                await asyncio.wait_for(r.read(), timeout=5.0)
+            except (asyncio.TimeoutError, Exception):
+                pass
+        return time.monotonic() - start
+    seconds = run(state, body)
+    assert aborted_at_error == [2]  # both choices were aborted before the error event was attempted
+    assert seconds < 3.0  # and the handler gave up on the stuck write instead of waiting forever
+
+
+def test_streamed_completion_logprobs_offsets_continue_across_chunks(tokenizer):
+    ids = tokenizer.encode(" The capital of France is Paris, a city")
+    state = make_state(FakeEngine(tokenizer, script=ids))
+
+    async def body(client):
+        async with client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 16, "logprobs": 0,
+                                                         "echo": True}) as r:
+            full = (await r.json())["choices"][0]
+        async with client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 16, "logprobs": 0,
+                                                         "echo": True, "stream": True}) as r:
+            raw = await r.read()
+        return full, raw
+    full, raw = run(state, body)
+    chunks = [json.loads(f[6:]) for f in raw.split(b"\n\n") if f.startswith(b"data: {")]
+    streamed = [o for c in chunks for o in (c["choices"][0]["logprobs"] or {}).get("text_offset", [])]
+    assert len(chunks) > 2
+    assert streamed == full["logprobs"]["text_offset"]
+    assert streamed[0] == len("Hi")  # after the echoed prompt
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    tokens = [t for c in chunks for t in (c["choices"][0]["logprobs"] or {}).get("tokens", [])]
+    assert all(text[o:o + len(t)] == t for o, t in zip(streamed, tokens))
+
+
+# ---- /debug/steps -------------------------------------------------------------------------------------------
+
+def _steps_engine(tokenizer, num: int) -> FakeEngine:
+    engine = FakeEngine(tokenizer)
+    records = deque((StepRecord(float(i), float(i) + 0.5, i, 1) for i in range(num)), maxlen=100_000)
+    engine.workers = [SimpleNamespace(name="cpu:0", role="prefill", records=records)]
+    engine.transfers = [SimpleNamespace(name="kv cpu:0->cpu:1",
+                                        records=deque(((float(i), float(i) + 0.25, 4096) for i in range(num)),
+                                                      maxlen=100_000))]
+    return engine
+
+
+def test_debug_steps_is_paged_and_capped(tokenizer):
+    state = make_state(_steps_engine(tokenizer, 20_000))
+
+    async def body(client):
+        out = {}
+        for query in ("", "?since=100&limit=3", "?since=19998", "?limit=0", "?limit=5001", "?limit=x"):
+            async with client.get("/debug/steps" + query) as r:
+                out[query] = (r.status, await r.json())
+        return out
+    out = run(state, body)
+    status, snap = out[""]
+    cap = app_module.DEBUG_STEPS_MAX_RECORDS
+    assert status == 200 and len(snap["devices"][0]["steps"]) == cap and snap["devices"][0]["truncated"]
+    assert snap["devices"][0]["steps"][0] == [0.0, 0.5, 0, 1] and len(snap["transfers"][0]["copies"]) == cap
+    status, snap = out["?since=100&limit=3"]
+    assert [s[1] for s in snap["devices"][0]["steps"]] == [100.5, 101.5, 102.5]
+    assert [c[1] for c in snap["transfers"][0]["copies"]] == [100.25, 101.25, 102.25]
+    status, snap = out["?since=19998"]
+    assert [s[1] for s in snap["devices"][0]["steps"]] == [19998.5, 19999.5]
+    assert not snap["devices"][0]["truncated"] and not snap["transfers"][0]["truncated"]
+    for query in ("?limit=0", "?limit=5001", "?limit=x"):
+        assert out[query][0] == 400 and out[query][1]["error"]["param"] == "limit"
+
+
+def test_transfer_records_are_a_ring():
+    from nodeserve.engine.transfer import KVTransfer
+
+    records = KVTransfer.__new__(KVTransfer)
+    KVTransfer.__init__(records, SimpleNamespace(name="a"), None, SimpleNamespace(name="b"), None, lambda p, e: None)
+    assert isinstance(records.records, deque) and records.records.maxlen == 100_000
