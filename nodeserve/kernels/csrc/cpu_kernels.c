@@ -159,21 +159,6 @@ static void permute_x(int type, const float *x, float *xp, int64_t M, int64_t K)
                 xp[i + j * 8 + e] = x[i + (type == NS_Q8_0 ? 4 * e + j : 16 * (e / 4) + 4 * (e % 4) + j)];
 }
 
-/* One weight row against one activation row: four accumulators, so no FMA waits on the previous one. */
-static inline __attribute__((always_inline)) float dot_row1(int type, const uint8_t *wrow, const float *xp, int64_t nb) {
-    const size_t bb = block_bytes(type);
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, w[4];
-    for (int64_t b = 0; b < nb; b++) {
-        const float *xb = xp + b * QK;
-        dequant_block(type, wrow + b * bb, w);
-        a0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), a0);
-        a1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), a1);
-        a2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), a2);
-        a3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), a3);
-    }
-    return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-}
-
 /* One weight row against MT activation rows: the block is dequantized once for all of them. One accumulator per
  * row: with MT = 8, eight independent FMA chains cover the FMA latency. */
 static inline __attribute__((always_inline)) void dot_rows(
@@ -286,10 +271,6 @@ static inline __attribute__((always_inline)) void linear_rows(
         const uint8_t *wrow = w + (size_t)n * row_bytes;
         for (size_t off = 0; off < row_bytes && n + PREFETCH_ROWS < n_end; off += 64)
             _mm_prefetch((const char *)(wrow + PREFETCH_ROWS * row_bytes + off), _MM_HINT_T0);
-        if (M == 1) {
-            y[n] = dot_row1(type, wrow, xp, nb);
-            continue;
-        }
         for (int64_t i0 = 0; i0 < M; i0 += MAX_TILE) {
             const float *xt = xp + i0 * K;
             float *yt = y + i0 * ldy + n;
