@@ -6,6 +6,7 @@ import asyncio
 import bisect
 import copy
 import hmac
+import importlib.resources
 import ipaddress
 import logging
 import time
@@ -15,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from nodeserve import __version__
 from nodeserve.config import Config
 from nodeserve.metrics import Metrics
 from nodeserve.engine.engine import Engine, PromptTooLong, QueueFull, TooLarge
@@ -300,6 +302,48 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return web.json_response(P.chat_response(rid, model, created, choices, _usage(gens, req.n)), dumps=P.to_json)
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: the ids a prompt (as /v1/completions encodes it) or a chat (as /v1/chat/completions
+    renders it) becomes."""
+    state = _state(request)
+    req = P.parse_tokenize_request(await _read_body(request))
+    engine = _ready_engine(state, req.model)
+    tok = engine.tokenizer
+
+    def encode() -> list[int]:
+        if req.prompt is not None:
+            _check_text_length(engine, [req.prompt], "prompt")
+            return tok.encode(req.prompt, add_bos=None if req.add_special_tokens else False)
+        _check_text_length(engine, [m["content"] for m in req.messages if m["content"]], "messages")
+        try:
+            return tok.encode(tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt))
+        except TemplateError as e:
+            raise P.APIError(400, f"chat template error: {e}", param="messages")
+    ids = await _off_loop(encode)
+    return web.json_response({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = _state(request)
+    model, ids = P.parse_detokenize_request(await _read_body(request))
+    engine = _ready_engine(state, model)
+    vocab_size = engine.loaded.config.vocab_size
+    outside = next((i for i, t in enumerate(ids) if t >= vocab_size), None)
+    if outside is not None:
+        raise P.APIError(400, f"'tokens[{outside}]' = {ids[outside]} is outside the vocabulary [0, {vocab_size})",
+                         param=f"tokens[{outside}]")
+    return web.json_response({"prompt": await _off_loop(lambda: engine.tokenizer.decode(ids))})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    text = importlib.resources.files("nodeserve.server").joinpath("openapi.json").read_text(encoding="utf-8")
+    return web.Response(text=text, content_type="application/json")
+
+
 # ---- plumbing ------------------------------------------------------------------------------------------
 
 async def _off_loop(fn):
@@ -461,4 +505,8 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
+    app.router.add_get("/openapi.json", openapi)
     return app

@@ -451,6 +451,37 @@ def parse_chat_request(body: object, limits: Limits) -> ChatRequest:
                        include_usage=include_usage, logprobs=logprobs)
 
 
+@dataclass
+class TokenizeRequest:
+    model: str | None
+    prompt: str | None            # exactly one of prompt and messages
+    messages: list[dict] | None
+    add_special_tokens: bool      # prompt: the model's BOS, as /v1/completions adds it
+    add_generation_prompt: bool   # messages: the assistant turn's opening, as /v1/chat/completions renders it
+
+
+def parse_tokenize_request(body: object) -> TokenizeRequest:
+    """Validate a /tokenize body (vLLM's shape): {"prompt": str} or {"messages": [...]}."""
+    body = _check_body(body)
+    model = _get(body, "model", _as_str)
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise _bad("prompt", "give exactly one of 'prompt' (a string) and 'messages' (a chat)")
+    return TokenizeRequest(
+        model=model, prompt=None if prompt is None else _as_str(prompt, "prompt"),
+        messages=None if messages is None else _parse_messages(messages),
+        add_special_tokens=_get(body, "add_special_tokens", _as_bool, default=True),
+        add_generation_prompt=_get(body, "add_generation_prompt", _as_bool, default=True))
+
+
+def parse_detokenize_request(body: object) -> tuple[str | None, list[int]]:
+    """Validate a /detokenize body: {"tokens": [ids]} -> (model, ids)."""
+    body = _check_body(body)
+    if body.get("tokens") is None:
+        raise _bad("tokens", "'tokens' is required: a list of token ids")
+    return _get(body, "model", _as_str), _parse_token_ids(_as_list(body["tokens"], "tokens"), "tokens")
+
+
 # --------------------------------------------------------------------------------------------
 # Responses
 # --------------------------------------------------------------------------------------------
