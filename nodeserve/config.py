@@ -30,12 +30,15 @@ class ModelSection:
     max_model_len: int = 0                # 0: the checkpoint's context length
     # auto | none | int8 | int4 | fp16: CPU weight formats, float32 compute (model/block_quant.py, model/quant.py)
     quantization: str = "auto"
+    aliases: tuple[str, ...] = ()         # more model ids clients may send (and /v1/models lists)
 
 
 @dataclass(frozen=True)
 class ServerSection:
     host: str = "127.0.0.1"
     port: int = 8000
+    access_log: bool = True               # one line per request: method, path, status, duration, request id
+    stats_interval: float = 10.0          # seconds between stats lines in the log; 0: none
     max_waiting: int = 256                # requests queued for pages before new ones get 503
     max_queued_tokens: int = 262_144      # prompt tokens waiting to be prefilled before new requests get 503
     request_timeout: float = 600.0        # seconds a request may run before it is ended with an error (0: never)
@@ -263,9 +266,12 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
                             ("devices.local_prefill_threshold", d.local_prefill_threshold, 0)):
         if value < low:
             raise ConfigError(f"'{key}' must be at least {low}, got {value}")
+    if any(not a.strip() for a in m.aliases):
+        raise ConfigError("'model.aliases' has an empty name")
     if s.port > 65535:
         raise ConfigError(f"'server.port' must be at most 65535, got {s.port}")
-    for key, value in (("server.request_timeout", s.request_timeout), ("server.drain_timeout", s.drain_timeout)):
+    for key, value in (("server.request_timeout", s.request_timeout), ("server.drain_timeout", s.drain_timeout),
+                       ("server.stats_interval", s.stats_interval)):
         if value < 0:
             raise ConfigError(f"'{key}' must be 0 or more seconds, got {value}")
     if kv.memory_gib < 0:

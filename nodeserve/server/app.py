@@ -15,6 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 
 from nodeserve import __version__
 from nodeserve.config import Config
@@ -40,6 +41,7 @@ class ServerState:
         self.status = "loading"
         self.engine: Engine | None = None
         self.model_name = config.served_model_name
+        self.model_names = (self.model_name, *(a for a in config.model.aliases if a != self.model_name))
         self.created = int(time.time())
         s = config.server
         self.limits = P.Limits(max_n=s.max_n, max_stop=max(s.max_stop, 1), max_logprobs=s.max_logprobs,
@@ -58,6 +60,33 @@ def error_response(err: P.APIError) -> web.Response:
 
 _REJECT_REASONS = {400: "bad_request", 413: "bad_request", 415: "bad_request", 401: "unauthorized",
                    403: "unauthorized"}
+
+
+REQUEST_ID = "X-Request-Id"
+
+
+def request_id(request: web.Request) -> str:
+    """The client's X-Request-Id when it is a sane token, else a new one; echoed on the response."""
+    rid = request.get("request_id")
+    if rid is None:
+        given = request.headers.get(REQUEST_ID, "")
+        rid = given if 0 < len(given) <= 128 and given.isascii() and given.isprintable() and " " not in given \
+            else uuid.uuid4().hex
+        request["request_id"] = rid
+    return rid
+
+
+async def _on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[REQUEST_ID] = request_id(request)
+
+
+class AccessLogger(AbstractAccessLogger):
+    """One line per request: method, path, status, duration, request id; never the body (prompts stay out of
+    the log). For a stream the line comes when it ends, so the duration is the whole stream's."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        self.logger.info("%s %s %d %.1fms rid=%s", request.method, request.path, response.status, time * 1e3,
+                         response.headers.get(REQUEST_ID, "-"))
 
 
 @web.middleware
@@ -159,7 +188,7 @@ def _ready_engine(state: ServerState, model: str | None) -> Engine:
     if state.status != "ready" or state.engine is None:
         raise P.APIError(503, "the server is loading the model" if state.status == "loading"
                          else "the server is shutting down", reject_reason="draining")
-    if model is not None and model != state.model_name:
+    if model is not None and model not in state.model_names:
         raise P.APIError(404, f"The model '{model}' does not exist; this server serves '{state.model_name}'",
                          param="model")
     return state.engine
@@ -225,8 +254,8 @@ async def models(request: web.Request) -> web.Response:
     state = _state(request)
     max_len = state.engine.max_model_len if state.engine else None
     return web.json_response({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "nodeserve",
-        "max_model_len": max_len}]})
+        "id": name, "object": "model", "created": state.created, "owned_by": "nodeserve",
+        "max_model_len": max_len} for name in state.model_names]})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -498,6 +527,7 @@ def create_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[errors_middleware, origin_middleware, auth_middleware],
                           client_max_size=state.config.server.max_body_bytes)
     app[STATE] = state
+    app.on_response_prepare.append(_on_prepare)
     app.router.add_get("/metrics", state.metrics.handler())
     app.router.add_get("/health", health)
     app.router.add_get("/debug/kv", debug_kv)

@@ -21,7 +21,8 @@ from nodeserve.config import Config
 from nodeserve.engine.engine import Engine
 from nodeserve.metrics import DeviceState
 from nodeserve.model.loader import load_model, parse_dtype
-from nodeserve.server.app import ServerState, create_app, is_loopback
+from nodeserve.server.app import AccessLogger, ServerState, create_app, is_loopback
+from nodeserve.server.stats_line import StatsLine, stats_loop
 from nodeserve.server.systemd import Notifier, watchdog_loop, workers_healthy
 
 log = logging.getLogger("nodeserve")
@@ -101,7 +102,9 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     state = ServerState(config)
     app = create_app(state)
     # The drain happens before cleanup; aiohttp's own shutdown wait only covers handlers still writing.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    access_log = logging.getLogger("nodeserve.access") if config.server.access_log else None
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=access_log, access_log_class=AccessLogger,
+                           shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port)
     await site.start()  # /health answers 503 while the model loads
@@ -157,6 +160,9 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     notifier.ready(f"serving {state.model_name} on {url}")
     if on_ready is not None:
         on_ready(state)
+    stats = None
+    if config.server.stats_interval > 0:
+        stats = asyncio.create_task(stats_loop(StatsLine(state.metrics, engine), config.server.stats_interval))
     watchdog = None
     interval = notifier.watchdog_interval()
     if interval is not None:
@@ -172,6 +178,8 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
         log.warning("drain timeout: ending %d requests", len(engine.streams))
         engine.fail_all("the server is shutting down")
         await asyncio.sleep(0.2)  # let their handlers write the final error event
+    if stats is not None:
+        stats.cancel()
     if watchdog is not None:
         watchdog.cancel()
     await runner.cleanup()

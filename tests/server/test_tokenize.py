@@ -58,3 +58,11 @@ def test_version_and_openapi(server):
     assert _call(server, "/version") == (200, {"version": __version__})
     status, doc = _call(server, "/openapi.json")
     assert status == 200 and {"/tokenize", "/detokenize", "/version", "/v1/chat/completions"} <= set(doc["paths"])
+
+
+def test_request_ids_are_echoed_and_made(server):
+    req = urllib.request.Request(server.url + "/version", headers={"X-Request-Id": "abc-123"})
+    with urllib.request.urlopen(req) as r:
+        assert r.headers["X-Request-Id"] == "abc-123"
+    with urllib.request.urlopen(server.url + "/version") as r:
+        assert len(r.headers["X-Request-Id"]) == 32
