@@ -39,26 +39,28 @@ class PromptTooLong(Exception):
 
 class RequestStream:
     """The tokens of one request as they are produced; iterate with `async for`. Ends after the event
-    that carries a finish_reason."""
+    that carries a finish_reason: the stream closes when that event is queued, so whatever ends a request
+    (its last token, an error, an abort) reaches the reader, and later events are dropped."""
 
     def __init__(self, request: Request):
         self.request = request
         self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self.done = False
+        self.done = False  # the final event is queued
 
     def put(self, event: TokenEvent) -> None:
         if not self.done:
+            self.done = event.finish_reason is not None
             self._queue.put_nowait(event)
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[TokenEvent]:
-        while not self.done:
+        while True:
             event = await self._queue.get()
-            if event.finish_reason is not None:
-                self.done = True
             yield event
+            if event.finish_reason is not None:
+                return
 
 
 @dataclass
@@ -202,18 +204,18 @@ class Engine:
         """Ends every in-flight request with an error event (the drain timeout ran out) and frees its pages."""
         for stream in list(self.streams.values()):
             stream.put(TokenEvent(None, finish_reason="error", error=message))
-            self.abort(stream)
+            self.abort(stream)  # the stream is closed: only the pages are left to free
 
     def abort(self, stream: RequestStream, reason: str = "abort") -> None:
         """Ends a request now; its pages on every device are freed by whoever holds it, at its next step."""
         req = stream.request
         self.streams.pop(req.request_id, None)
-        if stream.done:
+        if req.finished or req.aborted:
             return
-        stream.done = True
+        stream.put(TokenEvent(None, finish_reason=reason))  # wakes a reader waiting on the next event
+        req.aborted = True
         if self.router.abort_pending(req):
             return
-        req.aborted = True
         for w in self.workers:
             w.wake()
 

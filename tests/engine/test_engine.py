@@ -193,3 +193,29 @@ def test_a_gpu_too_small_for_the_weights_or_the_pool_is_a_config_error(loaded_fp
         check_fits("cuda:3", 40 * gib, 65 * gib, 0)
     with pytest.raises(ConfigError, match=r"'kv.memory_gib' = 30 does not fit in cuda:1: 40.0 GiB free, 16.0 GiB"):
         check_fits("cuda:1", 40 * gib, 16 * gib, 30 * gib)
+
+
+def test_drain_error_after_a_token_reaches_the_reader(loaded_fp32, prompt_ids):
+    """fail_all (the drain timeout) after a token: the reader gets the error, not a normal-looking end."""
+    async def body(engine):
+        stream = engine.add_request(prompt_ids[0], _greedy(max_tokens=200))
+        events = [await anext(aiter(stream))]
+        engine.fail_all("the server is shutting down")
+        events += [ev async for ev in stream]
+        return events
+    events = _run(_config("disaggregated"), loaded_fp32, body)
+    assert events[0].token_id is not None
+    assert events[-1].finish_reason == "error" and events[-1].error == "the server is shutting down"
+
+
+def test_abort_wakes_a_reader_waiting_for_the_next_token(loaded_fp32, prompt_ids):
+    """With n > 1 a failing choice aborts its siblings while their readers wait: each must end, not hang."""
+    async def body(engine):
+        streams = [engine.add_request(prompt_ids[i], _greedy(max_tokens=200)) for i in range(2)]
+        readers = [asyncio.create_task(_tokens(s)) for s in streams]
+        await asyncio.sleep(0.2)
+        for s in streams:
+            engine.abort(s)
+        done, _ = await asyncio.wait(readers, timeout=10)
+        return [r.result()[1] for r in done]
+    assert _run(_config("disaggregated"), loaded_fp32, body) == ["abort", "abort"]
