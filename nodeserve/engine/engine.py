@@ -186,9 +186,9 @@ class Engine:
                                 "of the input.")
         if any(t < 0 or t >= self.loaded.config.vocab_size for t in prompt_ids):
             raise PromptTooLong(f"the prompt has token ids outside the vocabulary [0, {self.loaded.config.vocab_size})")
-        room = self.max_model_len - len(prompt_ids)
-        if params.max_tokens > room:
-            params.max_tokens = room  # generation stops with "length" at the context limit
+        # Generation stops with "length" at the context limit, or at what a decode pool can ever hold.
+        room = min(self.max_model_len, self.router.max_seq_tokens + 1) - len(prompt_ids)
+        params.max_tokens = max(1, min(params.max_tokens, room))
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params)
         stream = RequestStream(req)
         req.emit = stream.put

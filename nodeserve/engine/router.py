@@ -36,13 +36,15 @@ class Router:
         queued = sum(r.num_prompt_tokens for r in self.pending)
         return queued + sum(w.num_outstanding_prefill_tokens for w in self.prefill_workers + self.decode_workers)
 
+    @property
+    def max_seq_tokens(self) -> int:
+        """The most tokens of KV one request can ever hold: a whole decode pool."""
+        return max(w.pool.num_usable_pages for w in self.decode_workers) * self.decode_workers[0].pool.page_size
+
     def admit(self, req: Request) -> None:
-        need = pages_for(req.max_total_tokens, self.decode_workers[0].pool.page_size)
-        capacity = max(w.pool.num_usable_pages for w in self.decode_workers)
-        if need > capacity:
-            raise TooLarge(f"the request needs {req.max_total_tokens} tokens of KV cache "
-                           f"(prompt plus max_tokens) but a device holds at most "
-                           f"{capacity * self.decode_workers[0].pool.page_size}; lower max_tokens")
+        if req.max_total_tokens > self.max_seq_tokens:
+            raise TooLarge(f"the prompt has {req.num_prompt_tokens} tokens but a device's KV cache holds at most "
+                           f"{self.max_seq_tokens}")
         if self.prefill_workers and req.num_prompt_tokens >= self.local_prefill_threshold:
             prefill_capacity = min(w.pool.num_usable_pages for w in self.prefill_workers)
             if pages_for(req.num_prompt_tokens, self.prefill_workers[0].pool.page_size) > prefill_capacity:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from nodeserve.config import ConfigError, config_from_dict
-from nodeserve.engine.engine import Engine, PromptTooLong, QueueFull, check_fits, weight_bytes
+from nodeserve.engine.engine import Engine, PromptTooLong, QueueFull, TooLarge, check_fits, weight_bytes
 from nodeserve.sampling_params import SamplingParams
 
 MODES = {
@@ -219,3 +219,21 @@ def test_abort_wakes_a_reader_waiting_for_the_next_token(loaded_fp32, prompt_ids
         done, _ = await asyncio.wait(readers, timeout=10)
         return [r.result()[1] for r in done]
     assert _run(_config("disaggregated"), loaded_fp32, body) == ["abort", "abort"]
+
+
+def test_max_tokens_is_clamped_to_what_a_pool_can_ever_hold(loaded_fp32, prompt_ids):
+    """A chat request without max_tokens (the server's default 2048) on a small pool runs until the pool's limit
+    instead of a 400 that tells the client to lower a max_tokens it never sent; a prompt the pool cannot hold
+    is refused, naming the prompt."""
+    cfg = config_from_dict({"model": {"dtype": "float32"}, "devices": MODES["disaggregated"],
+                            "kv": {"memory_gib": 0.005, "page_size": 16}})
+
+    async def body(engine):
+        capacity = engine.decode_workers[0].pool.num_usable_pages * 16
+        with pytest.raises(TooLarge, match=f"the prompt has {capacity + 1} tokens"):
+            engine.add_request([1] * (capacity + 1), _greedy())
+        tokens, finish = await _tokens(engine.add_request(prompt_ids[0], _greedy(max_tokens=2048)))
+        return capacity, len(tokens), finish
+    capacity, num_tokens, finish = _run(cfg, loaded_fp32, body)
+    assert capacity == 7 * 16  # 5 MiB of float32 KV for SmolLM2: 7 pages
+    assert (num_tokens, finish) == (capacity - len(prompt_ids[0]) + 1, "length")
