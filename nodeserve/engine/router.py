@@ -73,12 +73,14 @@ class Router:
         while self.pending:
             req = self.pending[0]
             need = pages_for(req.max_total_tokens, self.decode_workers[0].pool.page_size)
-            # Decode: the most free pages, then the fewest requests.
-            candidates = sorted(self.decode_workers, key=lambda w: (-w.pool.allocator.num_free, w.num_assigned))
+            # Decode: a device with a free seat in its batch (so its own short prefills always find one and
+            # nothing it holds waits behind the batch), then the most free pages, then the fewest requests.
+            candidates = sorted((w for w in self.decode_workers if w.num_assigned < w.limits.max_num_seqs),
+                                key=lambda w: (-w.pool.allocator.num_free, w.num_assigned))
             try:
                 worker = candidates[0]
                 req.pages = worker.pool.allocator.allocate(need)
-            except OutOfPages:
+            except (IndexError, OutOfPages):
                 return
             self.pending.popleft()
             req.decode_worker = worker
