@@ -238,6 +238,10 @@ class Engine:
         return [PoolStats(w.name, w.role, w.pool.num_usable_pages, w.pool.allocator.num_free, len(w.running),
                           len(w.waiting)) for w in self.workers]
 
+    def dead_threads(self) -> list[str]:
+        """Workers and transfers whose thread died: what they hold never moves again (/health answers 503)."""
+        return [x.name for x in [*self.workers, *self.transfers] if x.dead]
+
     @property
     def num_pending(self) -> int:
         return self.router.num_pending if self.router else 0

@@ -69,13 +69,24 @@ class Worker:
         self.num_outstanding_prefill_tokens = 0        # router's load signal for prefill placement
         self.num_assigned = 0                          # requests placed here for decode and not yet finished
         self.records: deque[StepRecord] = deque(maxlen=100_000)
-        self.last_progress = time.monotonic()          # for the watchdog: updated every loop turn
+        self._last_turn = time.monotonic()             # for the watchdog: updated every loop turn
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"worker {device.name}", daemon=True)
 
     @property
     def name(self) -> str:
         return self.device.name
+
+    @property
+    def last_progress(self) -> float:
+        """For the watchdog: when this worker's loop last turned, or, if earlier, when a transfer it feeds
+        started the job it is still on (a stuck copy stalls this worker's requests as surely as a stuck step)."""
+        return min([self._last_turn] + [t.busy_since for t in self.transfers.values() if t.busy_since is not None])
+
+    @property
+    def dead(self) -> bool:
+        """Its thread ended without being stopped: nothing it holds will move again."""
+        return self._thread.ident is not None and not self._thread.is_alive() and not self._stop
 
     # ---- called from other threads -------------------------------------------------------------------
     def start(self) -> None:
@@ -111,13 +122,12 @@ class Worker:
     def _run(self) -> None:
         self.device.init_worker_thread()
         while not self._stop:
-            self._drain_inbox(block=not (self.waiting or self.running))
-            self.last_progress = time.monotonic()
-            if self._stop:
-                break
-            self._drop_aborted()
             try:
-                self._step()
+                self._drain_inbox(block=not (self.waiting or self.running))
+                self._last_turn = time.monotonic()
+                if not self._stop:
+                    self._drop_aborted()
+                    self._step()
             except Exception:  # a bug outside any one request's forward: fail what is in flight, keep serving
                 log.exception("worker %s: step failed", self.name)
                 self._fail_all("internal error in the worker step")

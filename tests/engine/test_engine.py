@@ -237,3 +237,73 @@ def test_max_tokens_is_clamped_to_what_a_pool_can_ever_hold(loaded_fp32, prompt_
     capacity, num_tokens, finish = _run(cfg, loaded_fp32, body)
     assert capacity == 7 * 16  # 5 MiB of float32 KV for SmolLM2: 7 pages
     assert (num_tokens, finish) == (capacity - len(prompt_ids[0]) + 1, "length")
+
+
+def test_a_fault_outside_the_step_does_not_kill_the_worker(loaded_fp32, prompt_ids, hf_greedy):
+    """The inbox and the abort sweep run inside the loop's guard: a bug there fails what is in flight and the
+    worker keeps serving, instead of its thread dying silently with every later request waiting forever."""
+    async def body(engine):
+        decode = engine.decode_workers[0]
+        sweep, faults = decode._drop_aborted, [1]
+
+        def faulty():
+            if faults and decode.running:
+                faults.pop()
+                raise RuntimeError("injected sweep fault")
+            sweep()
+        decode._drop_aborted = faulty
+        first = await asyncio.wait_for(_tokens(engine.add_request(prompt_ids[0], _greedy())), 60)
+        second = await asyncio.wait_for(_tokens(engine.add_request(prompt_ids[1], _greedy())), 60)
+        return first[1], second, engine.dead_threads()
+    first_finish, second, dead = _run(_config("disaggregated"), loaded_fp32, body)
+    assert first_finish == "error" and second == (hf_greedy[1], "length") and dead == []
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_worker_thread_is_reported(loaded_fp32, prompt_ids):
+    """If a worker's thread does die, the engine names it (/health then answers 503)."""
+    async def main():
+        engine = Engine(_config("disaggregated"), loaded_fp32)
+        engine.start(asyncio.get_running_loop())
+        try:
+            decode = engine.decode_workers[0]
+
+            def broken(*args, **kwargs):
+                raise RuntimeError("injected fault")
+            decode._step = decode._fail_all = broken
+            engine.add_request(prompt_ids[0], _greedy())
+            for _ in range(200):
+                if engine.dead_threads():
+                    break
+                await asyncio.sleep(0.05)
+            return engine.dead_threads()
+        finally:
+            engine.stop()
+    assert asyncio.run(main()) == ["cpu:1"]
+
+
+def test_a_stuck_transfer_stops_the_watchdog(loaded_fp32, prompt_ids, hf_greedy):
+    """A copy thread stuck mid-job stalls its prefill worker's requests: the worker's progress must say so, or
+    the watchdog keeps pinging systemd for a server that no longer serves."""
+    import threading
+
+    from nodeserve.server.systemd import workers_healthy
+
+    async def body(engine):
+        transfer, release = engine.transfers[0], threading.Event()
+        copy_pages = transfer._copy_pages
+
+        def stuck(layer, pages):
+            release.wait(30)
+            return copy_pages(layer, pages)
+        transfer._copy_pages = stuck
+        healthy = workers_healthy(engine.workers, max_stall=1.0)
+        stream = engine.add_request(prompt_ids[0], _greedy())
+        await asyncio.sleep(2.0)
+        stalled = not healthy()
+        release.set()
+        tokens = await _tokens(stream)
+        await asyncio.sleep(1.0)
+        return stalled, healthy(), tokens
+    stalled, healthy_after, tokens = _run(_config("disaggregated"), loaded_fp32, body)
+    assert stalled and healthy_after and tokens == (hf_greedy[0], "length")
