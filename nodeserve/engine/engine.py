@@ -235,7 +235,7 @@ class Engine:
 
     # ---- introspection -------------------------------------------------------------------------------
     def pool_stats(self) -> list[PoolStats]:
-        return [PoolStats(w.name, w.role, w.pool.num_usable_pages, w.pool.allocator.num_free, len(w.running),
+        return [PoolStats(w.name, w.role, w.kv.num_usable, w.kv.num_free, len(w.running),
                           len(w.waiting)) for w in self.workers]
 
     def dead_threads(self) -> list[str]:

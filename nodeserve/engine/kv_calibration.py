@@ -83,7 +83,7 @@ def measure_kv_amax(model: LlamaModel, token_ids: Sequence[int],
     num_pages = pages_for(len(ids), CALIBRATION_PAGE_SIZE)
     scratch = KVPool(model.cfg, num_pages, CALIBRATION_PAGE_SIZE, dtype, device)
     recorder = _AmaxRecorder(scratch)
-    ModelRunner(model, scratch, recorder).run([SeqChunk(ids, 0, list(range(num_pages)), want_logits=False)])
+    ModelRunner(model, scratch, recorder).run([SeqChunk(ids, 0, scratch.manager.allocate(num_pages), want_logits=False)])
     k_amax, v_amax = recorder.amax.t().tolist()
     return k_amax, v_amax
 

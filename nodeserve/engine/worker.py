@@ -25,8 +25,8 @@ import torch
 from nodeserve.device import Device
 from nodeserve.engine.model_runner import ModelRunner, SeqChunk
 from nodeserve.engine.sampler import Sampler
-from nodeserve.kv.allocator import OutOfPages
-from nodeserve.kv.pool import KVPool, pages_for
+from nodeserve.kv.manager import KVManager
+from nodeserve.kv.pool import KVPool
 from nodeserve.request import Request, TokenEvent
 
 if TYPE_CHECKING:
@@ -59,6 +59,7 @@ class Worker:
                  on_pages_freed: Callable[[], None]):
         self.device, self.role, self.runner, self.sampler = device, role, runner, sampler
         self.pool: KVPool = runner.pool
+        self.kv: KVManager = runner.pool.manager  # this device's pages: the router reserves here, this worker frees
         self.eos_token_ids, self.limits = eos_token_ids, limits
         self._emit_batch, self._on_pages_freed = emit_batch, on_pages_freed
         self.transfers: dict[Worker, KVTransfer] = {}  # decode worker -> transfer, on prefill workers
@@ -144,7 +145,7 @@ class Worker:
                     self.waiting.append(payload)
                 elif kind == "free":
                     self.device.wait_event(event)
-                    self.pool.allocator.free(payload)
+                    self.kv.free(payload)
                 else:
                     self.device.wait_event(event)
                     payload.num_computed_tokens = payload.num_prompt_tokens
@@ -276,11 +277,10 @@ class Worker:
     def _ensure_prefill_pages(self, req: Request) -> bool:
         if not req.prefill_elsewhere or req.prefill_pages:
             return True
-        try:
-            req.prefill_pages = self.pool.allocator.allocate(pages_for(req.num_prompt_tokens, self.pool.page_size))
-            return True
-        except OutOfPages:
-            return False
+        num_blocks = self.kv.blocks_for(req.num_prompt_tokens)
+        if self.kv.can_allocate(num_blocks):  # only this thread allocates here: the check holds
+            req.prefill_pages = self.kv.allocate(num_blocks)
+        return bool(req.prefill_pages)
 
     def _layer_hook(self, prefills: list[tuple[Request, int]]) -> Callable[[int], None] | None:
         """Per-layer copy of the pages each remote-bound prefill chunk wrote, started as soon as the layer is done."""
@@ -319,7 +319,7 @@ class Worker:
     def release_reserved(self, req: Request) -> None:
         """Frees a request's decode pages. Called on its decode worker's pool, from the thread holding it."""
         if req.pages:
-            self.pool.allocator.free(req.pages)
+            self.kv.free(req.pages)
             req.pages = []
         with self._lock:
             self.num_assigned -= 1

@@ -229,7 +229,7 @@ def test_max_tokens_is_clamped_to_what_a_pool_can_ever_hold(loaded_fp32, prompt_
                             "kv": {"memory_gib": 0.005, "page_size": 16}})
 
     async def body(engine):
-        capacity = engine.decode_workers[0].pool.num_usable_pages * 16
+        capacity = engine.decode_workers[0].pool.manager.num_usable * 16
         with pytest.raises(TooLarge, match=f"the prompt has {capacity + 1} tokens"):
             engine.add_request([1] * (capacity + 1), _greedy())
         tokens, finish = await _tokens(engine.add_request(prompt_ids[0], _greedy(max_tokens=2048)))

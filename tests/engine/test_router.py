@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from nodeserve.engine.router import Router
 from nodeserve.engine.worker import WorkerLimits
-from nodeserve.kv.allocator import PageAllocator
+from nodeserve.kv.manager import KVManager
 from nodeserve.request import Request
 from nodeserve.sampling_params import SamplingParams
 
@@ -16,7 +14,7 @@ class StubWorker:
 
     def __init__(self, name: str, num_pages: int, max_num_seqs: int = 64):
         self.name = name
-        self.pool = SimpleNamespace(page_size=16, num_usable_pages=num_pages, allocator=PageAllocator(num_pages))
+        self.kv = KVManager(num_pages, 16)
         self.limits = WorkerLimits(max_num_seqs, 1024, 8192)
         self.num_assigned = 0
         self.num_outstanding_prefill_tokens = 0
@@ -31,7 +29,7 @@ class StubWorker:
 
     def finish(self, req: Request) -> None:
         """What the worker holding a finished request does: free its decode reservation."""
-        self.pool.allocator.free(req.pages)
+        self.kv.free(req.pages)
         self.num_assigned -= 1
 
 
