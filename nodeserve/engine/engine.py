@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import time
@@ -109,7 +110,7 @@ class Engine:
             if device.torch_device not in replicas:
                 # CPU workers share one set of weights (read-only); each GPU gets its own replica.
                 replicas[device.torch_device] = self.loaded.model.to(device.torch_device) \
-                    if device.torch_device.type == "cpu" else _replica(self.loaded.model, device.torch_device)
+                    if device.torch_device.type == "cpu" else copy.deepcopy(self.loaded.model).to(device.torch_device)
             if cfg.kv.memory_gib == 0:  # CUDA only (config checks): what is free once the weights are there
                 free, _ = torch.cuda.mem_get_info(device.torch_device)
                 num_pages = kv_pages_for_device(free, cfg.kv.memory_headroom,
@@ -277,9 +278,3 @@ def check_fits(device_name: str, free_bytes: int, weight_bytes: int, kv_bytes: i
         raise ConfigError(f"'kv.memory_gib' = {kv_bytes / gib:g} does not fit in {device_name}: "
                           f"{free_bytes / gib:.1f} GiB free, {weight_bytes / gib:.1f} GiB of it for the weights; "
                           f"lower it, or set 0 to use what is free less 'kv.memory_headroom'")
-
-
-def _replica(model, device: torch.device):
-    import copy
-
-    return copy.deepcopy(model).to(device)

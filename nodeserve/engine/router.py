@@ -60,11 +60,10 @@ class Router:
 
     def abort_pending(self, req: Request) -> bool:
         """Drops a request that has not been placed yet. Returns False if it already left the router."""
-        try:
-            self.pending.remove(req)
-            return True
-        except ValueError:
+        if req not in self.pending:
             return False
+        self.pending.remove(req)
+        return True
 
     def dispatch(self) -> None:
         """Places waiting requests, oldest first, while their decode pages can be reserved."""

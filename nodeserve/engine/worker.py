@@ -136,25 +136,22 @@ class Worker:
     def _drain_inbox(self, block: bool) -> None:
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    kind, payload, event = item
+                    if kind == "prefill":
+                        self.waiting.append(payload)
+                    elif kind == "free":
+                        self.device.wait_event(event)
+                        self.kv.free(payload)
+                    else:
+                        self.device.wait_event(event)
+                        payload.num_computed_tokens = payload.num_prompt_tokens
+                        payload.timings["decode_start"] = time.monotonic()
+                        self.running.append(payload)
+                item = self._inbox.get_nowait()
         except queue.Empty:
             return
-        while True:
-            if item is not None:
-                kind, payload, event = item
-                if kind == "prefill":
-                    self.waiting.append(payload)
-                elif kind == "free":
-                    self.device.wait_event(event)
-                    self.kv.free(payload)
-                else:
-                    self.device.wait_event(event)
-                    payload.num_computed_tokens = payload.num_prompt_tokens
-                    payload.timings["decode_start"] = time.monotonic()
-                    self.running.append(payload)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
 
     def _step(self) -> None:
         decodes = self.running[: self.limits.max_num_seqs]
@@ -176,9 +173,8 @@ class Worker:
         start = time.monotonic()
         chunks = [SeqChunk([r.output_ids[-1]], r.num_computed_tokens, r.pages) for r in decodes]
         for req, n in prefills:
-            c = req.num_computed_tokens
-            chunks.append(SeqChunk(req.prompt_ids[c:c + n], c, self._prefill_table(req),
-                                   want_logits=c + n == req.num_prompt_tokens))
+            c, table = req.num_computed_tokens, req.prefill_pages if req.prefill_elsewhere else req.pages
+            chunks.append(SeqChunk(req.prompt_ids[c:c + n], c, table, want_logits=c + n == req.num_prompt_tokens))
         items = list(decodes) + [r for r, _ in prefills]
         results = self._forward(items, chunks, prefills)
         end = time.monotonic()
@@ -196,10 +192,8 @@ class Worker:
             logits = self.runner.run(chunks, self._layer_hook(prefills))
             rows = iter(logits)
             return [next(rows) if c.want_logits else None for c in chunks]
-        except Exception as batch_error:
-            if len(chunks) == 1:
-                log.error("worker %s: request %s failed: %s", self.name, items[0].request_id, batch_error)
-                return [batch_error]
+        except Exception:
+            pass  # find which request fails, alone
         results: list[torch.Tensor | Exception | None] = []
         for req, chunk in zip(items, chunks):
             own = [(r, n) for r, n in prefills if r is req]
@@ -250,8 +244,11 @@ class Worker:
                                                finish)))
                 if finish is not None:
                     self._retire(req)
+                elif first and req.prefill_elsewhere:
+                    self._hand_off(req)
                 elif first:
-                    self._start_decode(req)
+                    req.timings["decode_start"] = time.monotonic()
+                    self.running.append(req)
         if events:
             self._emit_batch(events)
 
@@ -263,17 +260,7 @@ class Worker:
             return "length"
         return None
 
-    def _start_decode(self, req: Request) -> None:
-        if req.prefill_elsewhere:
-            self._hand_off(req)
-        else:
-            req.timings["decode_start"] = time.monotonic()
-            self.running.append(req)
-
     # ---- pages ---------------------------------------------------------------------------------------
-    def _prefill_table(self, req: Request) -> list[int]:
-        return req.prefill_pages if req.prefill_elsewhere else req.pages
-
     def _ensure_prefill_pages(self, req: Request) -> bool:
         if not req.prefill_elsewhere or req.prefill_pages:
             return True
