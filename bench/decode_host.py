@@ -46,7 +46,7 @@ def measure(model, device: torch.device, mode: str, batch: int, context: int, nu
     if mode == "graphs" and runner.graphs is None:
         raise SystemExit(f"--modes graphs needs CUDA and FlashInfer; {device} runs {type(runner.backend).__name__}")
     warmup_runner(runner)
-    tables = [pool.allocator.allocate(pages_per_seq) for _ in range(batch)]
+    tables = [pool.manager.allocate(pages_per_seq) for _ in range(batch)]
     cuda = device.type == "cuda"
     host_ms, step_ms = [], []
     for step in range(num_warmup + num_steps):

@@ -95,7 +95,7 @@ def step_rows(models: dict, gbs: float, shapes: list[tuple[int, int]]) -> list[d
             pps = pages_for(length + 20, 16)
             pool = KVPool(model.cfg, b * pps + 1, 16, torch.float32, torch.device("cpu"))
             runner = build_runner(model, pool, "auto", cuda_graphs=False, max_num_seqs=b)
-            tables = [pool.allocator.allocate(pps) for _ in range(b)]
+            tables = [pool.manager.allocate(pps) for _ in range(b)]
             step = [0]
 
             def run():
@@ -115,7 +115,7 @@ def prefill_rows(models: dict, peak: float, tokens: int = 512) -> list[dict]:
     for name, model in models.items():
         pool = KVPool(model.cfg, pages_for(tokens, 16) + 1, 16, torch.float32, torch.device("cpu"))
         runner = build_runner(model, pool, "auto", cuda_graphs=False, max_num_seqs=1)
-        table = pool.allocator.allocate(pages_for(tokens, 16))
+        table = pool.manager.allocate(pages_for(tokens, 16))
         ids = torch.randint(100, 40000, (tokens,)).tolist()
         t = timed(lambda: runner.run([SeqChunk(ids, 0, table)]), 3)
         flops = 2 * tokens * sum(m.in_features * m.out_features for m in model.modules()

@@ -214,7 +214,7 @@ class Bench:
         }
 
     def prefill(self, name, lens, bw, budget, max_iters):
-        pages = self.pool.allocator.allocate(sum(pages_for(L, PAGE_SIZE) for L in lens))
+        pages = self.pool.manager.allocate(sum(pages_for(L, PAGE_SIZE) for L in lens))
         chunks, off = [], 0
         for i, L in enumerate(lens):
             n = pages_for(L, PAGE_SIZE)
@@ -223,7 +223,7 @@ class Bench:
             off += n
         warm = [SeqChunk(c.token_ids[:32], 0, c.block_table) for c in chunks]
         times = time_runs(lambda: self.runner.run(chunks), lambda: self.runner.run(warm), budget, max_iters)
-        self.pool.allocator.free(pages)
+        self.pool.manager.free(pages)
         tokens = sum(lens)
         flops = (2.0 * self.layer_matmul_params * tokens + 2.0 * self.lm_head_params * len(lens)
                  + self.attn_flops(sum(L * (L + 1) // 2 for L in lens)))
@@ -232,10 +232,10 @@ class Bench:
 
     def decode(self, batch, bw, budget, max_iters):
         n = pages_for(DECODE_CONTEXT + 1, PAGE_SIZE)
-        pages = self.pool.allocator.allocate(batch * n)
+        pages = self.pool.manager.allocate(batch * n)
         chunks = [SeqChunk([100 + b], DECODE_CONTEXT, pages[b * n:(b + 1) * n]) for b in range(batch)]
         times = time_runs(lambda: self.runner.run(chunks), lambda: self.runner.run(chunks[:1]), budget, max_iters)
-        self.pool.allocator.free(pages)
+        self.pool.manager.free(pages)
         seq_len = DECODE_CONTEXT + 1
         flops = (2.0 * (self.layer_matmul_params + self.lm_head_params) * batch
                  + self.attn_flops(batch * seq_len))

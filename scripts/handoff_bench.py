@@ -68,8 +68,8 @@ def main() -> None:
     num_pages = pages_for(args.tokens, PAGE_SIZE)
     src_pool = KVPool(MODEL, num_pages + 1, PAGE_SIZE, torch.bfloat16, src.torch_device)
     dst_pool = KVPool(MODEL, num_pages + 1, PAGE_SIZE, torch.bfloat16, dst.torch_device)
-    src_pages = src_pool.allocator.allocate(num_pages)
-    dst_pages = dst_pool.allocator.allocate(num_pages)
+    src_pages = src_pool.manager.allocate(num_pages)
+    dst_pages = dst_pool.manager.allocate(num_pages)
     transfer = KVTransfer(src, src_pool, dst, dst_pool, lambda pages, event: None)  # the pages are reused as is
     transfer.start()
     src.init_worker_thread()  # this thread plays the prefill worker: its compute stream

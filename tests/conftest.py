@@ -109,13 +109,13 @@ class FP8Check:
         model, pool = runner.model, runner.pool
         out = []
         for ids in (tokenizer.encode(t) for t in cls.TEXTS):
-            table = pool.allocator.allocate(pages_for(len(ids), pool.page_size))
+            table = pool.manager.allocate(pages_for(len(ids), pool.page_size))
             half = len(ids) // 2
             for chunk in (SeqChunk(ids[:half], 0, table), SeqChunk(ids[half:], half, table)):
                 input_ids, positions, meta, _ = runner.prepare([chunk])
                 hidden = model(input_ids, positions, meta, pool.layers, runner.backend)
                 out.append(model.compute_logits(hidden))  # every row: teacher-forced next-token logits
-            pool.allocator.free(table)
+            pool.manager.free(table)
         return torch.cat(out)
 
     @classmethod

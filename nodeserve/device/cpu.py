@@ -26,7 +26,7 @@ class CPUDevice(Device):
         self.torch_device = torch.device("cpu")
 
     def init_worker_thread(self) -> None:
-        # One core per worker: two such threads measured 1.5-1.8x one on this machine (the GIL is released in ops).
+        # One core per worker: torch releases the GIL inside ops, so one thread per core is a real split.
         torch.set_num_threads(1)
         if hasattr(os, "sched_setaffinity"):
             try:

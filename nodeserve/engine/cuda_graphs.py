@@ -76,7 +76,7 @@ class DecodeGraphs:
         self.dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.scale = cfg.head_dim ** -0.5
         self.buckets = graph_buckets(max_batch)
-        self.scratch_page = pool.reserve_page()  # padding rows write their K/V here
+        self.scratch_page = pool.manager.reserve()  # padding rows write their K/V here
         largest = self.buckets[-1]
         # Static inputs: every graph reads its first `bucket` rows of these.
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=self.device)

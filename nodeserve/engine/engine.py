@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import time
@@ -39,26 +40,28 @@ class PromptTooLong(Exception):
 
 class RequestStream:
     """The tokens of one request as they are produced; iterate with `async for`. Ends after the event
-    that carries a finish_reason."""
+    that carries a finish_reason: the stream closes when that event is queued, so whatever ends a request
+    (its last token, an error, an abort) reaches the reader, and later events are dropped."""
 
     def __init__(self, request: Request):
         self.request = request
         self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self.done = False
+        self.done = False  # the final event is queued
 
     def put(self, event: TokenEvent) -> None:
         if not self.done:
+            self.done = event.finish_reason is not None
             self._queue.put_nowait(event)
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[TokenEvent]:
-        while not self.done:
+        while True:
             event = await self._queue.get()
-            if event.finish_reason is not None:
-                self.done = True
             yield event
+            if event.finish_reason is not None:
+                return
 
 
 @dataclass
@@ -108,7 +111,7 @@ class Engine:
             if device.torch_device not in replicas:
                 # CPU workers share one set of weights (read-only); each GPU gets its own replica.
                 replicas[device.torch_device] = self.loaded.model.to(device.torch_device) \
-                    if device.torch_device.type == "cpu" else _replica(self.loaded.model, device.torch_device)
+                    if device.torch_device.type == "cpu" else copy.deepcopy(self.loaded.model).to(device.torch_device)
             if cfg.kv.memory_gib == 0:  # CUDA only (config checks): what is free once the weights are there
                 free, _ = torch.cuda.mem_get_info(device.torch_device)
                 num_pages = kv_pages_for_device(free, cfg.kv.memory_headroom,
@@ -190,9 +193,9 @@ class Engine:
                                 "of the input.")
         if any(t < 0 or t >= self.loaded.config.vocab_size for t in prompt_ids):
             raise PromptTooLong(f"the prompt has token ids outside the vocabulary [0, {self.loaded.config.vocab_size})")
-        room = self.max_model_len - len(prompt_ids)
-        if params.max_tokens > room:
-            params.max_tokens = room  # generation stops with "length" at the context limit
+        # Generation stops with "length" at the context limit, or at what a decode pool can ever hold.
+        room = min(self.max_model_len, self.router.max_seq_tokens + 1) - len(prompt_ids)
+        params.max_tokens = max(1, min(params.max_tokens, room))
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params)
         stream = RequestStream(req)
         req.emit = stream.put
@@ -208,18 +211,18 @@ class Engine:
         """Ends every in-flight request with an error event (the drain timeout ran out) and frees its pages."""
         for stream in list(self.streams.values()):
             stream.put(TokenEvent(None, finish_reason="error", error=message))
-            self.abort(stream)
+            self.abort(stream)  # the stream is closed: only the pages are left to free
 
     def abort(self, stream: RequestStream, reason: str = "abort") -> None:
         """Ends a request now; its pages on every device are freed by whoever holds it, at its next step."""
         req = stream.request
         self.streams.pop(req.request_id, None)
-        if stream.done:
+        if req.finished or req.aborted:
             return
-        stream.done = True
+        stream.put(TokenEvent(None, finish_reason=reason))  # wakes a reader waiting on the next event
+        req.aborted = True
         if self.router.abort_pending(req):
             return
-        req.aborted = True
         for w in self.workers:
             w.wake()
 
@@ -239,8 +242,12 @@ class Engine:
 
     # ---- introspection -------------------------------------------------------------------------------
     def pool_stats(self) -> list[PoolStats]:
-        return [PoolStats(w.name, w.role, w.pool.num_usable_pages, w.pool.allocator.num_free, len(w.running),
+        return [PoolStats(w.name, w.role, w.kv.num_usable, w.kv.num_free, len(w.running),
                           len(w.waiting)) for w in self.workers]
+
+    def dead_threads(self) -> list[str]:
+        """Workers and transfers whose thread died: what they hold never moves again (/health answers 503)."""
+        return [x.name for x in [*self.workers, *self.transfers] if x.dead]
 
     @property
     def num_pending(self) -> int:
@@ -277,9 +284,3 @@ def check_fits(device_name: str, free_bytes: int, weight_bytes: int, kv_bytes: i
         raise ConfigError(f"'kv.memory_gib' = {kv_bytes / gib:g} does not fit in {device_name}: "
                           f"{free_bytes / gib:.1f} GiB free, {weight_bytes / gib:.1f} GiB of it for the weights; "
                           f"lower it, or set 0 to use what is free less 'kv.memory_headroom'")
-
-
-def _replica(model, device: torch.device):
-    import copy
-
-    return copy.deepcopy(model).to(device)

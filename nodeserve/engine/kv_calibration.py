@@ -7,6 +7,7 @@ unquantized cache would hold; the pool being calibrated is not touched, only its
 
 from __future__ import annotations
 
+from importlib.resources import files
 from typing import Sequence
 
 import torch
@@ -21,34 +22,12 @@ from nodeserve.model.llama import LlamaModel
 # about 15 binades), so shrinking every value by 2 costs only the smallest binade, whose values barely move a
 # dot product; a value above the range is clamped, an error on exactly the largest entries. Serving text can
 # exceed what a short calibration text produced, so trade one binade for room to twice the calibrated amax.
-# (On SmolLM2-135M margins from 1 to 16 give the same FP8-vs-fp32 agreement, within a position or two of 243.)
 SCALE_MARGIN = 2.0
 CALIBRATION_PAGE_SIZE = 16
 
-# Prose, dialogue, code, numbers, a recipe, SQL and a few languages: the kinds of text a server sees. 548 tokens
-# with SmolLM2's tokenizer and chat template: one prefill chunk, about a second on one CPU core.
-CALIBRATION_TEXT = (
-    "The old lighthouse keeper climbed the spiral stairs every evening at dusk, counting the 137 steps out of "
-    "habit. From the top he could see the harbour, the fishing boats returning with their nets, and beyond "
-    "them the grey line where the sea met the sky.\n\n"
-    "\"Will the storm reach us tonight?\" asked the girl who delivered his bread.\n"
-    "\"Before midnight,\" he said, and pointed at the clouds piling up in the west.\n\n"
-    "def moving_average(values, window=3):\n"
-    "    \"\"\"Returns the mean of each run of `window` consecutive values.\"\"\"\n"
-    "    if window <= 0:\n"
-    "        raise ValueError(f\"window must be positive, got {window}\")\n"
-    "    return [sum(values[i:i + window]) / window for i in range(len(values) - window + 1)]\n\n"
-    "Quarterly results (in millions of USD): revenue 4,812.5 (+12.3%), operating margin 18.7%, "
-    "net income 611.2, earnings per share $2.41. Guidance for 2025: revenue between 19.4 and 20.1 billion.\n\n"
-    "Ingredients: 250 g flour, 2 eggs, 300 ml milk, a pinch of salt, 1 tbsp melted butter.\n"
-    "1. Whisk the flour and salt. 2. Add the eggs and half the milk, whisk until smooth. "
-    "3. Stir in the rest of the milk and the butter, rest for 30 minutes.\n\n"
-    "In physics, the Schrödinger equation iħ ∂ψ/∂t = Ĥψ describes how the quantum state of a system evolves. "
-    "La tour Eiffel mesure 330 mètres; der Kölner Dom ist 157 Meter hoch; 東京タワーの高さは333メートルです。\n\n"
-    "SELECT customer_id, COUNT(*) AS orders FROM sales WHERE created_at >= '2024-01-01' "
-    "GROUP BY customer_id HAVING COUNT(*) > 5 ORDER BY orders DESC LIMIT 10;\n\n"
-    "Q: What is the capital of Australia? A: Canberra. Q: Who wrote 'Pride and Prejudice'? A: Jane Austen."
-)
+# Prose, dialogue, code, numbers, a recipe, SQL and a few languages: the kinds of text a server sees, in one
+# prefill chunk. Kept as a data file next to this module.
+CALIBRATION_TEXT = (files("nodeserve.engine") / "calibration_text.txt").read_text(encoding="utf-8")
 
 
 def calibration_token_ids(tokenizer) -> list[int]:
@@ -80,10 +59,9 @@ def measure_kv_amax(model: LlamaModel, token_ids: Sequence[int],
     """(K amax per layer, V amax per layer) over one prefill of `token_ids`, in the model's dtype on `device`."""
     ids = list(token_ids)[:model.cfg.max_position_embeddings]
     dtype = model.dtype
-    num_pages = pages_for(len(ids), CALIBRATION_PAGE_SIZE)
-    scratch = KVPool(model.cfg, num_pages, CALIBRATION_PAGE_SIZE, dtype, device)
-    recorder = _AmaxRecorder(scratch)
-    ModelRunner(model, scratch, recorder).run([SeqChunk(ids, 0, list(range(num_pages)), want_logits=False)])
+    scratch = KVPool(model.cfg, pages_for(len(ids), CALIBRATION_PAGE_SIZE), CALIBRATION_PAGE_SIZE, dtype, device)
+    recorder, pages = _AmaxRecorder(scratch), scratch.manager.allocate(scratch.num_pages)
+    ModelRunner(model, scratch, recorder).run([SeqChunk(ids, 0, pages, want_logits=False)])
     k_amax, v_amax = recorder.amax.t().tolist()
     return k_amax, v_amax
 

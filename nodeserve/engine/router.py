@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections import deque
 
 from nodeserve.engine.worker import Worker
-from nodeserve.kv.allocator import OutOfPages
-from nodeserve.kv.pool import pages_for
 from nodeserve.request import Request
 
 
@@ -36,18 +34,20 @@ class Router:
         queued = sum(r.num_prompt_tokens for r in self.pending)
         return queued + sum(w.num_outstanding_prefill_tokens for w in self.prefill_workers + self.decode_workers)
 
+    @property
+    def max_seq_tokens(self) -> int:
+        """The most tokens of KV one request can ever hold: a whole decode pool."""
+        return max(w.kv.num_usable * w.kv.page_size for w in self.decode_workers)
+
     def admit(self, req: Request) -> None:
-        need = pages_for(req.max_total_tokens, self.decode_workers[0].pool.page_size)
-        capacity = max(w.pool.num_usable_pages for w in self.decode_workers)
-        if need > capacity:
-            raise TooLarge(f"the request needs {req.max_total_tokens} tokens of KV cache "
-                           f"(prompt plus max_tokens) but a device holds at most "
-                           f"{capacity * self.decode_workers[0].pool.page_size}; lower max_tokens")
+        if req.max_total_tokens > self.max_seq_tokens:
+            raise TooLarge(f"the prompt has {req.num_prompt_tokens} tokens but a device's KV cache holds at most "
+                           f"{self.max_seq_tokens}")
         if self.prefill_workers and req.num_prompt_tokens >= self.local_prefill_threshold:
-            prefill_capacity = min(w.pool.num_usable_pages for w in self.prefill_workers)
-            if pages_for(req.num_prompt_tokens, self.prefill_workers[0].pool.page_size) > prefill_capacity:
+            capacity = min(w.kv.num_usable * w.kv.page_size for w in self.prefill_workers)
+            if req.num_prompt_tokens > capacity:
                 raise TooLarge(f"the prompt has {req.num_prompt_tokens} tokens but a prefill device holds at most "
-                               f"{prefill_capacity * self.prefill_workers[0].pool.page_size}")
+                               f"{capacity}")
         if req.num_prompt_tokens > self.max_queued_tokens:
             raise TooLarge(f"the prompt has {req.num_prompt_tokens} tokens, more than server.max_queued_tokens "
                            f"({self.max_queued_tokens})")
@@ -60,24 +60,22 @@ class Router:
 
     def abort_pending(self, req: Request) -> bool:
         """Drops a request that has not been placed yet. Returns False if it already left the router."""
-        try:
-            self.pending.remove(req)
-            return True
-        except ValueError:
+        if req not in self.pending:
             return False
+        self.pending.remove(req)
+        return True
 
     def dispatch(self) -> None:
         """Places waiting requests, oldest first, while their decode pages can be reserved."""
         while self.pending:
             req = self.pending[0]
-            need = pages_for(req.max_total_tokens, self.decode_workers[0].pool.page_size)
-            # Decode: the most free pages, then the fewest requests.
-            candidates = sorted(self.decode_workers, key=lambda w: (-w.pool.allocator.num_free, w.num_assigned))
-            try:
-                worker = candidates[0]
-                req.pages = worker.pool.allocator.allocate(need)
-            except OutOfPages:
+            # Decode: a device with a free seat in its batch (so its own short prefills always find one and
+            # nothing it holds waits behind the batch), then the most free pages, then the fewest requests.
+            worker = min((w for w in self.decode_workers if w.num_assigned < w.limits.max_num_seqs),
+                         key=lambda w: (-w.kv.num_free, w.num_assigned), default=None)
+            if worker is None or not worker.kv.can_allocate(worker.kv.blocks_for(req.max_total_tokens)):
                 return
+            req.pages = worker.kv.allocate(worker.kv.blocks_for(req.max_total_tokens))
             self.pending.popleft()
             req.decode_worker = worker
             worker.assign(req)

@@ -105,6 +105,8 @@ class KVTransfer:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._failed: dict[str, str] = {}  # request id -> error of a copy that carried its pages; copy thread only
+        self._stopped = False
+        self.busy_since: float | None = None  # when the job in hand started (the watchdog's view); None: idle
         self.num_bytes = 0        # bytes copied so far
         self.busy_seconds = 0.0   # time spent copying, for the device timeline
         self.records: deque[tuple[float, float, int]] = deque(maxlen=100_000)  # (start, end, bytes) per copy, a ring
@@ -118,7 +120,13 @@ class KVTransfer:
                         self.name)
         self._thread.start()
 
+    @property
+    def dead(self) -> bool:
+        """Its thread ended without being stopped: every later request of this pair would wait forever."""
+        return self._thread.ident is not None and not self._thread.is_alive() and not self._stopped
+
     def stop(self) -> None:
+        self._stopped = True
         self._jobs.put(None)
         self._thread.join(timeout=5)
 
@@ -142,6 +150,7 @@ class KVTransfer:
         src_stream, dst_stream = self.src_device.new_stream(), self.dst_device.new_stream()
         with self.src_device.use_stream(src_stream), self.dst_device.use_stream(dst_stream):
             while (job := self._jobs.get()) is not None:
+                self.busy_since = time.monotonic()
                 try:
                     if isinstance(job, _CopyLayer):
                         self._copy(job)
@@ -154,6 +163,7 @@ class KVTransfer:
                         self._failed.update((rid, error) for rid in job.pages.request_ids)
                     else:
                         self._give_up(job, error)
+                self.busy_since = None
 
     def _copy(self, job: _CopyLayer) -> None:
         start = time.monotonic()

@@ -13,7 +13,6 @@ import time
 import torch
 
 from nodeserve.engine.model_runner import ModelRunner, SeqChunk
-from nodeserve.kv.pool import pages_for
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +25,7 @@ def warmup_runner(runner: ModelRunner) -> None:
         return
     start = time.monotonic()
     num_tokens = WARMUP_PROMPT_TOKENS
-    pages = runner.pool.allocator.allocate(pages_for(num_tokens + 1, runner.pool.page_size))
+    pages = runner.pool.manager.allocate(runner.pool.manager.blocks_for(num_tokens + 1))
     try:
         with torch.cuda.device(runner.device):
             runner.run([SeqChunk([0] * num_tokens, 0, pages)])      # prefill kernels
@@ -35,5 +34,5 @@ def warmup_runner(runner: ModelRunner) -> None:
                 runner.graphs.capture()
             torch.cuda.synchronize(runner.device)
     finally:
-        runner.pool.allocator.free(pages)
+        runner.pool.manager.free(pages)
     log.info("%s: warmed up in %.1fs", runner.device, time.monotonic() - start)

@@ -25,8 +25,8 @@ import torch
 from nodeserve.device import Device
 from nodeserve.engine.model_runner import ModelRunner, SeqChunk
 from nodeserve.engine.sampler import Sampler
-from nodeserve.kv.allocator import OutOfPages
-from nodeserve.kv.pool import KVPool, pages_for
+from nodeserve.kv.manager import KVManager
+from nodeserve.kv.pool import KVPool
 from nodeserve.request import Request, TokenEvent
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class Worker:
                  on_pages_freed: Callable[[], None]):
         self.device, self.role, self.runner, self.sampler = device, role, runner, sampler
         self.pool: KVPool = runner.pool
+        self.kv: KVManager = runner.pool.manager  # this device's pages: the router reserves here, this worker frees
         self.eos_token_ids, self.limits = eos_token_ids, limits
         self._emit_batch, self._on_pages_freed = emit_batch, on_pages_freed
         self.transfers: dict[Worker, KVTransfer] = {}  # decode worker -> transfer, on prefill workers
@@ -71,13 +72,24 @@ class Worker:
         self.num_outstanding_prefill_tokens = 0        # router's load signal for prefill placement
         self.num_assigned = 0                          # requests placed here for decode and not yet finished
         self.records: deque[StepRecord] = deque(maxlen=100_000)
-        self.last_progress = time.monotonic()          # for the watchdog: updated every loop turn
+        self._last_turn = time.monotonic()             # for the watchdog: updated every loop turn
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"worker {device.name}", daemon=True)
 
     @property
     def name(self) -> str:
         return self.device.name
+
+    @property
+    def last_progress(self) -> float:
+        """For the watchdog: when this worker's loop last turned, or, if earlier, when a transfer it feeds
+        started the job it is still on (a stuck copy stalls this worker's requests as surely as a stuck step)."""
+        return min([self._last_turn] + [t.busy_since for t in self.transfers.values() if t.busy_since is not None])
+
+    @property
+    def dead(self) -> bool:
+        """Its thread ended without being stopped: nothing it holds will move again."""
+        return self._thread.ident is not None and not self._thread.is_alive() and not self._stop
 
     # ---- called from other threads -------------------------------------------------------------------
     def start(self) -> None:
@@ -113,13 +125,12 @@ class Worker:
     def _run(self) -> None:
         self.device.init_worker_thread()
         while not self._stop:
-            self._drain_inbox(block=not (self.waiting or self.running))
-            self.last_progress = time.monotonic()
-            if self._stop:
-                break
-            self._drop_aborted()
             try:
-                self._step()
+                self._drain_inbox(block=not (self.waiting or self.running))
+                self._last_turn = time.monotonic()
+                if not self._stop:
+                    self._drop_aborted()
+                    self._step()
             except Exception:  # a bug outside any one request's forward: fail what is in flight, keep serving
                 log.exception("worker %s: step failed", self.name)
                 self._fail_all("internal error in the worker step")
@@ -127,25 +138,22 @@ class Worker:
     def _drain_inbox(self, block: bool) -> None:
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    kind, payload, event = item
+                    if kind == "prefill":
+                        self.waiting.append(payload)
+                    elif kind == "free":
+                        self.device.wait_event(event)
+                        self.kv.free(payload)
+                    else:
+                        self.device.wait_event(event)
+                        payload.num_computed_tokens = payload.num_prompt_tokens
+                        payload.timings["decode_start"] = time.monotonic()
+                        self.running.append(payload)
+                item = self._inbox.get_nowait()
         except queue.Empty:
             return
-        while True:
-            if item is not None:
-                kind, payload, event = item
-                if kind == "prefill":
-                    self.waiting.append(payload)
-                elif kind == "free":
-                    self.device.wait_event(event)
-                    self.pool.allocator.free(payload)
-                else:
-                    self.device.wait_event(event)
-                    payload.num_computed_tokens = payload.num_prompt_tokens
-                    payload.timings["decode_start"] = time.monotonic()
-                    self.running.append(payload)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
 
     def _step(self) -> None:
         decodes = self.running[: self.limits.max_num_seqs]
@@ -167,9 +175,8 @@ class Worker:
         start = time.monotonic()
         chunks = [SeqChunk([r.output_ids[-1]], r.num_computed_tokens, r.pages) for r in decodes]
         for req, n in prefills:
-            c = req.num_computed_tokens
-            chunks.append(SeqChunk(req.prompt_ids[c:c + n], c, self._prefill_table(req),
-                                   want_logits=c + n == req.num_prompt_tokens))
+            c, table = req.num_computed_tokens, req.prefill_pages if req.prefill_elsewhere else req.pages
+            chunks.append(SeqChunk(req.prompt_ids[c:c + n], c, table, want_logits=c + n == req.num_prompt_tokens))
         items = list(decodes) + [r for r, _ in prefills]
         results = self._forward(items, chunks, prefills)
         end = time.monotonic()
@@ -187,10 +194,8 @@ class Worker:
             logits = self.runner.run(chunks, self._layer_hook(prefills))
             rows = iter(logits)
             return [next(rows) if c.want_logits else None for c in chunks]
-        except Exception as batch_error:
-            if len(chunks) == 1:
-                log.error("worker %s: request %s failed: %s", self.name, items[0].request_id, batch_error)
-                return [batch_error]
+        except Exception:
+            pass  # find which request fails, alone
         results: list[torch.Tensor | Exception | None] = []
         for req, chunk in zip(items, chunks):
             own = [(r, n) for r, n in prefills if r is req]
@@ -242,8 +247,11 @@ class Worker:
                                                finish)))
                 if finish is not None:
                     self._retire(req)
+                elif first and req.prefill_elsewhere:
+                    self._hand_off(req)
                 elif first:
-                    self._start_decode(req)
+                    req.timings["decode_start"] = time.monotonic()
+                    self.running.append(req)
         if events:
             self._emit_batch(events)
 
@@ -255,25 +263,14 @@ class Worker:
             return "length"
         return None
 
-    def _start_decode(self, req: Request) -> None:
-        if req.prefill_elsewhere:
-            self._hand_off(req)
-        else:
-            req.timings["decode_start"] = time.monotonic()
-            self.running.append(req)
-
     # ---- pages ---------------------------------------------------------------------------------------
-    def _prefill_table(self, req: Request) -> list[int]:
-        return req.prefill_pages if req.prefill_elsewhere else req.pages
-
     def _ensure_prefill_pages(self, req: Request) -> bool:
         if not req.prefill_elsewhere or req.prefill_pages:
             return True
-        try:
-            req.prefill_pages = self.pool.allocator.allocate(pages_for(req.num_prompt_tokens, self.pool.page_size))
-            return True
-        except OutOfPages:
-            return False
+        num_blocks = self.kv.blocks_for(req.num_prompt_tokens)
+        if self.kv.can_allocate(num_blocks):  # only this thread allocates here: the check holds
+            req.prefill_pages = self.kv.allocate(num_blocks)
+        return bool(req.prefill_pages)
 
     def _layer_hook(self, prefills: list[tuple[Request, int]]) -> Callable[[int], None] | None:
         """Per-layer copy of the pages each remote-bound prefill chunk wrote, started as soon as the layer is done."""
@@ -312,7 +309,7 @@ class Worker:
     def release_reserved(self, req: Request) -> None:
         """Frees a request's decode pages. Called on its decode worker's pool, from the thread holding it."""
         if req.pages:
-            self.pool.allocator.free(req.pages)
+            self.kv.free(req.pages)
             req.pages = []
         with self._lock:
             self.num_assigned -= 1

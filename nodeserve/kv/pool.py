@@ -1,11 +1,11 @@
-"""KVPool: one device's paged K/V tensors, in FlashInfer's NHD layout, plus their allocator and, for FP8 pools,
-the per-layer K and V scales."""
+"""KVPool: one device's paged K/V tensors, in FlashInfer's NHD layout, the KVManager that hands out their pages,
+and, for FP8 pools, the per-layer K and V scales."""
 
 from __future__ import annotations
 
 import torch
 
-from nodeserve.kv.allocator import PageAllocator
+from nodeserve.kv.manager import KVManager
 from nodeserve.model.config import ModelConfig
 
 
@@ -43,8 +43,7 @@ class KVPool:
         self.v_scales = [1.0] * cfg.num_layers
         # Backends are handed a layer tensor, not its index; every layer starts at its own address in `data`.
         self._layer_index = {layer.data_ptr(): i for i, layer in enumerate(self.layers)}
-        self.allocator = PageAllocator(num_pages)
-        self.num_reserved = 0  # pages taken out of circulation for good (reserve_page)
+        self.manager = KVManager(num_pages, page_size)
 
     @property
     def is_fp8(self) -> bool:
@@ -58,17 +57,6 @@ class KVPool:
         """(k_scale, v_scale) of one of this pool's layers."""
         i = self.layer_index(kv_layer)
         return self.k_scales[i], self.v_scales[i]
-
-    def reserve_page(self) -> int:
-        """Takes one page out of circulation for the pool's lifetime (CUDA graph padding rows write there)."""
-        page = self.allocator.allocate(1)[0]
-        self.num_reserved += 1
-        return page
-
-    @property
-    def num_usable_pages(self) -> int:
-        """Pages requests can ever hold: what admission and the page stats count."""
-        return self.num_pages - self.num_reserved
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:

@@ -199,12 +199,15 @@ def _ready_engine(state: ServerState, model: str | None) -> Engine:
 async def health(request: web.Request) -> web.Response:
     state = _state(request)
     body: dict[str, Any] = {"status": state.status}
+    dead = state.engine.dead_threads() if state.engine is not None else []
+    if dead:
+        body.update(status="unhealthy", dead_threads=dead)
     if state.engine is not None and state.engine.router is not None:
         body["kv"] = [asdict(s) for s in state.engine.pool_stats()]
         body["num_pending"] = state.engine.num_pending
         if state.engine.warnings:
             body["warnings"] = list(state.engine.warnings)
-    return web.json_response(body, status=200 if state.status == "ready" else 503)
+    return web.json_response(body, status=200 if body["status"] == "ready" else 503)
 
 
 async def debug_kv(request: web.Request) -> web.Response:

@@ -1,7 +1,7 @@
 """OpenAI wire format: request parsing and validation, response and SSE builders, errors.
 
 Pure functions and dataclasses only (no aiohttp, no engine), so every rule here is unit-testable.
-Conventions follow /work/shared/notes/openai-api.md and vLLM's OpenAI server.
+Conventions follow OpenAI's API reference and vLLM's OpenAI server.
 
 Validation is hand-written rather than pydantic: it keeps the dependency list to what the project
 already has, and gives OpenAI-shaped 400s whose message and `param` name the offending field.

@@ -163,7 +163,7 @@ def test_model_runner_greedy_tokens_equal_torch_backend(fake_flashinfer, loaded_
         pool = KVPool(loaded_fp32.config, 128, 16, torch.float32, torch.device("cpu"))
         runner = ModelRunner(loaded_fp32.model, pool, backend)
         prompts = prompt_ids[:3]
-        tables = [pool.allocator.allocate(pages_for(len(p) + 8, 16)) for p in prompts]
+        tables = [pool.manager.allocate(pages_for(len(p) + 8, 16)) for p in prompts]
         # Chunked prefill of the first prompt (prefix extension) next to whole prompts.
         half = len(prompts[0]) // 2
         runner.run([SeqChunk(prompts[0][:half], 0, tables[0], want_logits=False)])

@@ -146,7 +146,7 @@ def _transfer_bytes_exact(src_name: str, dst_name: str, max_direct_runs: int):
     for layer in range(len(src_pool.layers)):
         transfer.copy_layer(layer, pages)
     req = Request("r", list(range(96)), SamplingParams(max_tokens=2))
-    req.prefill_pages = src_pool.allocator.allocate(6)
+    req.prefill_pages = src_pool.manager.allocate(6)
     delivered, failed = [], []
     transfer.finish(req, lambda r, ev: delivered.append(ev), lambda r: None, lambda r, error: failed.append(error))
     transfer.stop()
@@ -181,7 +181,7 @@ def _greedy_decode(runner, prompts: list[list[int]], num_steps: int) -> list[lis
     from nodeserve.engine.model_runner import SeqChunk
     from nodeserve.kv.pool import pages_for
 
-    tables = [runner.pool.allocator.allocate(pages_for(len(p) + num_steps, runner.pool.page_size)) for p in prompts]
+    tables = [runner.pool.manager.allocate(pages_for(len(p) + num_steps, runner.pool.page_size)) for p in prompts]
     try:
         logits = runner.run([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
         out = [[int(x)] for x in logits.argmax(-1).tolist()]
@@ -192,7 +192,7 @@ def _greedy_decode(runner, prompts: list[list[int]], num_steps: int) -> list[lis
         return out
     finally:
         for t in tables:
-            runner.pool.allocator.free(t)
+            runner.pool.manager.free(t)
 
 
 @needs_flashinfer

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from nodeserve.config import ConfigError, config_from_dict
-from nodeserve.engine.engine import Engine, PromptTooLong, QueueFull, check_fits, weight_bytes
+from nodeserve.engine.engine import Engine, PromptTooLong, QueueFull, TooLarge, check_fits, weight_bytes
 from nodeserve.engine.worker import FORWARD_FAILED
 from nodeserve.sampling_params import SamplingParams
 
@@ -196,3 +196,117 @@ def test_a_gpu_too_small_for_the_weights_or_the_pool_is_a_config_error(loaded_fp
         check_fits("cuda:3", 40 * gib, 65 * gib, 0)
     with pytest.raises(ConfigError, match=r"'kv.memory_gib' = 30 does not fit in cuda:1: 40.0 GiB free, 16.0 GiB"):
         check_fits("cuda:1", 40 * gib, 16 * gib, 30 * gib)
+
+
+def test_drain_error_after_a_token_reaches_the_reader(loaded_fp32, prompt_ids):
+    """fail_all (the drain timeout) after a token: the reader gets the error, not a normal-looking end."""
+    async def body(engine):
+        stream = engine.add_request(prompt_ids[0], _greedy(max_tokens=200))
+        events = [await anext(aiter(stream))]
+        engine.fail_all("the server is shutting down")
+        events += [ev async for ev in stream]
+        return events
+    events = _run(_config("disaggregated"), loaded_fp32, body)
+    assert events[0].token_id is not None
+    assert events[-1].finish_reason == "error" and events[-1].error == "the server is shutting down"
+
+
+def test_abort_wakes_a_reader_waiting_for_the_next_token(loaded_fp32, prompt_ids):
+    """With n > 1 a failing choice aborts its siblings while their readers wait: each must end, not hang."""
+    async def body(engine):
+        streams = [engine.add_request(prompt_ids[i], _greedy(max_tokens=200)) for i in range(2)]
+        readers = [asyncio.create_task(_tokens(s)) for s in streams]
+        await asyncio.sleep(0.2)
+        for s in streams:
+            engine.abort(s)
+        done, _ = await asyncio.wait(readers, timeout=10)
+        return [r.result()[1] for r in done]
+    assert _run(_config("disaggregated"), loaded_fp32, body) == ["abort", "abort"]
+
+
+def test_max_tokens_is_clamped_to_what_a_pool_can_ever_hold(loaded_fp32, prompt_ids):
+    """A chat request without max_tokens (the server's default 2048) on a small pool runs until the pool's limit
+    instead of a 400 that tells the client to lower a max_tokens it never sent; a prompt the pool cannot hold
+    is refused, naming the prompt."""
+    cfg = config_from_dict({"model": {"dtype": "float32"}, "devices": MODES["disaggregated"],
+                            "kv": {"memory_gib": 0.005, "page_size": 16}})
+
+    async def body(engine):
+        capacity = engine.decode_workers[0].pool.manager.num_usable * 16
+        with pytest.raises(TooLarge, match=f"the prompt has {capacity + 1} tokens"):
+            engine.add_request([1] * (capacity + 1), _greedy())
+        tokens, finish = await _tokens(engine.add_request(prompt_ids[0], _greedy(max_tokens=2048)))
+        return capacity, len(tokens), finish
+    capacity, num_tokens, finish = _run(cfg, loaded_fp32, body)
+    assert capacity == 7 * 16  # 5 MiB of float32 KV for SmolLM2: 7 pages
+    assert (num_tokens, finish) == (capacity - len(prompt_ids[0]) + 1, "length")
+
+
+def test_a_fault_outside_the_step_does_not_kill_the_worker(loaded_fp32, prompt_ids, hf_greedy):
+    """The inbox and the abort sweep run inside the loop's guard: a bug there fails what is in flight and the
+    worker keeps serving, instead of its thread dying silently with every later request waiting forever."""
+    async def body(engine):
+        decode = engine.decode_workers[0]
+        sweep, faults = decode._drop_aborted, [1]
+
+        def faulty():
+            if faults and decode.running:
+                faults.pop()
+                raise RuntimeError("injected sweep fault")
+            sweep()
+        decode._drop_aborted = faulty
+        first = await asyncio.wait_for(_tokens(engine.add_request(prompt_ids[0], _greedy())), 60)
+        second = await asyncio.wait_for(_tokens(engine.add_request(prompt_ids[1], _greedy())), 60)
+        return first[1], second, engine.dead_threads()
+    first_finish, second, dead = _run(_config("disaggregated"), loaded_fp32, body)
+    assert first_finish == "error" and second == (hf_greedy[1], "length") and dead == []
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_worker_thread_is_reported(loaded_fp32, prompt_ids):
+    """If a worker's thread does die, the engine names it (/health then answers 503)."""
+    async def main():
+        engine = Engine(_config("disaggregated"), loaded_fp32)
+        engine.start(asyncio.get_running_loop())
+        try:
+            decode = engine.decode_workers[0]
+
+            def broken(*args, **kwargs):
+                raise RuntimeError("injected fault")
+            decode._step = decode._fail_all = broken
+            engine.add_request(prompt_ids[0], _greedy())
+            for _ in range(200):
+                if engine.dead_threads():
+                    break
+                await asyncio.sleep(0.05)
+            return engine.dead_threads()
+        finally:
+            engine.stop()
+    assert asyncio.run(main()) == ["cpu:1"]
+
+
+def test_a_stuck_transfer_stops_the_watchdog(loaded_fp32, prompt_ids, hf_greedy):
+    """A copy thread stuck mid-job stalls its prefill worker's requests: the worker's progress must say so, or
+    the watchdog keeps pinging systemd for a server that no longer serves."""
+    import threading
+
+    from nodeserve.server.systemd import workers_healthy
+
+    async def body(engine):
+        transfer, release = engine.transfers[0], threading.Event()
+        copy_pages = transfer._copy_pages
+
+        def stuck(layer, pages):
+            release.wait(30)
+            return copy_pages(layer, pages)
+        transfer._copy_pages = stuck
+        healthy = workers_healthy(engine.workers, max_stall=1.0)
+        stream = engine.add_request(prompt_ids[0], _greedy())
+        await asyncio.sleep(2.0)
+        stalled = not healthy()
+        release.set()
+        tokens = await _tokens(stream)
+        await asyncio.sleep(1.0)
+        return stalled, healthy(), tokens
+    stalled, healthy_after, tokens = _run(_config("disaggregated"), loaded_fp32, body)
+    assert stalled and healthy_after and tokens == (hf_greedy[0], "length")

@@ -79,8 +79,8 @@ class Harness:
     def request(self, rid: str, num_tokens: int) -> Request:
         req = Request(rid, list(range(num_tokens)), SamplingParams(max_tokens=4))
         n = -(-num_tokens // PAGE_SIZE)
-        req.prefill_pages = self.src_pool.allocator.allocate(n)
-        req.pages = self.dst_pool.allocator.allocate(n + 1)  # prompt + room for the outputs
+        req.prefill_pages = self.src_pool.manager.allocate(n)
+        req.pages = self.dst_pool.manager.allocate(n + 1)  # prompt + room for the outputs
         return req
 
     def prefill(self, req: Request) -> None:
@@ -102,15 +102,15 @@ class Harness:
     def _free_src(self, pages: list[int], event) -> None:
         """What the prefill worker's release_pages does, minus the hop through its inbox."""
         self.log.append((threading.current_thread().name, "free", event))
-        self.src_pool.allocator.free(pages)
+        self.src_pool.manager.free(pages)
 
     def _deliver(self, req: Request, event) -> None:
         self.log.append((threading.current_thread().name, "deliver", req.request_id))
-        self.delivered.append((req.request_id, event, self.src_pool.allocator.num_free))
+        self.delivered.append((req.request_id, event, self.src_pool.manager.num_free))
 
     def _release(self, req: Request) -> None:
         self.log.append((threading.current_thread().name, "release", req.request_id))
-        self.dst_pool.allocator.free(req.pages)
+        self.dst_pool.manager.free(req.pages)
         req.pages = []
         self.released.append(req.request_id)
 
@@ -173,7 +173,7 @@ def test_fifo_across_requests_with_delays(max_direct_runs):
     assert order == expected
     waits = [e[1] for e in copy_log if e[0] == "wait"]
     assert waits == [h.events[(r.request_id, layer)] for r in reqs for layer in range(NUM_LAYERS)]
-    assert h.src_pool.allocator.num_free == NUM_PAGES
+    assert h.src_pool.manager.num_free == NUM_PAGES
     for r in reqs:
         n = -(-r.num_prompt_tokens // PAGE_SIZE)
         for layer in range(NUM_LAYERS):
@@ -201,8 +201,8 @@ def test_aborted_request_releases_its_decode_reservation():
     landed = copy_log[i - 3][1]
     assert [e[0] for e in copy_log[i - 4:i]] == ["record", "record", "free", "sync"] and copy_log[i - 1] == ("sync", landed)
     assert landed[0] == "cpu:1"
-    assert h.src_pool.allocator.num_free == NUM_PAGES
-    assert h.dst_pool.allocator.num_free == NUM_PAGES - len(kept.pages)
+    assert h.src_pool.manager.num_free == NUM_PAGES
+    assert h.dst_pool.manager.num_free == NUM_PAGES - len(kept.pages)
 
 
 def test_a_failed_copy_fails_its_request_and_the_pair_keeps_serving():
@@ -222,8 +222,8 @@ def test_a_failed_copy_fails_its_request_and_the_pair_keeps_serving():
     # Its pages come back only after a host wait on whatever copies of it did run.
     i = copy_log.index(("release", "bad"))
     assert copy_log[i - 1][0] == "sync" and copy_log[i + 1] == ("fail", "bad")
-    assert h.src_pool.allocator.num_free == NUM_PAGES
-    assert h.dst_pool.allocator.num_free == NUM_PAGES - len(good.pages)
+    assert h.src_pool.manager.num_free == NUM_PAGES
+    assert h.dst_pool.manager.num_free == NUM_PAGES - len(good.pages)
     for layer in range(NUM_LAYERS):
         assert torch.equal(h.dst_pool.layers[layer][good.pages[:3]], h.expected["good"][layer])
 
@@ -242,8 +242,8 @@ def test_a_failed_handoff_frees_both_sides_and_fails_the_request():
     h.run(lambda: (h.prefill(bad), h.finish(bad), h.prefill(good), h.finish(good)))
     assert [d[0] for d in h.delivered] == ["good"] and h.released == ["bad"]
     assert [f[0] for f in h.failed] == ["bad"] and "injected" not in h.failed[0][1]
-    assert h.src_pool.allocator.num_free == NUM_PAGES
-    assert h.dst_pool.allocator.num_free == NUM_PAGES - len(good.pages)
+    assert h.src_pool.manager.num_free == NUM_PAGES
+    assert h.dst_pool.manager.num_free == NUM_PAGES - len(good.pages)
 
 
 @pytest.mark.parametrize("src, dst, runs", [

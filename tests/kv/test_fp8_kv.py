@@ -234,7 +234,7 @@ def test_calibration_keeps_large_kv_in_range(fp8_check, loaded_fp32, calibration
 def _greedy_fp32(loaded, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
     pool = KVPool(loaded.config, 128, 16, torch.float32, torch.device("cpu"))
     runner = ModelRunner(loaded.model, pool, TorchAttention())
-    tables = [pool.allocator.allocate(pages_for(len(p) + num_tokens, 16)) for p in prompts]
+    tables = [pool.manager.allocate(pages_for(len(p) + num_tokens, 16)) for p in prompts]
     out = [[t] for t in runner.run([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)]).argmax(-1).tolist()]
     for step in range(num_tokens - 1):
         logits = runner.run([SeqChunk([o[-1]], len(p) + step, t) for p, o, t in zip(prompts, out, tables)])

@@ -77,7 +77,7 @@ def test_quantized_decode_follows_float32_on_the_same_weights(loaded_auto, loade
     agree = total = 0
     max_diff = 0.0
     for ids in prompt_ids[:4]:
-        tables = [r.pool.allocator.allocate(pages_for(len(ids) + 24, 16)) for r in (ref_runner, q_runner)]
+        tables = [r.pool.manager.allocate(pages_for(len(ids) + 24, 16)) for r in (ref_runner, q_runner)]
         ref_logits = ref_runner.run([SeqChunk(ids, 0, tables[0])])
         q_logits = q_runner.run([SeqChunk(ids, 0, tables[1])])
         for step in range(24):
@@ -89,7 +89,7 @@ def test_quantized_decode_follows_float32_on_the_same_weights(loaded_auto, loade
             ref_logits = ref_runner.run([SeqChunk([token], pos, tables[0])])
             q_logits = q_runner.run([SeqChunk([token], pos, tables[1])])
         for r, t in zip((ref_runner, q_runner), tables):
-            r.pool.allocator.free(t)
+            r.pool.manager.free(t)
     assert agree / total >= 0.97, f"{agree}/{total}"
     assert max_diff < 0.1, max_diff  # measured: 96/96 tokens agree, max difference 0.013 (logits span ~75)
 

@@ -427,7 +427,7 @@ def test_logits_match_transformers(converted):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()  # [L, V]
     runner = _new_runner(loaded)
-    pages = runner.pool.allocator.allocate(pages_for(len(ids), PAGE_SIZE))
+    pages = runner.pool.manager.allocate(pages_for(len(ids), PAGE_SIZE))
     rng.shuffle(pages)
     # prefill: every position's logits
     x, positions, meta, _ = runner.prepare([SeqChunk(ids[:n_prefill], 0, pages)])

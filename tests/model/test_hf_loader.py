@@ -126,7 +126,7 @@ def _hf_reference(hf, prompt: list[int], num_new: int) -> tuple[list[int], torch
 
 
 def _shuffled_table(pool: KVPool, num_tokens: int, rng: random.Random) -> list[int]:
-    pages = pool.allocator.allocate(pages_for(num_tokens, pool.page_size))
+    pages = pool.manager.allocate(pages_for(num_tokens, pool.page_size))
     rng.shuffle(pages)
     return pages
 

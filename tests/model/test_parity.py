@@ -16,7 +16,7 @@ def _greedy(loaded, prompts: list[list[int]], page_size: int, prefill_chunk: int
     cfg = loaded.config
     pool = KVPool(cfg, 512, page_size, torch.float32, torch.device("cpu"))
     runner = ModelRunner(loaded.model, pool, TorchAttention())
-    tables = [pool.allocator.allocate(pages_for(len(p) + NUM_NEW_TOKENS, page_size)) for p in prompts]
+    tables = [pool.manager.allocate(pages_for(len(p) + NUM_NEW_TOKENS, page_size)) for p in prompts]
     done = [0] * len(prompts)
     outs: list[list[int]] = [[] for _ in prompts]
     while any(d < len(p) for d, p in zip(done, prompts)):
@@ -37,8 +37,8 @@ def _greedy(loaded, prompts: list[list[int]], page_size: int, prefill_chunk: int
         for o, tok in zip(outs, runner.run(chunks).argmax(-1).tolist()):
             o.append(tok)
     for t in tables:
-        pool.allocator.free(t)
-    assert pool.allocator.num_free == pool.num_pages
+        pool.manager.free(t)
+    assert pool.manager.num_free == pool.num_pages
     return outs
 
 

@@ -1,4 +1,4 @@
-"""PageAllocator: free list, reference counts, errors and thread safety."""
+"""KVManager: free list, reference counts, reserved pages, the leak count, errors and thread safety."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import threading
 
 import pytest
 
-from nodeserve.kv.allocator import OutOfPages, PageAllocator
+from nodeserve.kv.manager import KVManager, OutOfPages
 
 
 def test_allocate_free_round_trip():
-    alloc = PageAllocator(10)
+    alloc = KVManager(10, 16)
     assert alloc.num_free == 10
     a = alloc.allocate(3)
     b = alloc.allocate(4)
@@ -27,14 +27,28 @@ def test_allocate_free_round_trip():
     assert alloc.num_free == 0
 
 
+def test_reserved_pages_leave_circulation_and_the_leak_count_sees_holders():
+    kv = KVManager(8, 16)
+    assert kv.blocks_for(33) == 3 and kv.can_allocate(8) and not kv.can_allocate(9)
+    scratch = kv.reserve()
+    assert (kv.num_usable, kv.num_free, kv.num_used) == (7, 7, 0)
+    held = kv.allocate(3)
+    assert scratch not in held and kv.num_used == 3 and not kv.can_allocate(5)
+    kv.share(held[:1])
+    kv.free(held)
+    assert kv.num_used == 1  # one page still has a holder
+    kv.free(held[:1])
+    assert kv.num_used == 0 and kv.num_free == kv.num_usable == 7
+
+
 def test_allocate_zero_pages():
-    alloc = PageAllocator(2)
+    alloc = KVManager(2, 16)
     assert alloc.allocate(0) == []
     assert alloc.num_free == 2
 
 
 def test_out_of_pages_allocates_nothing():
-    alloc = PageAllocator(5)
+    alloc = KVManager(5, 16)
     held = alloc.allocate(3)
     with pytest.raises(OutOfPages, match="need 3 pages, 2 free"):
         alloc.allocate(3)
@@ -48,7 +62,7 @@ def test_out_of_pages_allocates_nothing():
 
 
 def test_shared_page_is_free_after_last_holder():
-    alloc = PageAllocator(4)
+    alloc = KVManager(4, 16)
     pages = alloc.allocate(2)
     alloc.share(pages)             # a second holder
     alloc.free(pages)
@@ -63,7 +77,7 @@ def test_shared_page_is_free_after_last_holder():
 
 
 def test_double_free_raises():
-    alloc = PageAllocator(3)
+    alloc = KVManager(3, 16)
     pages = alloc.allocate(2)
     alloc.free(pages)
     with pytest.raises(ValueError, match="freed twice"):
@@ -72,14 +86,14 @@ def test_double_free_raises():
 
 
 def test_free_of_never_allocated_page_raises():
-    alloc = PageAllocator(3)
+    alloc = KVManager(3, 16)
     with pytest.raises(ValueError):
         alloc.free([1])
     assert alloc.num_free == 3
 
 
 def test_share_unallocated_page_raises():
-    alloc = PageAllocator(3)
+    alloc = KVManager(3, 16)
     with pytest.raises(ValueError, match="not allocated"):
         alloc.share([0])
     pages = alloc.allocate(1)
@@ -90,7 +104,7 @@ def test_share_unallocated_page_raises():
 
 def test_concurrent_allocate_free():
     num_pages = 64
-    alloc = PageAllocator(num_pages)
+    alloc = KVManager(num_pages, 16)
     errors: list[BaseException] = []
     barrier = threading.Barrier(8)
     in_use: set[int] = set()  # pages some thread holds right now

@@ -1,0 +1,102 @@
+"""Worker's step on a fake runner: no model, no thread (the test turns the loop by hand)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from nodeserve.device import make_device
+from nodeserve.engine.sampler import Sampler
+from nodeserve.engine.worker import Worker, WorkerLimits
+from nodeserve.kv.manager import KVManager
+from nodeserve.request import Request, TokenEvent
+from nodeserve.sampling_params import SamplingParams
+
+VOCAB, POISON = 32, 31
+
+
+class FakeRunner:
+    """Greedy picks last token + 1; a chunk holding POISON raises. Records every step's chunks."""
+
+    def __init__(self, num_pages: int):
+        self.pool = SimpleNamespace(manager=KVManager(num_pages, 16), page_size=16)
+        self.steps: list[list[tuple[int, int]]] = []  # per run: (start_pos, num_tokens) per chunk
+
+    def run(self, chunks, on_layer_done=None) -> torch.Tensor:
+        self.steps.append([(c.start_pos, len(c.token_ids)) for c in chunks])
+        if any(POISON in c.token_ids for c in chunks):
+            raise RuntimeError("injected fault")
+        rows = [torch.nn.functional.one_hot(torch.tensor((c.token_ids[-1] + 1) % VOCAB), VOCAB).float() * 10
+                for c in chunks if c.want_logits]
+        return torch.stack(rows) if rows else torch.zeros(0, VOCAB)
+
+
+def _worker(max_num_seqs: int = 8, max_num_batched_tokens: int = 16, num_pages: int = 32):
+    events: list[tuple[Request, TokenEvent]] = []
+    runner = FakeRunner(num_pages)
+    worker = Worker(make_device("cpu:0"), "colocated", runner, Sampler(torch.device("cpu")), frozenset(),
+                    WorkerLimits(max_num_seqs, max_num_batched_tokens, 1024), events.extend, lambda: None)
+    return worker, runner, events
+
+
+def _admit(worker: Worker, prompt: list[int], max_tokens: int) -> Request:
+    """What the router does for a request prefilled on its decode device."""
+    req = Request(f"r{len(prompt)}-{prompt[0]}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+    req.pages = worker.kv.allocate(worker.kv.blocks_for(req.max_total_tokens))
+    req.decode_worker = req.prefill_worker = worker
+    worker.assign(req)
+    worker.add_prefill(req)
+    return req
+
+
+def _turn(worker: Worker) -> None:
+    worker._drain_inbox(block=False)
+    worker._drop_aborted()
+    worker._step()
+
+
+def test_a_long_prompt_is_chunked_then_decodes_and_gives_every_page_back():
+    worker, runner, events = _worker()
+    req = _admit(worker, [1 + i % 20 for i in range(40)], max_tokens=3)  # ends with token 20
+    for _ in range(5):
+        _turn(worker)
+    assert runner.steps == [[(0, 16)], [(16, 16)], [(32, 8)], [(40, 1)], [(41, 1)]]
+    assert [ev.token_id for _, ev in events] == [21, 22, 23]
+    assert events[-1][1].finish_reason == "length" and req.finished
+    assert worker.kv.num_used == 0 and worker.num_assigned == 0 and not worker.running
+
+
+def test_short_prefills_share_a_step_with_decodes_within_the_seats():
+    worker, runner, events = _worker(max_num_seqs=2)
+    first = _admit(worker, [1, 2, 3], max_tokens=10)
+    _turn(worker)  # first's prefill
+    second = _admit(worker, [5, 6], max_tokens=10)
+    _turn(worker)
+    assert runner.steps[-1] == [(3, 1), (0, 2)]  # first decodes while second prefills
+    assert worker.running == [first, second]
+
+
+def test_a_fault_in_one_request_fails_only_that_request():
+    worker, runner, events = _worker()
+    good = _admit(worker, [1, 2, 3], max_tokens=4)
+    bad = _admit(worker, [4, POISON], max_tokens=4)
+    _turn(worker)  # the batch fails; each is re-run alone
+    assert runner.steps == [[(0, 3), (0, 2)], [(0, 3)], [(0, 2)]]
+    ends = {req.request_id: ev for req, ev in events if ev.finish_reason is not None}
+    assert ends[bad.request_id].finish_reason == "error" and "injected fault" in ends[bad.request_id].error
+    for _ in range(3):
+        _turn(worker)
+    assert [ev.token_id for req, ev in events if req is good] == [4, 5, 6, 7]
+    assert worker.kv.num_used == 0 and worker.num_assigned == 0
+
+
+def test_an_aborted_request_gives_its_pages_back_at_the_next_turn():
+    worker, runner, events = _worker()
+    req = _admit(worker, [1, 2, 3], max_tokens=50)
+    _turn(worker)
+    _turn(worker)
+    assert worker.kv.num_used > 0
+    req.aborted = True
+    _turn(worker)
+    assert worker.kv.num_used == 0 and not worker.running and req.finished
