@@ -8,7 +8,7 @@ import torch
 
 from nodeserve.device import make_device
 from nodeserve.engine.sampler import Sampler
-from nodeserve.engine.worker import Worker, WorkerLimits
+from nodeserve.engine.worker import FORWARD_FAILED, Worker, WorkerLimits
 from nodeserve.kv.manager import KVManager
 from nodeserve.request import Request, TokenEvent
 from nodeserve.sampling_params import SamplingParams
@@ -84,7 +84,7 @@ def test_a_fault_in_one_request_fails_only_that_request():
     _turn(worker)  # the batch fails; each is re-run alone
     assert runner.steps == [[(0, 3), (0, 2)], [(0, 3)], [(0, 2)]]
     ends = {req.request_id: ev for req, ev in events if ev.finish_reason is not None}
-    assert ends[bad.request_id].finish_reason == "error" and "injected fault" in ends[bad.request_id].error
+    assert ends[bad.request_id].finish_reason == "error" and ends[bad.request_id].error == FORWARD_FAILED  # never the raw text
     for _ in range(3):
         _turn(worker)
     assert [ev.token_id for req, ev in events if req is good] == [4, 5, 6, 7]
