@@ -81,7 +81,8 @@ def _compile(cc: str, src: str, out: str) -> None:
 
 
 class NativeKernels:
-    """The loaded library; every method takes contiguous CPU tensors and checks what C cannot."""
+    """The loaded library. Methods take contiguous CPU tensors of the shapes they name and do not check them:
+    C reads raw pointers, so callers (QuantLinear, QuantEmbedding, NativeOps, the attention backend) own that."""
 
     def __init__(self, lib: ctypes.CDLL, path: str):
         self.lib, self.path = lib, path

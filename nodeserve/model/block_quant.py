@@ -118,6 +118,8 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = ids.reshape(-1).to(torch.int64).contiguous()
+        if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < self.num_embeddings:
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")  # C would read past the table
         out = self.kernels.dequantize(self.qtype, self.weight, self.embedding_dim, rows)
         return out.view(*ids.shape, self.embedding_dim)
 

@@ -118,3 +118,8 @@ def test_native_decoder_is_the_module_path_in_one_call(loaded_auto, one_thread):
             model.native_decoder = decoder
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(pools[0].data, pools[1].data, rtol=1e-6, atol=1e-6)
+
+
+def test_embedding_refuses_ids_outside_the_table(loaded_auto):
+    with pytest.raises(IndexError):
+        loaded_auto.model.embed_tokens(torch.tensor([0, loaded_auto.config.vocab_size]))
