@@ -94,6 +94,7 @@ class Plan:
     probe_min_requests: int = 10  # ... clamped to [min, max]
     probe_max_requests: int = 32
     max_probes: int = 4
+    goodput_budget_s: float = 360.0  # no further probe whose arrivals alone would end the search past this
     rate_growth: float = 2.0
     rate_span: float = 16.0       # the search stays within [start / span, start * span]
     rate_rel_tol: float = 0.25    # bisect until the bracket's width <= this share of its low end
@@ -103,7 +104,7 @@ class Plan:
 FULL = Plan()
 QUICK = Plan(calib_lens=(64, 1024), calib_output=8, single_requests=2, single_output=64, conc_requests=32,
              conc_output=16, chat_requests=4, probe_seconds=15.0, probe_min_requests=4, probe_max_requests=6,
-             max_probes=2)
+             max_probes=2, goodput_budget_s=90.0)
 
 
 # ---- pure: headline numbers, brackets, ratios, verdicts, tables ------------------------------------------
@@ -386,9 +387,14 @@ class Runner:
                   f"fixed {_pct(m['attainment']['attainment'])}", flush=True)
             return derived["attainment"]
 
+        t0 = time.perf_counter()
+
+        def can_probe(rate: float) -> bool:  # the probe's arrivals must fit in what is left of the budget
+            return time.perf_counter() - t0 + probe_size(rate, p) / rate <= p.goodput_budget_s
+
         g = S.goodput_search(attainment_at, rate_start, rate_start * p.rate_span, self.slo_target, tol=0.0,
                              growth=p.rate_growth, max_probes=p.max_probes, rate_floor=rate_start / p.rate_span,
-                             rel_tol=p.rate_rel_tol).as_dict()
+                             rel_tol=p.rate_rel_tol, can_probe=can_probe).as_dict()
         g["probes"] = probes
         g["fixed_bracket"] = list(S.bracket_from_points(
             [(q["rate"], q["attainment_fixed"]["attainment"]) for q in probes], self.slo_target))
@@ -650,6 +656,8 @@ def main() -> int:
     ap.add_argument("--probe-seconds", type=float, default=None,
                     help="a probe at rate r sends r * this many requests (default 60, quick 15)")
     ap.add_argument("--max-probes", type=int, default=None, help="goodput probes per target (default 4, quick 2)")
+    ap.add_argument("--goodput-budget", type=float, default=None,
+                    help="seconds per target's goodput search, see above (default 360, quick 90)")
     ap.add_argument("--rate-start", type=float, default=None,
                     help="first goodput probe, req/s, the same for every target (default: 1 / the mean unloaded "
                          "latency of the probe requests under the derived SLO's basis)")
@@ -673,7 +681,8 @@ def main() -> int:
         ap.error("--slo-scale must be > 0")
     plan = QUICK if args.quick else FULL
     overrides = {"chat_requests": args.chat_requests, "probe_max_requests": args.num_requests,
-                 "probe_seconds": args.probe_seconds, "max_probes": args.max_probes}
+                 "probe_seconds": args.probe_seconds, "max_probes": args.max_probes,
+                 "goodput_budget_s": args.goodput_budget}
     plan = replace(plan, **{k: v for k, v in overrides.items() if v is not None})
     plan = replace(plan, probe_min_requests=min(plan.probe_min_requests, plan.probe_max_requests))
     os.makedirs(args.out_dir, exist_ok=True)

@@ -172,7 +172,8 @@ class GoodputResult:
 
 def goodput_search(measure: Callable[[float], float], rate_min: float, rate_max: float,
                    target: float = DEFAULT_SLO_TARGET, tol: float = 0.1, growth: float = 2.0,
-                   max_probes: int = 20, rate_floor: float | None = None, rel_tol: float = 0.0) -> GoodputResult:
+                   max_probes: int = 20, rate_floor: float | None = None, rel_tol: float = 0.0,
+                   can_probe: Callable[[float], bool] | None = None) -> GoodputResult:
     """The highest rate in [rate_min, rate_max] (or [rate_floor, rate_max]) whose measured attainment >= target.
 
     measure(rate) -> attainment in [0, 1] (for a live server: one run at that Poisson rate). Probes
@@ -181,7 +182,8 @@ def goodput_search(measure: Callable[[float], float], rate_min: float, rate_max:
     If rate_min meets, brackets upwards by multiplying the rate by `growth` (capped at rate_max) until a rate
     misses; if rate_max still meets, stops ("at_max"). Then bisects the bracket [last meeting, first missing]
     until its width <= max(tol, rel_tol * low end) (req/s). Every probe is recorded; `bracket` is
-    (highest rate known to meet, lowest rate known to miss), None where that side is unknown.
+    (highest rate known to meet, lowest rate known to miss), None where that side is unknown. The search
+    stops early ("max_probes") after max_probes probes, or when can_probe(next rate) is false (a time budget).
     """
     if not 0 < rate_min <= rate_max:
         raise ValueError(f"need 0 < rate_min <= rate_max, got {rate_min}, {rate_max}")
@@ -196,6 +198,9 @@ def goodput_search(measure: Callable[[float], float], rate_min: float, rate_max:
         points.append((rate, a))
         return a is not None and a >= target
 
+    def out_of_probes(rate: float) -> bool:
+        return len(points) >= max_probes or (can_probe is not None and not can_probe(rate))
+
     lo: float | None
     hi: float | None
     if probe(rate_min):
@@ -205,9 +210,9 @@ def goodput_search(measure: Callable[[float], float], rate_min: float, rate_max:
         while lo is None:  # downwards: only with a floor
             if rate_floor is None or hi <= rate_floor:
                 return GoodputResult(None, "below_min", target, points, (None, hi))
-            if len(points) >= max_probes:
-                return GoodputResult(None, "max_probes", target, points, (None, hi))
             nxt = max(hi / growth, rate_floor)
+            if out_of_probes(nxt):
+                return GoodputResult(None, "max_probes", target, points, (None, hi))
             if probe(nxt):
                 lo = nxt
             else:
@@ -215,17 +220,17 @@ def goodput_search(measure: Callable[[float], float], rate_min: float, rate_max:
     while hi is None:
         if lo >= rate_max:
             return GoodputResult(lo, "at_max", target, points, (lo, None))
-        if len(points) >= max_probes:
-            return GoodputResult(lo, "max_probes", target, points, (lo, None))
         nxt = min(lo * growth, rate_max)
+        if out_of_probes(nxt):
+            return GoodputResult(lo, "max_probes", target, points, (lo, None))
         if probe(nxt):
             lo = nxt
         else:
             hi = nxt
     while hi - lo > max(tol, rel_tol * lo):
-        if len(points) >= max_probes:
-            return GoodputResult(lo, "max_probes", target, points, (lo, hi))
         mid = (lo + hi) / 2
+        if out_of_probes(mid):
+            return GoodputResult(lo, "max_probes", target, points, (lo, hi))
         if probe(mid):
             lo = mid
         else:

@@ -288,6 +288,11 @@ def test_goodput_search_floor_and_probes(S):
     # a start that meets the target goes up exactly as without a floor
     g = S.goodput_search(curve(3.0), 1.0, 16.0, tol=0.05, rate_floor=0.1, max_probes=40)
     assert g.status == "found" and [r for r, _ in g.points[:3]] == [1.0, 2.0, 4.0]
+    # a time budget: the next probe is not run when can_probe says no; the bracket so far stands
+    g = S.goodput_search(curve(0.1), 1.0, 16.0, rate_floor=0.01, can_probe=lambda r: r >= 0.2)
+    assert g.status == "max_probes" and [r for r, _ in g.points] == [1.0, 0.5, 0.25] and g.bracket == (None, 0.25)
+    g = S.goodput_search(curve(3.0), 1.0, 16.0, tol=0.01, can_probe=lambda r: r != 3.0)
+    assert g.status == "max_probes" and g.bracket == (2.0, 4.0) and g.goodput == 2.0
     with pytest.raises(ValueError):
         S.goodput_search(curve(1), 1.0, 2.0, rate_floor=2.0)
     with pytest.raises(ValueError):
