@@ -161,3 +161,33 @@ def test_short_requests_are_seeded(C):
     b = C.short_requests(3, (50, 100), 128, seed=0, kind="concurrent")
     assert [r.prompt for r in a] == [r.prompt for r in b]
     assert all(50 <= r.prompt_len == len(r.prompt) <= 100 and r.max_tokens == 128 for r in a)
+
+
+def test_runner_goodput_on_a_synthetic_server(C):
+    """Runner.goodput's plumbing with serve.measure replaced by a server whose latencies are the SLO basis
+    times (1 + rate): at scale 2 it meets the derived SLO up to 1 req/s; long prompts never meet the fixed one."""
+    S = C.S
+    basis = S.DerivedSlo(S.LinearFit(0.1, 0.001), 0.02)
+    sent = []
+
+    def measure(requests, arrival, rate=None, concurrency=None):
+        assert arrival == "poisson"
+        sent.append((rate, len(requests)))
+        k = 1 + rate
+        recs = [{"ok": True, "prompt_len": r.prompt_len, "ttft": basis.ttft(r.prompt_len) * k, "tpot": basis.tpot * k,
+                 "itl": [0.01], "e2e": 1.0, "n_out": r.max_tokens} for r in requests]
+        return {"rate": rate, "records": recs, "summary": S.summarize(recs, 10.0),
+                "attainment": S.slo_attainment(recs, 2.5, 0.1)}
+
+    r = object.__new__(C.Runner)
+    r.plan = C.Plan(probe_seconds=20, probe_min_requests=10, probe_max_requests=20, max_probes=4)
+    r.seed, r.long_share, r.slo_target, r.measure = 0, None, 0.9, measure
+    g = r.goodput(basis, 2.0, 0.3)
+    assert [q["rate"] for q in g["probes"]] == pytest.approx([0.3, 0.6, 1.2, 0.9])
+    assert [n for _, n in sent] == [10, 12, 20, 18]  # r * 20 s of arrivals, within [10, 20]
+    assert g["status"] == "max_probes" and g["bracket"] == pytest.approx([0.9, 1.2])
+    assert C.goodput_bracket(g) == pytest.approx((0.9, 1.2))
+    assert g["fixed_bracket"] == [0.0, 0.3]  # 20 % long prompts: never 90 % under TTFT <= 2.5 s
+    # the first probe (k = 1.3) scored at every scale: misses at 1, meets from 2 up
+    assert [(q["scale"], q["attainment"]) for q in g["vs_scale"]] == [(1, 0.0), (2, 1.0), (3, 1.0), (5, 1.0), (8, 1.0)]
+    assert "itl" not in g["probes"][0]["records"][0] and g["rate_start"] == 0.3 and g["scale"] == 2.0
