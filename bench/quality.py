@@ -29,7 +29,8 @@ bench/llama_server.py, with `cache_prompt: false`).
 
     python bench/quality.py                                   # ~10-15 min on the 2-core machine
     python bench/quality.py --num-prompts 2 --max-tokens 16   # a smoke run
-    python bench/quality.py --default-extra 'quantization = "int8"' --targets nodeserve-default
+    python bench/quality.py --default-extra 'quantization = "int8"' --targets nodeserve-default \
+        --reuse bench/results/quality/quality.json   # one target again; the reference and the rest from before
 
 Writes --out-dir (default bench/results/quality/): quality.json (command, machine, date, prompts and their
 ids, the reference continuation, every target's outputs and per-position results) and table.md.
@@ -268,6 +269,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4, help="teacher-forced requests in flight")
     ap.add_argument("--llama-threads", type=int, default=2)
     ap.add_argument("--llama-passive", action="store_true", help="OMP_WAIT_POLICY=passive (see llama_server.py)")
+    ap.add_argument("--reuse", default=None, metavar="QUALITY_JSON",
+                    help="take the reference continuations and the targets not in --targets from this earlier "
+                         "quality.json (same prompts and --max-tokens), instead of starting the reference again")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "quality"))
     args = ap.parse_args()
@@ -290,8 +294,21 @@ def main() -> int:
                      "machine": serve.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args),
                      "prompts": prompts, "targets": {}}
     reference = Target("reference", "nodeserve", "float32", 'quantization = "none"')
+    runs = [reference] + [known[n] for n in names]
+    if args.reuse:
+        with open(args.reuse) as f:
+            earlier = json.load(f)
+        if [p["ids"] for p in earlier["prompts"]] != [p["ids"] for p in prompts] or \
+                earlier["args"]["max_tokens"] != args.max_tokens:
+            ap.error(f"{args.reuse} was run on other prompts or another --max-tokens")
+        results["reference"] = {**earlier["reference"], "reused_from": earlier["command"]}
+        refs, ref_ids = results["reference"]["continuations"], results["reference"]["ids"]
+        for name, res in earlier["targets"].items():
+            if name not in names:
+                results["targets"][name] = {**res, "reused_from": earlier["command"]}
+        runs = runs[1:]
     with tempfile.TemporaryDirectory() as tmp:
-        for target in [reference] + [known[n] for n in names]:
+        for target in runs:
             t = time.perf_counter()
             proc, url, config = _start(target, args, tmp, os.path.join(args.out_dir, "logs", f"{target.name}.log"))
             try:
@@ -322,8 +339,11 @@ def main() -> int:
                   f"({a['forced_matches']}/{a['forced_positions']}) in {time.perf_counter() - t:.0f} s", flush=True)
     results["wall_s"] = time.perf_counter() - t_all
     md = table([(n, r["config"], r["score"]) for n, r in results["targets"].items()])
+    reused = [n for n, r in results["targets"].items() if r.get("reused_from")]
     header = (f"# Quality against the float32 reference, {results['date']}\n\n`{results['command']}`\n\n"
-              f"Reference: {results['reference']['config']}. {len(prompts)} prompts "
+              + (f"The reference{''.join(', ' + n for n in reused)} come from the earlier run "
+                 f"`{results['reference']['reused_from']}`.\n\n" if args.reuse else "")
+              + f"Reference: {results['reference']['config']}. {len(prompts)} prompts "
               f"({sum(p['kind'] == 'chat' for p in prompts)} chat, {sum(p['kind'] == 'raw' for p in prompts)} raw), "
               f"up to {args.max_tokens} tokens each, {sum(map(len, refs))} reference tokens in all. "
               f"Wall time {results['wall_s'] / 60:.1f} min.\n\n")
