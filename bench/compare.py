@@ -161,7 +161,7 @@ def headline(res: dict) -> dict:
     chat = _get(res, "chat", "summary")
     g = _get(res, "goodput")
     lo, hi = goodput_bracket(g)
-    flo, fhi = tuple(_get(g, "fixed_bracket") or (None, None))
+    flo, fhi = goodput_bracket({"bracket": _get(g, "fixed_bracket")}) if g else (None, None)
     return {
         "single_tok_s": 1.0 / tpot_single if tpot_single else None,
         "single_tpot": tpot_single,
@@ -396,8 +396,9 @@ class Runner:
                              growth=p.rate_growth, max_probes=p.max_probes, rate_floor=rate_start / p.rate_span,
                              rel_tol=p.rate_rel_tol, can_probe=can_probe).as_dict()
         g["probes"] = probes
-        g["fixed_bracket"] = list(S.bracket_from_points(
-            [(q["rate"], q["attainment_fixed"]["attainment"]) for q in probes], self.slo_target))
+        flo, fhi = S.bracket_from_points([(q["rate"], q["attainment_fixed"]["attainment"]) for q in probes],
+                                         self.slo_target)
+        g["fixed_bracket"] = [flo, None if fhi == math.inf else fhi]  # JSON has no infinity
         g["vs_scale"] = [{k: v for k, v in q.items() if k in ("scale", "attainment", "met", "total")}
                          for q in S.attainment_vs_scale(probes[0]["records"], slo, SCALES)]
         g["rate_start"], g["scale"] = rate_start, scale
@@ -613,8 +614,19 @@ def run_goodput(name: str, args, plan: Plan, tmp: str, log_dir: str, live: list,
     g["wall_s"] = time.perf_counter() - t
     print(f"  {name} goodput (derived SLO, scale {args.slo_scale:g}): "
           f"{fmt_bracket(*goodput_bracket(g), '.3f', ' req/s')} ({g['status']}); fixed SLO: "
-          f"{fmt_bracket(*g['fixed_bracket'], '.3f', ' req/s')}", flush=True)
+          f"{fmt_bracket(*goodput_bracket({'bracket': g['fixed_bracket']}), '.3f', ' req/s')}", flush=True)
     return g
+
+
+def json_safe(obj):
+    """obj with every infinite float (an open bracket end) as None: JSON has no infinity."""
+    if isinstance(obj, float) and math.isinf(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 def derive_slo(results: dict, earlier: dict | None, plan: Plan, seed: int, long_share: float | None
@@ -713,7 +725,7 @@ def main() -> int:
 
     def save() -> None:  # after every pass of every target, so a later failure keeps these
         with open(json_path, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(json_safe(results), f, indent=1)
 
     # SIGTERM unwinds like Ctrl-C, so the finally blocks below stop every server this script started.
     signal.signal(signal.SIGTERM, _interrupt)

@@ -64,6 +64,11 @@ def test_fmt_bracket(C):
     assert C.fmt_bracket(0.0, math.inf) == "-" and C.fmt_bracket(None, None) == "-"
 
 
+def test_headline_fixed_bracket_open_above(C):
+    h = C.headline({"goodput": _g(1.0, 2.0, fixed=(0.5, None))})
+    assert (h["fixed_goodput_lo"], h["fixed_goodput_hi"]) == (0.5, math.inf)
+
+
 def test_headline(C):
     h = C.headline(_result(0.02, 300.0, goodput=_g(2.0, 2.5)))
     assert h["single_tok_s"] == pytest.approx(50.0)
@@ -188,6 +193,14 @@ def test_runner_goodput_on_a_synthetic_server(C):
     assert g["status"] == "max_probes" and g["bracket"] == pytest.approx([0.9, 1.2])
     assert C.goodput_bracket(g) == pytest.approx((0.9, 1.2))
     assert g["fixed_bracket"] == [0.0, 0.3]  # 20 % long prompts: never 90 % under TTFT <= 2.5 s
+    assert C.headline({"goodput": g})["fixed_goodput_lo"] == 0.0
     # the first probe (k = 1.3) scored at every scale: misses at 1, meets from 2 up
     assert [(q["scale"], q["attainment"]) for q in g["vs_scale"]] == [(1, 0.0), (2, 1.0), (3, 1.0), (5, 1.0), (8, 1.0)]
     assert "itl" not in g["probes"][0]["records"][0] and g["rate_start"] == 0.3 and g["scale"] == 2.0
+
+
+def test_json_safe(C):
+    import json
+    out = C.json_safe({"a": [1.0, math.inf, (2, -math.inf)], "b": {"c": math.inf}, "d": "x"})
+    assert out == {"a": [1.0, None, [2, None]], "b": {"c": None}, "d": "x"}
+    json.dumps(out, allow_nan=False)
