@@ -1,43 +1,58 @@
 """nodeserve (disaggregated, colocated) against llama.cpp's llama-server: the same seeded workloads, one
 server at a time on loopback, one table.
 
-For each target it starts the server (bench/local_server.py for nodeserve, bench/llama_server.py for
-llama-server), warms it up with one short and one 1,024-token request, runs four phases through
-bench/serve.py's load generator, and stops it (always: also on an exception or Ctrl-C):
+Two passes over the targets; each pass starts a target's server (bench/local_server.py for nodeserve,
+bench/llama_server.py for llama-server), warms it up with one short and one 1,024-token request, runs its
+phases through bench/serve.py's load generator, and stops it (always: also on an exception or Ctrl-C).
 
+Pass 1, per target:
+0. calibration: one request at a time, prompts of a few lengths spanning the bimodal workload's range
+   (64 to 3,000 tokens), `calib_output` tokens each: the unloaded TTFT per length, fitted as
+   TTFT = a + b * prompt_tokens, and the unloaded TPOT (median), stats.calibrate;
 1. single stream: short prompts (64 tokens), 256 output tokens, one request at a time -> decode tok/s
    (1 / median TPOT) and TPOT;
 2. 32 concurrent short requests: prompts 50-100 tokens, 128 output tokens, 64 requests at concurrency 32
    -> output tok/s, TPOT p99;
-3. bimodal chat at concurrency 16 -> SLO attainment, TTFT p50/p99, TPOT p99, inter-token gap (ITL) p99; on
-   nodeserve it also records the per-device timeline (GET /debug/steps) and plots it;
-4. bimodal goodput: stats.goodput_search over Poisson rates (--rate-min .. --rate-max, --max-probes runs of
-   --num-requests requests each).
+3. bimodal chat at concurrency 16 -> output tok/s, SLO attainment, TTFT p50/p99, TPOT p99, inter-token gap
+   (ITL) p99; on nodeserve it also records the per-device timeline (GET /debug/steps) and plots it.
+
+Between the passes: the machine-derived SLO (DistServe). The lowest TTFT fit and the lowest TPOT over every
+calibrated target (stats.best_slo) are the unloaded basis; at SLO scale s a request must meet
+TTFT <= s * (a + b * prompt_tokens) and TPOT <= s * unloaded TPOT (`--slo-scale`, default 5).
+
+Pass 2, per target:
+4. bimodal goodput: Poisson probes at a start rate common to every target (1 / the mean unloaded latency of
+   the workload's requests under that basis, or `--rate-start`), then up (x2) or down (/2) until the 90 %
+   attainment is bracketed, then bisected while probes last (`--max-probes`). A probe at rate r sends
+   r * `--probe-seconds` requests (clamped to [min, max] requests; the same seeded list, cut). Each probe is
+   also scored against the fixed SLO, which gives the fixed-SLO goodput bracket from the same runs, and the
+   first probe (the common rate) against SLO scales 1, 2, 3, 5, 8 (attainment vs scale).
 
 Every request streams with ignore_eos, so it produces exactly max_tokens tokens, on a new connection
 (serve.run's force_close); every target gets the same requests (same seeds); llama-server gets
-`cache_prompt: false`, as the goodput probes resend the same prompts. SLOs (stats.py): TTFT <= 2.5 s and
-TPOT <= 100 ms for 90 % of requests; --slo-ttft-per-token makes the TTFT SLO length-aware (2.5 s plus that
-many seconds per prompt token; bench/README.md says why the published run uses 4 ms).
+`cache_prompt: false`, as the goodput probes resend the same prompts. The fixed SLO (stats.py): TTFT <= 2.5 s
+and TPOT <= 100 ms for 90 % of requests; --slo-ttft-per-token makes its TTFT length-aware.
 
 llama-server runs with -t 2 by default. Its threads spin at an OpenMP barrier after every op, so when other
 work holds a core it slows down 10-100x; on a machine shared with other work, pass --llama-passive
 (OMP_WAIT_POLICY=passive) and read the load averages recorded per target in results.json.
 
-    python bench/compare.py                      # all three targets, ~30-40 min on the 2-core machine
-    python bench/compare.py --quick              # a ~5-minute smoke version (numbers mean little)
+    python bench/compare.py                      # all three targets, ~30 min on the 2-core machine
+    python bench/compare.py --quick              # a ~10-minute smoke version (numbers mean little)
     python bench/compare.py --targets disaggregated,llama-server --nodeserve-model-extra 'quantization = "fp16"'
 
 Writes into --out-dir (default bench/results/compare/): results.json (machine, date, command, llama-server
-version, every phase's summary per target, phase 3's records), table.md (the table and the issue's targets
-met / not met), latency_cdf.png (phase 3, targets overlaid), attainment_vs_rate.png (phase 4) and
-timeline_<target>.png (phase 3, nodeserve targets).
+version, every phase's summary per target, calibration and probe records, the derived SLO), table.md (the
+tables and the issue's targets met / not met), latency_cdf.png (phase 3, targets overlaid),
+attainment_vs_rate.png and attainment_vs_scale.png (pass 2) and timeline_<target>.png (phase 3, nodeserve).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import random
 import shlex
@@ -58,12 +73,15 @@ from local_server import start_server  # noqa: E402
 TARGETS = ("disaggregated", "colocated", "llama-server")
 NODESERVE = ("disaggregated", "colocated")
 DISAGG, COLOC, LLAMA = TARGETS
+SCALES = (1, 2, 3, 5, 8)  # SLO scales reported at the common rate
 
 
 @dataclass(frozen=True)
 class Plan:
     """How much of each phase to run."""
 
+    calib_lens: tuple[int, ...] = (64, 512, 1024, 2048, 3000)
+    calib_output: int = 32
     single_requests: int = 4
     single_prompt: int = 64
     single_output: int = 256
@@ -72,20 +90,24 @@ class Plan:
     conc_output: int = 128
     chat_requests: int = 48
     chat_concurrency: int = 16
-    goodput_requests: int = 32
+    probe_seconds: float = 60.0   # a probe at rate r sends r * probe_seconds requests ...
+    probe_min_requests: int = 10  # ... clamped to [min, max]
+    probe_max_requests: int = 32
     max_probes: int = 4
-    rate_min: float = 0.25
-    rate_max: float = 4.0
-    rate_tol: float = 0.1
+    goodput_budget_s: float = 360.0  # no further probe whose arrivals alone would end the search past this
+    rate_growth: float = 2.0
+    rate_span: float = 16.0       # the search stays within [start / span, start * span]
+    rate_rel_tol: float = 0.25    # bisect until the bracket's width <= this share of its low end
     warmup: bool = True
 
 
 FULL = Plan()
-QUICK = Plan(single_requests=2, single_output=64, conc_requests=32, conc_output=16, chat_requests=4,
-             goodput_requests=4, max_probes=2, rate_min=0.5, rate_tol=0.25)
+QUICK = Plan(calib_lens=(64, 1024), calib_output=8, single_requests=2, single_output=64, conc_requests=32,
+             conc_output=16, chat_requests=4, probe_seconds=15.0, probe_min_requests=4, probe_max_requests=6,
+             max_probes=2, goodput_budget_s=90.0)
 
 
-# ---- pure: headline numbers, ratios, verdicts, table -------------------------------------------------------
+# ---- pure: headline numbers, brackets, ratios, verdicts, tables ------------------------------------------
 
 def _get(d: dict | None, *keys):
     for k in keys:
@@ -95,93 +117,101 @@ def _get(d: dict | None, *keys):
     return d
 
 
-def goodput_bound(g: dict | None, rate_min: float | None = None) -> tuple[float | None, str | None]:
-    """A goodput search as (value, kind): kind "exact" (bracketed to the tolerance), "lower" (at the rate cap
-    or out of probes: the true goodput is at least this), "upper" (even the lowest rate missed: the goodput
-    is below rate_min), or (None, None) if there is no search."""
+def goodput_bracket(g: dict | None) -> tuple[float | None, float | None]:
+    """A goodput search's bracket as (lo, hi): lo the highest rate that met the target (0.0 if none did),
+    hi the lowest rate above it that missed (inf if none did); (None, None) without a search."""
     if not g:
         return None, None
-    status = g.get("status")
-    if status == "below_min":
-        lo = rate_min if rate_min is not None else (g.get("points") or [{}])[0].get("rate")
-        return (lo, "upper") if lo is not None else (None, None)
-    if g.get("goodput") is None:
+    lo, hi = g.get("bracket") or (None, None)
+    return (lo if lo is not None else 0.0), (hi if hi is not None else math.inf)
+
+
+def bracket_ratio(a: tuple[float | None, float | None], b: tuple[float | None, float | None]
+                  ) -> tuple[float | None, float | None]:
+    """The range of x / y for x in bracket a and y in bracket b (each (lo, hi), 0 <= lo <= hi <= inf):
+    (a_lo / b_hi, a_hi / b_lo), with x / inf = 0 and x / 0 = inf; (None, None) if either is unknown."""
+    if None in a or None in b:
         return None, None
-    return g["goodput"], "exact" if status == "found" else "lower"
+    lo = 0.0 if a[0] == 0 or b[1] == math.inf else a[0] / b[1]
+    hi = math.inf if a[1] == math.inf or b[0] == 0 else a[1] / b[0]
+    return lo, hi
+
+
+def bracket_verdict(lo: float | None, hi: float | None, target: float) -> str:
+    """"met" (the whole bracket >= target), "not met" (all of it below), "undecided", or "n/a"."""
+    if lo is None or hi is None:
+        return "n/a"
+    if lo >= target:
+        return "met"
+    if hi < target:
+        return "not met"
+    return "undecided"
+
+
+def verdict(value: float | None, target: float, higher_is_better: bool = True) -> str:
+    """"met", "not met" or "n/a" (no value) for an exact value."""
+    if value is None:
+        return "n/a"
+    return "met" if (value >= target if higher_is_better else value < target) else "not met"
 
 
 def headline(res: dict) -> dict:
     """The table's numbers for one target's results (None where a phase did not run or had no data)."""
     tpot_single = _get(res, "single", "summary", "tpot", "p50")
     chat = _get(res, "chat", "summary")
-    value, kind = goodput_bound(_get(res, "goodput"), _get(res, "goodput", "rate_min"))
+    g = _get(res, "goodput")
+    lo, hi = goodput_bracket(g)
+    flo, fhi = goodput_bracket({"bracket": _get(g, "fixed_bracket")}) if g else (None, None)
     return {
         "single_tok_s": 1.0 / tpot_single if tpot_single else None,
         "single_tpot": tpot_single,
         "single_ttft": _get(res, "single", "summary", "ttft", "p50"),
         "conc_tok_s": _get(res, "concurrent", "summary", "output_token_throughput"),
         "conc_tpot_p99": _get(res, "concurrent", "summary", "tpot", "p99"),
+        "chat_tok_s": _get(chat, "output_token_throughput"),
         "ttft_p50": _get(chat, "ttft", "p50"), "ttft_p99": _get(chat, "ttft", "p99"),
         "tpot_p99": _get(chat, "tpot", "p99"), "itl_p99": _get(chat, "itl", "p99"),
         "attainment": _get(res, "chat", "attainment", "attainment"),
-        "goodput": value, "goodput_kind": kind,
+        "attainment_derived": _get(res, "chat", "attainment_derived", "attainment"),
+        "goodput_lo": lo, "goodput_hi": hi, "goodput_status": _get(g, "status"),
+        "fixed_goodput_lo": flo, "fixed_goodput_hi": fhi,
         # failed requests over phases 1-3 (goodput probes count theirs as SLO misses)
         "failed": sum(_get(res, phase, "summary", "failed") or 0 for phase in ("single", "concurrent", "chat")),
     }
 
 
-_SIGN = {"exact": 0, "lower": 1, "upper": -1}
-
-
-def ratio(num: float | None, den: float | None, num_kind: str | None = "exact",
-          den_kind: str | None = "exact") -> tuple[float | None, str | None]:
-    """num / den as (value, kind), kind as in goodput_bound: a lower bound over an exact value is a lower
-    bound, over an upper bound too; two bounds the same way give nothing. (None, None) if undefined."""
-    if num is None or den is None or not den or num_kind is None or den_kind is None:
-        return None, None
-    a, b = _SIGN[num_kind], _SIGN[den_kind]
-    if a and a == b:
-        return None, None
-    s = a - b
-    return num / den, "exact" if s == 0 else "lower" if s > 0 else "upper"
-
-
-def verdict(value: float | None, kind: str | None, target: float, higher_is_better: bool = True) -> str:
-    """"met", "not met", "undecided" (a bound on the wrong side of the target) or "n/a" (no value)."""
-    if value is None or kind is None:
-        return "n/a"
-    if not higher_is_better:  # only exact values are compared this way here
-        return "met" if value < target else "not met"
-    if kind == "exact":
-        return "met" if value >= target else "not met"
-    if kind == "lower":
-        return "met" if value >= target else "undecided"
-    return "not met" if value < target else "undecided"
-
-
-# (label, numerator target, denominator target, headline key, target factor)
+# (label, numerator target, denominator target, headline key, target factor): ratios of exact values
 RATIO_TARGETS = (
-    ("single-stream decode tok/s, disaggregated / llama-server", DISAGG, LLAMA, "single_tok_s", 1.0),
+    ("single-stream decode tok/s, disaggregated / llama-server", DISAGG, LLAMA, "single_tok_s", 0.8),
     ("32-concurrent output tok/s, disaggregated / llama-server", DISAGG, LLAMA, "conc_tok_s", 3.0),
-    ("bimodal goodput, disaggregated / llama-server", DISAGG, LLAMA, "goodput", 2.0),
-    ("bimodal goodput, disaggregated / colocated", DISAGG, COLOC, "goodput", 1.5),
+    ("bimodal chat @16 output tok/s, disaggregated / llama-server", DISAGG, LLAMA, "chat_tok_s", 2.0),
+)
+# (label, numerator, denominator, target factor): ratios of goodput brackets under the derived SLO
+GOODPUT_TARGETS = (
+    ("bimodal goodput (derived SLO), disaggregated / llama-server", DISAGG, LLAMA, 2.0),
+    ("bimodal goodput (derived SLO), disaggregated / colocated", DISAGG, COLOC, 1.5),
 )
 ITL_TARGET = 0.150  # disaggregated inter-token gap p99 at concurrency 16, seconds
 
 
 def verdicts(heads: dict[str, dict]) -> list[dict]:
-    """The issue's targets against the headline numbers of the targets that ran."""
+    """The issue's targets against the headline numbers of the targets that ran. Each entry has lo and hi
+    (equal for an exact value; a goodput ratio is a bracket) and a verdict."""
     out = []
     for label, a, b, key, factor in RATIO_TARGETS:
+        x, y = (heads.get(a) or {}).get(key), (heads.get(b) or {}).get(key)
+        value = x / y if x is not None and y else None
+        out.append({"label": label, "lo": value, "hi": value, "target": f">= {factor:g}x",
+                    "verdict": verdict(value, factor)})
+    for label, a, b, factor in GOODPUT_TARGETS:
         ha, hb = heads.get(a) or {}, heads.get(b) or {}
-        kind_key = key + "_kind"
-        value, kind = ratio(ha.get(key), hb.get(key), ha.get(kind_key, "exact"), hb.get(kind_key, "exact"))
-        out.append({"label": label, "value": value, "kind": kind, "target": f">= {factor:g}x",
-                    "verdict": verdict(value, kind, factor)})
+        lo, hi = bracket_ratio((ha.get("goodput_lo"), ha.get("goodput_hi")),
+                               (hb.get("goodput_lo"), hb.get("goodput_hi")))
+        out.append({"label": label, "lo": lo, "hi": hi, "target": f">= {factor:g}x",
+                    "verdict": bracket_verdict(lo, hi, factor)})
     itl = (heads.get(DISAGG) or {}).get("itl_p99")
-    out.append({"label": "inter-token gap p99 at concurrency 16, disaggregated", "value": itl,
-                "kind": "exact" if itl is not None else None, "target": f"< {ITL_TARGET * 1000:g} ms",
-                "verdict": verdict(itl, "exact" if itl is not None else None, ITL_TARGET, higher_is_better=False)})
+    out.append({"label": "inter-token gap p99 at concurrency 16, disaggregated", "lo": itl, "hi": itl,
+                "target": f"< {ITL_TARGET * 1000:g} ms", "verdict": verdict(itl, ITL_TARGET, higher_is_better=False)})
     return out
 
 
@@ -189,31 +219,72 @@ def _num(v: float | None, fmt: str, scale: float = 1.0) -> str:
     return "-" if v is None else format(v * scale, fmt)
 
 
-def _bounded(v: float | None, kind: str | None, fmt: str, suffix: str = "") -> str:
-    if v is None or kind is None:
+def fmt_bracket(lo: float | None, hi: float | None, fmt: str = ".2f", suffix: str = "") -> str:
+    """[lo, hi] as text: "x" if lo == hi, "lo–hi", "< hi" (lo = 0), ">= lo" (hi = inf), "-" if unknown."""
+    if lo is None or hi is None or (lo == 0 and hi == math.inf):
         return "-"
-    return {"exact": "", "lower": ">= ", "upper": "< "}[kind] + format(v, fmt) + suffix
+    if lo == hi:
+        return format(lo, fmt) + suffix
+    if lo == 0:
+        return "< " + format(hi, fmt) + suffix
+    if hi == math.inf:
+        return ">= " + format(lo, fmt) + suffix
+    return f"{lo:{fmt}}–{hi:{fmt}}{suffix}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.0f} %"
 
 
 def build_table(heads: dict[str, dict], checks: list[dict]) -> str:
     """The markdown table (one row per target, in run order) and the targets block."""
-    lines = ["| target | single-stream tok/s | 32-conc output tok/s | TTFT p50 / p99 @16 (s) | TPOT p99 @16 (ms) "
-             "| ITL p99 @16 (ms) | attainment @16 | goodput (req/s) | failed |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| target | single-stream tok/s | 32-conc output tok/s | bimodal @16 output tok/s "
+             "| TTFT p50 / p99 @16 (s) | TPOT p99 @16 (ms) | ITL p99 @16 (ms) | attainment @16 fixed / derived "
+             "| goodput fixed SLO (req/s) | goodput derived SLO (req/s) | failed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, h in heads.items():
-        att = "-" if h["attainment"] is None else f"{h['attainment'] * 100:.0f} %"
         lines.append(f"| {name} | {_num(h['single_tok_s'], '.1f')} | {_num(h['conc_tok_s'], '.1f')} "
+                     f"| {_num(h['chat_tok_s'], '.1f')} "
                      f"| {_num(h['ttft_p50'], '.2f')} / {_num(h['ttft_p99'], '.2f')} "
-                     f"| {_num(h['tpot_p99'], '.0f', 1000)} | {_num(h['itl_p99'], '.0f', 1000)} | {att} "
-                     f"| {_bounded(h['goodput'], h['goodput_kind'], '.2f')} | {h['failed']} |")
+                     f"| {_num(h['tpot_p99'], '.0f', 1000)} | {_num(h['itl_p99'], '.0f', 1000)} "
+                     f"| {_pct(h['attainment'])} / {_pct(h['attainment_derived'])} "
+                     f"| {fmt_bracket(h['fixed_goodput_lo'], h['fixed_goodput_hi'], '.3f')} "
+                     f"| {fmt_bracket(h['goodput_lo'], h['goodput_hi'], '.3f')} | {h['failed']} |")
     lines += ["", "| issue target | measured | target | verdict |", "|---|---:|---:|---|"]
     for c in checks:
         if c["label"].startswith("inter-token"):
-            shown = _num(c["value"], ".0f", 1000) + (" ms" if c["value"] is not None else "")
+            shown = _num(c["lo"], ".0f", 1000) + (" ms" if c["lo"] is not None else "")
         else:
-            shown = _bounded(c["value"], c["kind"], ".2f", "x")
+            shown = fmt_bracket(c["lo"], c["hi"], ".2f", "x")
         lines.append(f"| {c['label']} | {shown} | {c['target']} | {c['verdict']} |")
     return "\n".join(lines) + "\n"
+
+
+def scale_table(results: dict) -> str:
+    """Attainment against SLO scale at the common rate (each target's first goodput probe)."""
+    rows = [(name, _get(res, "goodput", "vs_scale")) for name, res in results["targets"].items()]
+    rows = [(n, v) for n, v in rows if v]
+    if not rows:
+        return ""
+    scales = [p["scale"] for p in rows[0][1]]
+    rate = _get(results, "goodput_plan", "rate_start")
+    lines = [f"Attainment against SLO scale at the common rate ({_num(rate, '.3f')} req/s):", "",
+             "| target | " + " | ".join(f"scale {s:g}" for s in scales) + " |",
+             "|---|" + "---:|" * len(scales)]
+    for name, sweep in rows:
+        lines.append(f"| {name} | " + " | ".join(_pct(p["attainment"]) for p in sweep) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def slo_text(slo: dict | None, scale: float, target: float = S.DEFAULT_SLO_TARGET) -> str:
+    """One line on the derived SLO: its basis, where it came from, and its values at `scale`."""
+    if not slo:
+        return "Derived SLO: none (no target calibrated)."
+    a, b, tpot = slo["ttft_a"], slo["ttft_b"], slo["tpot"]
+    return (f"Derived SLO at scale {scale:g}: TTFT <= {scale:g} x ({a * 1000:.0f} ms + {b * 1000:.3f} ms/prompt token) "
+            f"(TTFT fit from {slo.get('ttft_from', '?')}: {scale * (a + 64 * b):.2f} s at 64 tokens, "
+            f"{scale * (a + 3000 * b):.2f} s at 3,000) and TPOT <= {scale:g} x {tpot * 1000:.1f} ms = "
+            f"{scale * tpot * 1000:.0f} ms (from {slo.get('tpot_from', '?')}), for {target * 100:g} % of requests.")
 
 
 # ---- workloads --------------------------------------------------------------------------------------------
@@ -230,8 +301,18 @@ def short_requests(n: int, prompt: tuple[int, int], output: int, seed: int, kind
 
 # ---- one target -------------------------------------------------------------------------------------------
 
+def probe_size(rate: float, plan: Plan) -> int:
+    """Requests in a goodput probe at `rate`: about plan.probe_seconds of arrivals, within the plan's bounds."""
+    return max(plan.probe_min_requests, min(plan.probe_max_requests, round(rate * plan.probe_seconds)))
+
+
+def _slim(records: list[dict]) -> list[dict]:
+    """Records without their inter-token gaps: what SLO attainment needs, small enough to keep for every probe."""
+    return [{k: v for k, v in r.items() if k != "itl"} for r in records]
+
+
 class Runner:
-    """Runs the four phases against one server url; keeps what serve.measure returns, less the records."""
+    """Runs the phases against one server url; keeps what serve.measure returns, less most records."""
 
     def __init__(self, url: str, plan: Plan, seed: int, slo: tuple[float, float, float], long_share: float | None,
                  extra_body: dict | None = None, ttft_per_token: float = 0.0):
@@ -250,6 +331,19 @@ class Runner:
         reqs = short_requests(1, (32, 32), 8, self.seed + 100, "warmup") + \
             short_requests(1, (1024, 1024), 2, self.seed + 101, "warmup")
         self.measure(reqs, "concurrency", concurrency=1)
+
+    def calibrate(self) -> dict:
+        """Phase 0: one request at a time at each calibration length -> records and the unloaded SLO basis."""
+        p = self.plan
+        reqs = [r for k, n in enumerate(p.calib_lens)
+                for r in short_requests(1, (n, n), p.calib_output, self.seed + 200 + k, "calibration")]
+        m = self.measure(reqs, "concurrency", concurrency=1)
+        out = {"records": _slim(m["records"]), "summary": m["summary"]}
+        try:
+            out["slo"] = S.calibrate(m["records"]).as_dict()
+        except ValueError as e:  # every request failed: this target gives no basis
+            out["error"] = str(e)
+        return out
 
     def single(self) -> dict:
         p = self.plan
@@ -276,12 +370,38 @@ class Runner:
         out["attainment_fixed_ttft"] = S.slo_attainment(m["records"], self.slo_ttft, self.slo_tpot)
         return out, snap, t0
 
-    def goodput(self) -> dict:
+    def goodput(self, slo: S.DerivedSlo, scale: float, rate_start: float) -> dict:
+        """Phase 4: the goodput search under the derived SLO at `scale`, from `rate_start`; every probe is also
+        scored against the fixed SLO, and the first one against SCALES."""
         p = self.plan
-        reqs = W.generate("bimodal", p.goodput_requests, self.seed + 1, long_share=self.long_share)
-        g, _ = serve.search_goodput(lambda rate: self.measure(reqs, "poisson", rate=rate), p.rate_min, p.rate_max,
-                                    self.slo_target, p.rate_tol, p.max_probes, report=False)
-        g["rate_min"] = p.rate_min
+        pool = W.generate("bimodal", p.probe_max_requests, self.seed + 1, long_share=self.long_share)
+        probes: list[dict] = []
+
+        def attainment_at(rate: float) -> float | None:
+            n = probe_size(rate, p)
+            m = self.measure(pool[:n], "poisson", rate=rate)
+            derived = S.slo_attainment(m["records"], *slo.at(scale))
+            probes.append({"rate": rate, "num_requests": n, "summary": m["summary"], "attainment": derived,
+                           "attainment_fixed": m["attainment"], "records": _slim(m["records"])})
+            print(f"    probe {rate:.3f} req/s x {n}: derived {_pct(derived['attainment'])}, "
+                  f"fixed {_pct(m['attainment']['attainment'])}", flush=True)
+            return derived["attainment"]
+
+        t0 = time.perf_counter()
+
+        def can_probe(rate: float) -> bool:  # the probe's arrivals must fit in what is left of the budget
+            return time.perf_counter() - t0 + probe_size(rate, p) / rate <= p.goodput_budget_s
+
+        g = S.goodput_search(attainment_at, rate_start, rate_start * p.rate_span, self.slo_target, tol=0.0,
+                             growth=p.rate_growth, max_probes=p.max_probes, rate_floor=rate_start / p.rate_span,
+                             rel_tol=p.rate_rel_tol, can_probe=can_probe).as_dict()
+        g["probes"] = probes
+        flo, fhi = S.bracket_from_points([(q["rate"], q["attainment_fixed"]["attainment"]) for q in probes],
+                                         self.slo_target)
+        g["fixed_bracket"] = [flo, None if fhi == math.inf else fhi]  # JSON has no infinity
+        g["vs_scale"] = [{k: v for k, v in q.items() if k in ("scale", "attainment", "met", "total")}
+                         for q in S.attainment_vs_scale(probes[0]["records"], slo, SCALES)]
+        g["rate_start"], g["scale"] = rate_start, scale
         return g
 
 
@@ -292,11 +412,10 @@ def _brief(m: dict) -> dict:
 def _line(name: str, phase: str, m: dict) -> str:
     s, a = m["summary"], m["attainment"]
     f = lambda d, k: "-" if d[k] is None else f"{d[k] * 1000:.0f}"  # noqa: E731
-    att = "-" if a["attainment"] is None else f"{a['attainment'] * 100:.0f} %"
     return (f"  {name} {phase}: {s['succeeded']}/{s['requests']} ok in {s['duration_s']:.1f} s, "
             f"{s['output_token_throughput'] or 0:.1f} out tok/s, TTFT p50 {f(s['ttft'], 'p50')} ms, "
             f"TPOT p50/p99 {f(s['tpot'], 'p50')}/{f(s['tpot'], 'p99')} ms, ITL p99 {f(s['itl'], 'p99')} ms, "
-            f"attainment {att}")
+            f"attainment {_pct(a['attainment'])}")
 
 
 # ---- plots ------------------------------------------------------------------------------------------------
@@ -333,6 +452,42 @@ def plot_cdfs(results: dict, path: str, slo: tuple[float, float]) -> str:
 
 
 def plot_attainment(results: dict, path: str) -> str:
+    """Attainment against the Poisson rate of every goodput probe: the derived SLO (solid) and the fixed one
+    (dotted), per target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    target = None
+    for k, (name, res) in enumerate(results["targets"].items()):
+        g = res.get("goodput")
+        if not g:
+            continue
+        target, color = g["target"], f"C{k}"
+        for key, style, label in (("attainment", "o-", f"{name}, derived SLO"),
+                                  ("attainment_fixed", "x:", f"{name}, fixed SLO")):
+            pts = sorted((q["rate"], q[key]["attainment"]) for q in g["probes"] if q[key]["attainment"] is not None)
+            ax.plot([r for r, _ in pts], [a * 100 for _, a in pts], style, color=color, label=label)
+    if target is not None:
+        ax.axhline(target * 100, color="red", linestyle="--", label=f"target {target * 100:g} %")
+    ax.set_xscale("log")
+    ax.set_xlabel("Poisson rate (req/s, log scale)")
+    ax.set_ylabel("SLO attainment (%)")
+    ax.set_ylim(0, 101)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left", fontsize=7)
+    ax.set_title(f"bimodal: derived SLO at scale {results['slo']['scale']:g} vs fixed "
+                 f"(TTFT <= {results['slo']['ttft']:g} s, TPOT <= {results['slo']['tpot'] * 1000:g} ms)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_scale(results: dict, path: str) -> str:
+    """Attainment against the SLO scale at the common rate (each target's first probe)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -342,19 +497,20 @@ def plot_attainment(results: dict, path: str) -> str:
     target = None
     for name, res in results["targets"].items():
         g = res.get("goodput")
-        if not g:
+        if not g or not g.get("vs_scale"):
             continue
         target = g["target"]
-        pts = sorted((p["rate"], p["attainment"]) for p in g["points"] if p["attainment"] is not None)
-        ax.plot([r for r, _ in pts], [a * 100 for _, a in pts], "o-", label=name)
+        pts = [(q["scale"], q["attainment"]) for q in g["vs_scale"] if q["attainment"] is not None]
+        ax.plot([s for s, _ in pts], [a * 100 for _, a in pts], "o-", label=name)
     if target is not None:
         ax.axhline(target * 100, color="red", linestyle="--", label=f"target {target * 100:g} %")
-    ax.set_xlabel("Poisson rate (req/s)")
+    ax.set_xlabel("SLO scale (x the best unloaded TTFT(prompt length) and TPOT)")
     ax.set_ylabel("SLO attainment (%)")
     ax.set_ylim(0, 101)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower left", fontsize=8)
-    ax.set_title(f"bimodal: TTFT <= {results['slo']['ttft']:g} s and TPOT <= {results['slo']['tpot'] * 1000:g} ms")
+    ax.legend(loc="lower right", fontsize=8)
+    rate = _get(results, "goodput_plan", "rate_start")
+    ax.set_title(f"bimodal at Poisson {_num(rate, '.3f')} req/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -374,9 +530,9 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_target(name: str, args, plan: Plan, tmp: str, log_dir: str, live: list) -> dict:
-    """Starts the target's server, runs the phases, stops it; returns its results."""
-    log = os.path.join(log_dir, f"{name}.log")
+@contextlib.contextmanager
+def serving(name: str, args, tmp: str, log: str, live: list):
+    """Starts the target's server and yields (url, info); stops it on the way out, whatever happens."""
     t = time.perf_counter()
     if name == LLAMA:
         if os.getloadavg()[0] > 0.5 and not args.llama_passive and args.llama_threads > 1:
@@ -397,15 +553,39 @@ def run_target(name: str, args, plan: Plan, tmp: str, log_dir: str, live: list) 
     info["loadavg_at_start"] = os.getloadavg()
     info["log"] = log
     print(f"{name}: up in {info['start_s']:.1f} s at {url}", flush=True)
-    res: dict = {"server": info}
     try:
-        # llama-server keeps each slot's last prompt and reuses its KV for a request with the same prefix; the
-        # goodput probes resend the same requests, so without this its later probes would skip most prefill
-        extra = {"cache_prompt": False} if name == LLAMA else {}
-        r = Runner(url, plan, args.seed, (args.slo_ttft, args.slo_tpot, args.slo_target), args.long_share, extra,
-                   args.slo_ttft_per_token)
-        if plan.warmup:
-            r.warmup()
+        yield url, info
+    finally:
+        info["loadavg_at_end"] = os.getloadavg()  # other work on the 2 cores shows here
+        _stop(proc)
+        live.remove(proc)
+
+
+def _runner(name: str, url: str, args, plan: Plan) -> Runner:
+    # llama-server keeps each slot's last prompt and reuses its KV for a request with the same prefix; the
+    # goodput probes resend the same requests, so without this its later probes would skip most prefill
+    extra = {"cache_prompt": False} if name == LLAMA else {}
+    r = Runner(url, plan, args.seed, (args.slo_ttft, args.slo_tpot, args.slo_target), args.long_share, extra,
+               args.slo_ttft_per_token)
+    if plan.warmup:
+        r.warmup()
+    return r
+
+
+def run_target(name: str, args, plan: Plan, tmp: str, log_dir: str, live: list) -> dict:
+    """Pass 1 for one target: calibration and phases 1-3."""
+    t = time.perf_counter()
+    res: dict = {}
+    with serving(name, args, tmp, os.path.join(log_dir, f"{name}.log"), live) as (url, info):
+        res["server"] = info
+        r = _runner(name, url, args, plan)
+        res["calibration"] = r.calibrate()
+        c = res["calibration"]
+        if "slo" in c:
+            print(f"  {name} calibration: TTFT = {c['slo']['ttft_a'] * 1000:.0f} ms + "
+                  f"{c['slo']['ttft_b'] * 1000:.3f} ms/token, TPOT {c['slo']['tpot'] * 1000:.1f} ms", flush=True)
+        else:
+            print(f"  {name} calibration failed: {c['error']}", flush=True)
         res["single"] = r.single()
         print(_line(name, "single stream", res["single"]), flush=True)
         res["concurrent"] = r.concurrent()
@@ -420,25 +600,57 @@ def run_target(name: str, args, plan: Plan, tmp: str, log_dir: str, live: list) 
                           f"nodeserve {name}: bimodal chat at concurrency {plan.chat_concurrency}")
             busy = ", ".join(f"{k} busy {v['busy'] * 100:.0f} %" for k, v in res["timeline"].items())
             print(f"  {name} timeline: {busy} -> {png}", flush=True)
-        res["goodput"] = r.goodput()
-        value, kind = goodput_bound(res["goodput"], plan.rate_min)
-        pts = ", ".join(f"{p['rate']:.2f}->" + ("-" if p["attainment"] is None else f"{p['attainment'] * 100:.0f}%")
-                        for p in res["goodput"]["points"])
-        print(f"  {name} goodput: {_bounded(value, kind, '.2f', ' req/s')} ({res['goodput']['status']}); "
-              f"probes {pts}", flush=True)
-    finally:
-        info["loadavg_at_end"] = os.getloadavg()  # other work on the 2 cores shows here
-        _stop(proc)
-        live.remove(proc)
     res["wall_s"] = time.perf_counter() - t
     return res
+
+
+def run_goodput(name: str, args, plan: Plan, tmp: str, log_dir: str, live: list, slo: S.DerivedSlo,
+                rate_start: float) -> dict:
+    """Pass 2 for one target: the goodput search under the derived SLO."""
+    t = time.perf_counter()
+    with serving(name, args, tmp, os.path.join(log_dir, f"{name}-goodput.log"), live) as (url, info):
+        g = _runner(name, url, args, plan).goodput(slo, args.slo_scale, rate_start)
+        g["server"] = info
+    g["wall_s"] = time.perf_counter() - t
+    print(f"  {name} goodput (derived SLO, scale {args.slo_scale:g}): "
+          f"{fmt_bracket(*goodput_bracket(g), '.3f', ' req/s')} ({g['status']}); fixed SLO: "
+          f"{fmt_bracket(*goodput_bracket({'bracket': g['fixed_bracket']}), '.3f', ' req/s')}", flush=True)
+    return g
+
+
+def json_safe(obj):
+    """obj with every infinite float (an open bracket end) as None: JSON has no infinity."""
+    if isinstance(obj, float) and math.isinf(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def derive_slo(results: dict, earlier: dict | None, plan: Plan, seed: int, long_share: float | None
+               ) -> tuple[S.DerivedSlo | None, dict]:
+    """The SLO basis: an earlier run's (with --reuse, so reused goodput results stay comparable), else the
+    best calibration over the targets."""
+    if earlier and earlier.get("derived_slo"):
+        d = dict(earlier["derived_slo"])
+        d["reused_from"] = earlier["command"]
+        return S.DerivedSlo.from_dict(d), d
+    slos = {n: S.DerivedSlo.from_dict(r["calibration"]["slo"]) for n, r in results["targets"].items()
+            if _get(r, "calibration", "slo")}
+    if not slos:
+        return None, {}
+    lens = [r.prompt_len for r in W.generate("bimodal", plan.probe_max_requests, seed + 1, long_share=long_share)]
+    slo, src = S.best_slo(slos, lens)
+    return slo, {**slo.as_dict(), **src}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated subset of {','.join(TARGETS)}")
-    ap.add_argument("--quick", action="store_true", help="a ~5-minute smoke version of every phase")
+    ap.add_argument("--quick", action="store_true", help="a ~10-minute smoke version of every phase")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "compare"))
     ap.add_argument("--seed", type=int, default=0)
@@ -451,31 +663,40 @@ def main() -> int:
     ap.add_argument("--llama-slots", type=int, default=L.DEFAULT_SLOTS)
     ap.add_argument("--llama-slot-ctx", type=int, default=L.DEFAULT_SLOT_CTX, help="context per slot, tokens")
     ap.add_argument("--chat-requests", type=int, default=None, help="phase 3 requests (default 48, quick 4)")
-    ap.add_argument("--num-requests", type=int, default=None, help="requests per goodput probe (default 32, "
-                                                                   "quick 4)")
+    ap.add_argument("--num-requests", type=int, default=None,
+                    help="most requests in a goodput probe (default 32, quick 6)")
+    ap.add_argument("--probe-seconds", type=float, default=None,
+                    help="a probe at rate r sends r * this many requests (default 60, quick 15)")
     ap.add_argument("--max-probes", type=int, default=None, help="goodput probes per target (default 4, quick 2)")
-    ap.add_argument("--rate-min", type=float, default=None, help="req/s (default 0.25, quick 0.5)")
-    ap.add_argument("--rate-max", type=float, default=None, help="req/s (default 4)")
-    ap.add_argument("--rate-tol", type=float, default=None, help="req/s (default 0.1, quick 0.25)")
+    ap.add_argument("--goodput-budget", type=float, default=None,
+                    help="seconds per target's goodput search, see above (default 360, quick 90)")
+    ap.add_argument("--rate-start", type=float, default=None,
+                    help="first goodput probe, req/s, the same for every target (default: 1 / the mean unloaded "
+                         "latency of the probe requests under the derived SLO's basis)")
     ap.add_argument("--long-share", type=float, default=None, help="bimodal share of long prompts (default 0.2)")
-    ap.add_argument("--slo-ttft", type=float, default=S.DEFAULT_SLO_TTFT, help="seconds")
-    ap.add_argument("--slo-tpot", type=float, default=S.DEFAULT_SLO_TPOT, help="seconds")
+    ap.add_argument("--slo-scale", type=float, default=5.0, help="derived SLO scale for the goodput search")
+    ap.add_argument("--slo-ttft", type=float, default=S.DEFAULT_SLO_TTFT, help="fixed SLO: seconds")
+    ap.add_argument("--slo-tpot", type=float, default=S.DEFAULT_SLO_TPOT, help="fixed SLO: seconds")
     ap.add_argument("--slo-target", type=float, default=S.DEFAULT_SLO_TARGET)
     ap.add_argument("--slo-ttft-per-token", type=float, default=0.0,
-                    help="length-aware TTFT SLO: seconds allowed per prompt token on top of --slo-ttft (default 0)")
+                    help="fixed SLO, length-aware: seconds allowed per prompt token on top of --slo-ttft")
+    ap.add_argument("--skip-goodput", action="store_true", help="pass 1 only (calibration and phases 1-3)")
     ap.add_argument("--reuse", default=None, metavar="RESULTS_JSON",
-                    help="take the targets not in --targets from this earlier results.json (its command is kept "
-                         "in the new one), so one target can be re-run without re-running the others")
+                    help="take the targets not in --targets, and the derived SLO, from this earlier results.json "
+                         "(its command is kept in the new one), so one target can be re-run without the others")
     args = ap.parse_args()
 
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     if not targets or any(t not in TARGETS for t in targets):
         ap.error(f"--targets must name some of {', '.join(TARGETS)}")
+    if args.slo_scale <= 0:
+        ap.error("--slo-scale must be > 0")
     plan = QUICK if args.quick else FULL
-    overrides = {"chat_requests": args.chat_requests, "goodput_requests": args.num_requests,
-                 "max_probes": args.max_probes, "rate_min": args.rate_min, "rate_max": args.rate_max,
-                 "rate_tol": args.rate_tol}
+    overrides = {"chat_requests": args.chat_requests, "probe_max_requests": args.num_requests,
+                 "probe_seconds": args.probe_seconds, "max_probes": args.max_probes,
+                 "goodput_budget_s": args.goodput_budget}
     plan = replace(plan, **{k: v for k, v in overrides.items() if v is not None})
+    plan = replace(plan, probe_min_requests=min(plan.probe_min_requests, plan.probe_max_requests))
     os.makedirs(args.out_dir, exist_ok=True)
     log_dir = os.path.join(args.out_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
@@ -484,13 +705,14 @@ def main() -> int:
         "command": " ".join([os.path.basename(sys.executable)] + [shlex.quote(a) for a in sys.argv]),
         "machine": serve.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args),
         "plan": asdict(plan), "slo": {"ttft": args.slo_ttft, "tpot": args.slo_tpot, "target": args.slo_target,
-                                        "ttft_per_token": args.slo_ttft_per_token},
+                                        "ttft_per_token": args.slo_ttft_per_token, "scale": args.slo_scale},
         "targets": {}}
     if LLAMA in targets:
         try:
             results["llama_server_binary_version"] = L.binary_version()
         except Exception as e:  # recorded, not fatal: the xllamacpp backend may still run
             results["llama_server_binary_version"] = f"unavailable: {e}"
+    earlier = None
     if args.reuse:
         with open(args.reuse) as f:
             earlier = json.load(f)
@@ -501,6 +723,10 @@ def main() -> int:
         results["reused_command"] = earlier["command"]
     json_path = os.path.join(args.out_dir, "results.json")
 
+    def save() -> None:  # after every pass of every target, so a later failure keeps these
+        with open(json_path, "w") as f:
+            json.dump(json_safe(results), f, indent=1)
+
     # SIGTERM unwinds like Ctrl-C, so the finally blocks below stop every server this script started.
     signal.signal(signal.SIGTERM, _interrupt)
     live: list = []
@@ -509,8 +735,24 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             for name in targets:
                 results["targets"][name] = run_target(name, args, plan, tmp, log_dir, live)
-                with open(json_path, "w") as f:  # after every target, so a later failure keeps these
-                    json.dump(results, f, indent=1)
+                save()
+            slo, results["derived_slo"] = derive_slo(results, earlier, plan, args.seed, args.long_share)
+            if slo is not None:
+                print(slo_text(results["derived_slo"], args.slo_scale, args.slo_target), flush=True)
+                for res in results["targets"].values():
+                    if _get(res, "chat", "records"):
+                        res["chat"]["attainment_derived"] = S.slo_attainment(res["chat"]["records"],
+                                                                             *slo.at(args.slo_scale))
+                pool = W.generate("bimodal", plan.probe_max_requests, args.seed + 1, long_share=args.long_share)
+                rate_start = args.rate_start or _get(earlier, "goodput_plan", "rate_start") or \
+                    1.0 / S.unloaded_service_time(slo, [(r.prompt_len, r.max_tokens) for r in pool])
+                results["goodput_plan"] = {"rate_start": rate_start, "scale": args.slo_scale}
+                if not args.skip_goodput:
+                    print(f"goodput searches from {rate_start:.3f} req/s", flush=True)
+                    for name in targets:
+                        results["targets"][name]["goodput"] = run_goodput(name, args, plan, tmp, log_dir, live,
+                                                                          slo, rate_start)
+                        save()
     finally:
         for proc in list(live):
             _stop(proc)
@@ -529,20 +771,21 @@ def main() -> int:
               f"`{results['command']}`\n\n"
               + (f"Targets not re-run ({', '.join(n for n in results['targets'] if n not in targets)}) come from "
                  f"the earlier run `{results['reused_command']}`.\n\n" if args.reuse else "")
-              + 
-              f"Machine: {m.get('cpu_model')}, {m.get('logical_cpus')} logical CPUs, {m.get('mem_total_gib')} GiB. "
-              f"llama-server: {results.get('llama_server', 'not run')}. SLOs: TTFT <= {args.slo_ttft:g} s"
+              + f"Machine: {m.get('cpu_model')}, {m.get('logical_cpus')} logical CPUs, {m.get('mem_total_gib')} GiB. "
+              f"llama-server: {results.get('llama_server', 'not run')}. Fixed SLO: TTFT <= {args.slo_ttft:g} s"
               + (f" + {args.slo_ttft_per_token * 1000:g} ms per prompt token" if args.slo_ttft_per_token else "")
-              + " and "
-              f"TPOT <= {args.slo_tpot * 1000:g} ms for {args.slo_target * 100:g} % of requests. "
-              f"Wall time {results['wall_s'] / 60:.1f} min.\n\n")
+              + f" and TPOT <= {args.slo_tpot * 1000:g} ms for {args.slo_target * 100:g} % of requests. "
+              + slo_text(results.get("derived_slo"), args.slo_scale, args.slo_target)
+              + f" Wall time {results['wall_s'] / 60:.1f} min.\n\n")
+    scales = scale_table(results)
     with open(os.path.join(args.out_dir, "table.md"), "w") as f:
-        f.write(header + table)
-    with open(json_path, "w") as f:
-        json.dump(results, f, indent=1)
-    paths = [plot_cdfs(results, os.path.join(args.out_dir, "latency_cdf.png"), (args.slo_ttft, args.slo_tpot)),
-             plot_attainment(results, os.path.join(args.out_dir, "attainment_vs_rate.png"))]
-    print("\n" + table)
+        f.write(header + table + ("\n" + scales if scales else ""))
+    save()
+    paths = [plot_cdfs(results, os.path.join(args.out_dir, "latency_cdf.png"), (args.slo_ttft, args.slo_tpot))]
+    if any(_get(r, "goodput") for r in results["targets"].values()):
+        paths += [plot_attainment(results, os.path.join(args.out_dir, "attainment_vs_rate.png")),
+                  plot_scale(results, os.path.join(args.out_dir, "attainment_vs_scale.png"))]
+    print("\n" + table + ("\n" + scales if scales else ""))
     print(f"wall time {results['wall_s']:.0f} s")
     for p in [json_path, os.path.join(args.out_dir, "table.md"), *paths]:
         print(f"-> {p}")

@@ -1,6 +1,6 @@
 """Load generator for any OpenAI-compatible endpoint: latency percentiles, SLO attainment and goodput.
 
-Sends a seeded workload (bench/workloads.py: bimodal chat, summarization, agent loop) to `/v1/completions`,
+Sends a seeded workload (bench/workloads.py: bimodal chat, summarization, agent loop, multi-turn chat) to `/v1/completions`,
 streamed, with `ignore_eos: true` (so every request produces exactly `max_tokens` tokens) and
 `stream_options.include_usage` (the output token count comes from `usage.completion_tokens`). Arrivals:
 
@@ -103,10 +103,22 @@ async def send(session, url: str, model: str, req: W.Request, headers: dict, ext
 
 # ---- one run ----------------------------------------------------------------------------------------------
 
+def conversations(requests: list[W.Request]) -> list[list[int]]:
+    """Request indices grouped into what must run in order: a multi-turn conversation's turns (by turn), every
+    other request alone. Groups are in order of their first request."""
+    groups: dict[object, list[int]] = {}
+    for i, r in enumerate(requests):
+        groups.setdefault(("c", r.conversation) if r.conversation is not None else ("r", i), []).append(i)
+    return [sorted(g, key=lambda i: requests[i].turn or 0) for g in groups.values()]
+
+
 async def run(url: str, model: str, requests: list[W.Request], arrival: str, rate: float | None,
               concurrency: int | None, seed: int, headers: dict, extra_body: dict, timeout: float,
               progress: bool = True, force_close: bool = False) -> tuple[list[dict], float]:
     """Sends every request with the given arrival pattern; returns (records in request order, duration).
+
+    A multi-turn conversation (requests with `conversation` set) is one unit: it arrives (or a client takes
+    it) as one, and its turns are sent in order, each when the previous one has ended.
 
     force_close: a new connection per request. llama-server (cpp-httplib) may close a kept-alive connection
     after a streamed response just as the next request is written on it ("Can not write request body").
@@ -129,22 +141,27 @@ async def run(url: str, model: str, requests: list[W.Request], arrival: str, rat
             if progress and (n_done % max(1, len(requests) // 10) == 0 or n_done == len(requests)):
                 print(f"  {n_done}/{len(requests)} done at t={time.perf_counter() - t0:.1f}s", flush=True)
 
+        async def chain(conv: list[int], scheduled: float | None) -> None:  # a conversation's turns in order
+            for k, i in enumerate(conv):
+                await one(i, scheduled if k == 0 else None)
+
+        convs = conversations(requests)
         if arrival == "concurrency":
-            it = iter(range(len(requests)))
+            it = iter(convs)
 
             async def client() -> None:
-                for i in it:
-                    await one(i, None)
+                for conv in it:
+                    await chain(conv, None)
 
             await asyncio.gather(*(client() for _ in range(concurrency)))
         else:
-            times = W.arrival_times(arrival, len(requests), rate, seed)
+            times = W.arrival_times(arrival, len(convs), rate, seed)
             tasks = []
-            for i, at in enumerate(times):
+            for conv, at in zip(convs, times):
                 delay = t0 + at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(i, at)))
+                tasks.append(asyncio.create_task(chain(conv, at)))
             await asyncio.gather(*tasks)
     duration = max((r["end_s"] for r in records), default=0.0)
     return records, duration
@@ -297,7 +314,7 @@ def main() -> int:
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="base URL (without /v1)")
     ap.add_argument("--model", default=None, help="model id (default: the first one /v1/models lists)")
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token (env OPENAI_API_KEY)")
-    ap.add_argument("--workload", choices=sorted(W.WORKLOADS), default="bimodal")
+    ap.add_argument("--workload", choices=sorted(W.WORKLOAD_NAMES), default="bimodal")
     ap.add_argument("--long-share", type=float, default=None, help="bimodal: share of long prompts (default 0.2)")
     ap.add_argument("--prompt-mode", choices=["ids", "text"], default="ids")
     ap.add_argument("--vocab", default=f"{W.VOCAB_LO}:{W.VOCAB_HI}", help="token-id range LO:HI for ids prompts")

@@ -21,14 +21,21 @@ Definitions (all times in seconds, all measured at the client):
   sent and not met, and so does one that got no content chunk). A request with one output token has no
   TPOT and meets the TPOT part trivially (its TTFT must still meet the TTFT SLO).
 - **Goodput**: the highest Poisson arrival rate (requests/s) at which attainment >= target, found by
-  `goodput_search` (geometric bracketing from `rate_min`, then bisection to a tolerance). It assumes
-  attainment does not increase with the rate; with measurement noise, the answer is the highest *probed*
-  rate that met the target inside the final bracket.
+  `goodput_search` (geometric bracketing from `rate_min`, downwards too with `rate_floor`, then bisection to
+  a tolerance). It assumes attainment does not increase with the rate; with measurement noise, the answer is
+  the highest *probed* rate that met the target inside the final bracket.
+- **Machine-derived SLOs** (DistServe's "SLO scale"): one request at a time, the unloaded TTFT of a few
+  prompt lengths is fitted as TTFT(len) = a + b * len (`fit_ttft`) and the unloaded TPOT is the median TPOT
+  of those requests (`calibrate`). At scale s the SLO is TTFT <= s * (a + b * len) and TPOT <= s * TPOT,
+  which is the length-aware SLO above with slo_ttft = s*a, ttft_per_token = s*b, slo_tpot = s*TPOT
+  (`DerivedSlo.at`). `best_slo` takes the lowest TTFT fit and the lowest TPOT over the targets calibrated,
+  so every target is held to the best this machine showed.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -165,18 +172,25 @@ class GoodputResult:
 
 def goodput_search(measure: Callable[[float], float], rate_min: float, rate_max: float,
                    target: float = DEFAULT_SLO_TARGET, tol: float = 0.1, growth: float = 2.0,
-                   max_probes: int = 20) -> GoodputResult:
-    """The highest rate in [rate_min, rate_max] whose measured attainment >= target.
+                   max_probes: int = 20, rate_floor: float | None = None, rel_tol: float = 0.0,
+                   can_probe: Callable[[float], bool] | None = None) -> GoodputResult:
+    """The highest rate in [rate_min, rate_max] (or [rate_floor, rate_max]) whose measured attainment >= target.
 
     measure(rate) -> attainment in [0, 1] (for a live server: one run at that Poisson rate). Probes
-    rate_min; if it misses, stops ("below_min"). Otherwise brackets by multiplying the rate by `growth`
-    (capped at rate_max) until a rate misses; if rate_max still meets, stops ("at_max"). Then bisects the
-    bracket [last meeting, first missing] until its width <= tol (req/s). Every probe is recorded.
+    rate_min; if it misses: without rate_floor, stops ("below_min"); with it, divides the rate by `growth`
+    (not below rate_floor) until a rate meets the target, and stops ("below_min") if rate_floor misses too.
+    If rate_min meets, brackets upwards by multiplying the rate by `growth` (capped at rate_max) until a rate
+    misses; if rate_max still meets, stops ("at_max"). Then bisects the bracket [last meeting, first missing]
+    until its width <= max(tol, rel_tol * low end) (req/s). Every probe is recorded; `bracket` is
+    (highest rate known to meet, lowest rate known to miss), None where that side is unknown. The search
+    stops early ("max_probes") after max_probes probes, or when can_probe(next rate) is false (a time budget).
     """
     if not 0 < rate_min <= rate_max:
         raise ValueError(f"need 0 < rate_min <= rate_max, got {rate_min}, {rate_max}")
-    if growth <= 1 or tol <= 0 or max_probes < 1:
-        raise ValueError("need growth > 1, tol > 0, max_probes >= 1")
+    if growth <= 1 or tol < 0 or rel_tol < 0 or (tol == 0 and rel_tol == 0) or max_probes < 1:
+        raise ValueError("need growth > 1, tol >= 0, rel_tol >= 0 (one of them > 0), max_probes >= 1")
+    if rate_floor is not None and not 0 < rate_floor <= rate_min:
+        raise ValueError(f"need 0 < rate_floor <= rate_min, got {rate_floor}, {rate_min}")
     points: list[tuple[float, float]] = []
 
     def probe(rate: float) -> bool:
@@ -184,25 +198,141 @@ def goodput_search(measure: Callable[[float], float], rate_min: float, rate_max:
         points.append((rate, a))
         return a is not None and a >= target
 
-    if not probe(rate_min):
-        return GoodputResult(None, "below_min", target, points, (None, rate_min))
-    lo, hi = rate_min, None
+    def out_of_probes(rate: float) -> bool:
+        return len(points) >= max_probes or (can_probe is not None and not can_probe(rate))
+
+    lo: float | None
+    hi: float | None
+    if probe(rate_min):
+        lo, hi = rate_min, None
+    else:
+        lo, hi = None, rate_min
+        while lo is None:  # downwards: only with a floor
+            if rate_floor is None or hi <= rate_floor:
+                return GoodputResult(None, "below_min", target, points, (None, hi))
+            nxt = max(hi / growth, rate_floor)
+            if out_of_probes(nxt):
+                return GoodputResult(None, "max_probes", target, points, (None, hi))
+            if probe(nxt):
+                lo = nxt
+            else:
+                hi = nxt
     while hi is None:
         if lo >= rate_max:
             return GoodputResult(lo, "at_max", target, points, (lo, None))
-        if len(points) >= max_probes:
-            return GoodputResult(lo, "max_probes", target, points, (lo, None))
         nxt = min(lo * growth, rate_max)
+        if out_of_probes(nxt):
+            return GoodputResult(lo, "max_probes", target, points, (lo, None))
         if probe(nxt):
             lo = nxt
         else:
             hi = nxt
-    while hi - lo > tol:
-        if len(points) >= max_probes:
-            return GoodputResult(lo, "max_probes", target, points, (lo, hi))
+    while hi - lo > max(tol, rel_tol * lo):
         mid = (lo + hi) / 2
+        if out_of_probes(mid):
+            return GoodputResult(lo, "max_probes", target, points, (lo, hi))
         if probe(mid):
             lo = mid
         else:
             hi = mid
     return GoodputResult(lo, "found", target, points, (lo, hi))
+
+
+def bracket_from_points(points: Sequence[tuple[float, float | None]], target: float = DEFAULT_SLO_TARGET
+                        ) -> tuple[float, float]:
+    """The goodput bracket that probes already run give for a target (e.g. another SLO evaluated on the same
+    runs): (highest rate that met it, or 0.0; lowest rate above that which missed it, or inf)."""
+    met = [r for r, a in points if a is not None and a >= target]
+    lo = max(met, default=0.0)
+    hi = min((r for r, a in points if r > lo and (a is None or a < target)), default=math.inf)
+    return lo, hi
+
+
+# ---- machine-derived SLOs ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LinearFit:
+    """y = a + b * x."""
+
+    a: float
+    b: float
+
+    def __call__(self, x: float) -> float:
+        return self.a + self.b * x
+
+
+def fit_ttft(prompt_lens: Sequence[float], ttfts: Sequence[float]) -> LinearFit:
+    """Least-squares fit of TTFT = a + b * prompt_len with a, b >= 0.
+
+    The constraint keeps a noisy calibration from giving a negative intercept (a TTFT SLO below zero for short
+    prompts) or a negative slope. Two unknowns: the constrained optimum is the plain fit if it is feasible,
+    else the best of the fits with a = 0 or b = 0 (the objective is convex).
+    """
+    xs, ys = [float(x) for x in prompt_lens], [float(y) for y in ttfts]
+    if len(xs) != len(ys):
+        raise ValueError("prompt_lens and ttfts differ in length")
+    if len(set(xs)) < 2:
+        raise ValueError("fitting TTFT needs at least two distinct prompt lengths")
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = my - b * mx
+    if a >= 0 and b >= 0:
+        return LinearFit(a, b)
+    xx = sum(x * x for x in xs)
+    cands = [LinearFit(max(my, 0.0), 0.0), LinearFit(0.0, max(sum(x * y for x, y in zip(xs, ys)) / xx, 0.0))]
+    return min(cands, key=lambda f: sum((f(x) - y) ** 2 for x, y in zip(xs, ys)))
+
+
+@dataclass(frozen=True)
+class DerivedSlo:
+    """SLOs derived from unloaded latencies: at scale s, TTFT <= s * ttft(prompt_len), TPOT <= s * tpot."""
+
+    ttft: LinearFit
+    tpot: float
+
+    def at(self, scale: float) -> tuple[float, float, float]:
+        """(slo_ttft, slo_tpot, ttft_per_token) for slo_attainment / meets_slo at this scale."""
+        return scale * self.ttft.a, scale * self.tpot, scale * self.ttft.b
+
+    def as_dict(self) -> dict:
+        return {"ttft_a": self.ttft.a, "ttft_b": self.ttft.b, "tpot": self.tpot}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DerivedSlo:
+        return cls(LinearFit(d["ttft_a"], d["ttft_b"]), d["tpot"])
+
+
+def calibrate(records: Sequence[dict]) -> DerivedSlo:
+    """The unloaded SLO basis from calibration records (one request at a time, prompts of a few lengths):
+    the TTFT fit over every successful request and the median of their TPOTs."""
+    ok = [r for r in records if r.get("ok", True) and r.get("ttft") is not None]
+    tpots = [r["tpot"] for r in ok if r.get("tpot") is not None]
+    if not tpots:
+        raise ValueError("calibration has no request with a TPOT (every one failed or made one token)")
+    return DerivedSlo(fit_ttft([r["prompt_len"] for r in ok], [r["ttft"] for r in ok]), statistics.median(tpots))
+
+
+def best_slo(slos: dict[str, DerivedSlo], prompt_lens: Sequence[float]) -> tuple[DerivedSlo, dict]:
+    """The best unloaded behaviour over the targets: the TTFT fit with the lowest mean over `prompt_lens` (the
+    workload's prompts) and the lowest TPOT, possibly from two targets; returns it and where each came from."""
+    if not slos:
+        raise ValueError("no calibrated target")
+    lens = list(prompt_lens) or [0.0]
+    ttft_from = min(slos, key=lambda k: sum(slos[k].ttft(x) for x in lens))
+    tpot_from = min(slos, key=lambda k: slos[k].tpot)
+    return DerivedSlo(slos[ttft_from].ttft, slos[tpot_from].tpot), {"ttft_from": ttft_from, "tpot_from": tpot_from}
+
+
+def attainment_vs_scale(records: Sequence[dict], slo: DerivedSlo, scales: Sequence[float]) -> list[dict]:
+    """slo_attainment of the same records at each SLO scale."""
+    return [{"scale": s, **slo_attainment(records, *slo.at(s))} for s in scales]
+
+
+def unloaded_service_time(slo: DerivedSlo, requests: Sequence[tuple[int, int]]) -> float:
+    """Mean unloaded latency (fitted TTFT + (max_tokens - 1) * TPOT) of (prompt_len, max_tokens) requests: its
+    inverse is the rate that keeps a one-request-at-a-time server busy, where a goodput search starts."""
+    if not requests:
+        raise ValueError("no requests")
+    return sum(slo.ttft(p) + max(m - 1, 0) * slo.tpot for p, m in requests) / len(requests)

@@ -13,6 +13,13 @@ Workloads (lengths are inclusive ranges, drawn uniformly):
   round(long_share * n) requests are long, at seeded random positions.
 - ``summarization``: prompts 1,500–3,000 tokens, outputs 32–96.
 - ``agent``: an agent loop's many small calls: prompts 50–300 tokens, outputs 16–64.
+- ``multiturn``: chat conversations (`multi_turn`) for prefix-cache work: 2–6 turns each; turn 0's prompt is
+  100–400 tokens (system prompt and first user message), and turn t's prompt is turn t-1's prompt + turn t-1's
+  answer + a new user message of 20–150 tokens; answers (max_tokens) 32–256. The answer inside the next
+  prompt is a seeded stand-in of the previous turn's length, not what the server said, so the workload is
+  fixed and the same for every server: a prefix cache can reuse each turn's whole previous prompt, not the
+  answer. Requests carry `conversation` and `turn`; bench/serve.py sends a conversation's turns in order,
+  each after the previous one ended. `num_requests` counts turns (the last conversation may be cut short).
 
 The same seed gives the same requests, whatever the arrival pattern or rate.
 
@@ -54,12 +61,28 @@ WORKLOADS: dict[str, Spec] = {
 }
 
 
+@dataclass(frozen=True)
+class MultiTurnSpec:
+    """Length ranges (inclusive) of the multi-turn chat workload."""
+
+    first: tuple[int, int] = (100, 400)   # turn 0's prompt: system prompt + first user message
+    user: tuple[int, int] = (20, 150)     # each later user message
+    output: tuple[int, int] = (32, 256)   # each answer (max_tokens)
+    turns: tuple[int, int] = (2, 6)       # turns per conversation
+
+
+MULTITURN = MultiTurnSpec()
+WORKLOAD_NAMES = (*WORKLOADS, "multiturn")
+
+
 @dataclass
 class Request:
     prompt: list[int] | str
     prompt_len: int      # target prompt length in tokens (exact for ids, approximate for text)
     max_tokens: int
     kind: str            # "short" | "long" (bimodal), else the workload name
+    conversation: int | None = None  # multiturn: the conversation and the turn in it (from 0)
+    turn: int | None = None
 
 
 def make_prompt(rng: random.Random, n: int, mode: str = "ids", vocab: tuple[int, int] = (VOCAB_LO, VOCAB_HI)
@@ -74,12 +97,21 @@ def make_prompt(rng: random.Random, n: int, mode: str = "ids", vocab: tuple[int,
 def generate(workload: str, num_requests: int, seed: int = 0, mode: str = "ids",
              long_share: float | None = None, vocab: tuple[int, int] = (VOCAB_LO, VOCAB_HI)) -> list[Request]:
     """`num_requests` requests of `workload`, deterministic in `seed`."""
-    if workload not in WORKLOADS:
-        raise ValueError(f"unknown workload {workload!r}; choose from {sorted(WORKLOADS)}")
+    if workload not in WORKLOAD_NAMES:
+        raise ValueError(f"unknown workload {workload!r}; choose from {sorted(WORKLOAD_NAMES)}")
     if num_requests < 0:
         raise ValueError("num_requests must be >= 0")
     if not 0 <= vocab[0] < vocab[1]:
         raise ValueError(f"bad vocab range {vocab}")
+    if workload == "multiturn":
+        if long_share is not None:
+            raise ValueError("--long-share applies to the bimodal workload only, not 'multiturn'")
+        out: list[Request] = []
+        conv = 0
+        while len(out) < num_requests:
+            out += multi_turn(1, seed, mode, vocab, first_conversation=conv)
+            conv += 1
+        return out[:num_requests]
     spec = WORKLOADS[workload]
     share = spec.long_share if long_share is None else long_share
     if spec.long_prompt is None and long_share is not None:
@@ -97,6 +129,33 @@ def generate(workload: str, num_requests: int, seed: int = 0, mode: str = "ids",
         max_tokens = rng.randint(*spec.output)
         kind = ("long" if is_long else "short") if spec.long_prompt is not None else workload
         out.append(Request(make_prompt(rng, n, mode, vocab), n, max_tokens, kind))
+    return out
+
+
+def multi_turn(num_conversations: int, seed: int = 0, mode: str = "ids",
+               vocab: tuple[int, int] = (VOCAB_LO, VOCAB_HI), spec: MultiTurnSpec = MULTITURN,
+               first_conversation: int = 0) -> list[Request]:
+    """Conversations first_conversation .. first_conversation + num_conversations - 1, turns in order.
+
+    Each conversation has its own seed (from `seed` and its number), so conversation k is the same whichever
+    slice of conversations is asked for.
+    """
+    if num_conversations < 0:
+        raise ValueError("num_conversations must be >= 0")
+    out = []
+    for c in range(first_conversation, first_conversation + num_conversations):
+        rng = random.Random(f"multiturn-{seed}-{c}")
+        num_turns = rng.randint(*spec.turns)
+        prompt = make_prompt(rng, rng.randint(*spec.first), mode, vocab)
+        answer: list[int] | str = []
+        for t in range(num_turns):
+            if t:
+                user = make_prompt(rng, rng.randint(*spec.user), mode, vocab)
+                prompt = prompt + answer + user if mode == "ids" else " ".join((prompt, answer, user))
+            max_tokens = rng.randint(*spec.output)
+            n = len(prompt) if mode == "ids" else len(prompt.split())
+            out.append(Request(prompt, n, max_tokens, "multiturn", c, t))
+            answer = make_prompt(rng, max_tokens, mode, vocab)  # stands in for what the server answers
     return out
 
 

@@ -4,6 +4,7 @@ per-request TTFT/TPOT/ITL, SLO attainment, goodput search, and the seeded worklo
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import random
 import sys
@@ -261,3 +262,158 @@ def test_arrivals(W):
         W.arrival_times("poisson", 3, rate=0)
     with pytest.raises(ValueError):
         W.arrival_times("closed", 3)
+
+
+# ---- goodput search downwards (machine-derived SLOs) -----------------------------------------------------
+
+@pytest.mark.parametrize("threshold", [0.02, 0.07, 0.2, 0.9])
+def test_goodput_search_goes_down_from_the_start_and_brackets(S, threshold):
+    g = S.goodput_search(curve(threshold), 1.0, 16.0, target=0.9, tol=0.0, rel_tol=0.25, max_probes=40,
+                         rate_floor=0.01)
+    assert g.status == "found" and g.points[0][0] == 1.0
+    lo, hi = g.bracket
+    assert lo == g.goodput and 0 < lo <= threshold < hi and hi - lo <= 0.25 * lo
+    assert all(a >= 0.9 for r, a in g.points if r <= lo) and all(a < 0.9 for r, a in g.points if r >= hi)
+    # the downward steps divide by the growth factor
+    assert g.points[1][0] == pytest.approx(0.5)
+
+
+def test_goodput_search_floor_and_probes(S):
+    seen = []
+    g = S.goodput_search(lambda r: seen.append(r) or 0.0, 1.0, 16.0, rate_floor=0.3)
+    assert g.status == "below_min" and g.goodput is None and g.bracket == (None, 0.3)
+    assert seen == [1.0, 0.5, 0.3]  # the floor itself is probed last
+    g = S.goodput_search(lambda r: 0.0, 1.0, 16.0, rate_floor=0.01, max_probes=3)
+    assert g.status == "max_probes" and g.goodput is None and g.bracket == (None, 0.25)
+    # a start that meets the target goes up exactly as without a floor
+    g = S.goodput_search(curve(3.0), 1.0, 16.0, tol=0.05, rate_floor=0.1, max_probes=40)
+    assert g.status == "found" and [r for r, _ in g.points[:3]] == [1.0, 2.0, 4.0]
+    # a time budget: the next probe is not run when can_probe says no; the bracket so far stands
+    g = S.goodput_search(curve(0.1), 1.0, 16.0, rate_floor=0.01, can_probe=lambda r: r >= 0.2)
+    assert g.status == "max_probes" and [r for r, _ in g.points] == [1.0, 0.5, 0.25] and g.bracket == (None, 0.25)
+    g = S.goodput_search(curve(3.0), 1.0, 16.0, tol=0.01, can_probe=lambda r: r != 3.0)
+    assert g.status == "max_probes" and g.bracket == (2.0, 4.0) and g.goodput == 2.0
+    with pytest.raises(ValueError):
+        S.goodput_search(curve(1), 1.0, 2.0, rate_floor=2.0)
+    with pytest.raises(ValueError):
+        S.goodput_search(curve(1), 1.0, 2.0, tol=0.0)
+
+
+def test_bracket_from_points(S):
+    assert S.bracket_from_points([(1.0, 0.95), (2.0, 0.5), (1.5, 0.92)], 0.9) == (1.5, 2.0)
+    assert S.bracket_from_points([(1.0, 0.5), (0.5, 0.8)], 0.9) == (0.0, 0.5)        # nothing met
+    assert S.bracket_from_points([(1.0, 0.95), (2.0, 0.91)], 0.9) == (2.0, math.inf)  # nothing missed
+    assert S.bracket_from_points([(1.0, None), (0.5, 0.95)], 0.9) == (0.5, 1.0)       # no data = missed
+    assert S.bracket_from_points([], 0.9) == (0.0, math.inf)
+
+
+# ---- machine-derived SLOs ---------------------------------------------------------------------------------
+
+def test_fit_ttft_exact_and_least_squares(S):
+    f = S.fit_ttft([64, 512, 1024, 3000], [0.05 + 0.002 * x for x in (64, 512, 1024, 3000)])
+    assert f.a == pytest.approx(0.05) and f.b == pytest.approx(0.002) and f(1000) == pytest.approx(2.05)
+    xs, ys = [100, 200, 300, 400], [1.1, 1.9, 3.2, 3.8]
+    f = S.fit_ttft(xs, ys)
+    b, a = np.polyfit(xs, ys, 1)
+    assert (f.a, f.b) == (pytest.approx(a), pytest.approx(b))
+
+
+def test_fit_ttft_keeps_coefficients_non_negative(S):
+    # the plain fit's intercept is negative: the best fit through the origin instead
+    xs, ys = [100, 1000, 2000], [0.01, 2.0, 4.2]
+    assert np.polyfit(xs, ys, 1)[1] < 0
+    f = S.fit_ttft(xs, ys)
+    assert f.a == 0 and f.b == pytest.approx(sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
+    # a falling TTFT (noise): a flat fit at the mean
+    f = S.fit_ttft([100, 200], [1.0, 0.8])
+    assert f.b == 0 and f.a == pytest.approx(0.9)
+    with pytest.raises(ValueError):
+        S.fit_ttft([100, 100], [1.0, 1.1])
+    with pytest.raises(ValueError):
+        S.fit_ttft([100, 200], [1.0])
+
+
+def test_derived_slo_scales_the_length_aware_slo(S):
+    slo = S.DerivedSlo(S.LinearFit(0.1, 0.002), 0.02)
+    assert slo.at(3) == pytest.approx((0.3, 0.06, 0.006))
+    short = dict(rec(0.29, 0.05), prompt_len=0)        # 0.29 <= 3 * 0.1
+    long = dict(rec(12.5, 0.05), prompt_len=2000)      # limit 3 * (0.1 + 4.0) = 12.3: misses
+    assert S.slo_attainment([short, long], *slo.at(3))["attainment"] == 0.5
+    sweep = S.attainment_vs_scale([short, long], slo, [1, 3, 5])
+    assert [p["scale"] for p in sweep] == [1, 3, 5] and [p["attainment"] for p in sweep] == [0.0, 0.5, 1.0]
+    assert S.DerivedSlo.from_dict(slo.as_dict()) == slo
+
+
+def test_calibrate_and_best_slo(S):
+    recs = [dict(rec(0.05 + 0.002 * n, t), prompt_len=n) for n, t in ((64, 0.02), (1024, 0.03), (3000, 0.025))]
+    recs.append(dict(rec(None, None, ok=False), prompt_len=512))  # a failed one is left out
+    slo = S.calibrate(recs)
+    assert slo.ttft.a == pytest.approx(0.05) and slo.ttft.b == pytest.approx(0.002) and slo.tpot == 0.025
+    with pytest.raises(ValueError):
+        S.calibrate([dict(rec(0.1, None, n_out=1), prompt_len=64), dict(rec(0.2, None, n_out=1), prompt_len=99)])
+    fast_prefill = S.DerivedSlo(S.LinearFit(0.2, 0.001), 0.05)
+    fast_decode = S.DerivedSlo(S.LinearFit(0.01, 0.003), 0.01)
+    best, src = S.best_slo({"a": fast_prefill, "b": fast_decode}, [100, 2000, 3000])
+    assert best == S.DerivedSlo(fast_prefill.ttft, 0.01) and src == {"ttft_from": "a", "tpot_from": "b"}
+    # over short prompts only, the other fit is lower
+    assert S.best_slo({"a": fast_prefill, "b": fast_decode}, [50])[1]["ttft_from"] == "b"
+    with pytest.raises(ValueError):
+        S.best_slo({}, [1])
+
+
+def test_unloaded_service_time(S):
+    slo = S.DerivedSlo(S.LinearFit(0.1, 0.001), 0.02)
+    assert S.unloaded_service_time(slo, [(100, 11), (1900, 1)]) == pytest.approx(((0.2 + 0.2) + 2.0) / 2)
+
+
+# ---- multi-turn chat --------------------------------------------------------------------------------------
+
+def test_multi_turn_prompts_grow_by_answer_and_user_message(W):
+    reqs = W.multi_turn(20, seed=5)
+    by_conv = {}
+    for r in reqs:
+        by_conv.setdefault(r.conversation, []).append(r)
+    assert sorted(by_conv) == list(range(20))
+    spec = W.MULTITURN
+    for turns in by_conv.values():
+        assert [r.turn for r in turns] == list(range(len(turns)))
+        assert spec.turns[0] <= len(turns) <= spec.turns[1]
+        assert spec.first[0] <= turns[0].prompt_len <= spec.first[1]
+        for prev, cur in zip(turns, turns[1:]):
+            assert cur.prompt[:len(prev.prompt)] == prev.prompt     # the previous prompt is a prefix
+            added = cur.prompt_len - prev.prompt_len - prev.max_tokens  # then the answer, then the user message
+            assert spec.user[0] <= added <= spec.user[1]
+        for r in turns:
+            assert len(r.prompt) == r.prompt_len and spec.output[0] <= r.max_tokens <= spec.output[1]
+            assert r.kind == "multiturn" and all(W.VOCAB_LO <= t < W.VOCAB_HI for t in r.prompt)
+
+
+def test_multi_turn_seeded_and_sliceable(W):
+    a, b = W.multi_turn(6, seed=1), W.multi_turn(6, seed=1)
+    assert [(r.prompt, r.max_tokens) for r in a] == [(r.prompt, r.max_tokens) for r in b]
+    assert [r.prompt for r in W.multi_turn(6, seed=2)] != [r.prompt for r in a]
+    # conversation 3 is the same whether asked for alone or among others
+    assert [r.prompt for r in W.multi_turn(1, seed=1, first_conversation=3)] == \
+        [r.prompt for r in a if r.conversation == 3]
+    # generate() counts turns and cuts the last conversation short
+    g = W.generate("multiturn", 7, seed=1)
+    assert len(g) == 7 and [(r.prompt, r.turn) for r in g] == [(r.prompt, r.turn) for r in a[:7]]
+    t = W.multi_turn(3, seed=1, mode="text")
+    for prev, cur in zip(t, t[1:]):
+        if cur.conversation == prev.conversation:
+            assert cur.prompt.startswith(prev.prompt + " ") and len(cur.prompt.split()) == cur.prompt_len
+    with pytest.raises(ValueError):
+        W.generate("multiturn", 3, long_share=0.2)
+
+
+def test_serve_runs_a_conversation_in_turn_order(W):
+    serve = _load("serve")
+    reqs = W.generate("agent", 2, seed=0) + W.multi_turn(2, seed=0)
+    groups = serve.conversations(reqs)
+    assert groups[0] == [0] and groups[1] == [1]
+    turns = [[(reqs[i].conversation, reqs[i].turn) for i in g] for g in groups[2:]]
+    assert [[t for _, t in g] for g in turns] == [list(range(len(g))) for g in turns]
+    assert sorted(i for g in groups for i in g) == list(range(len(reqs)))
+    shuffled = list(reversed(reqs))  # turns out of order in the list still run in turn order
+    for g in serve.conversations(shuffled):
+        assert [shuffled[i].turn or 0 for i in g] == sorted(shuffled[i].turn or 0 for i in g)

@@ -1,0 +1,360 @@
+"""How close a server's greedy output stays to the float32 reference, over a fixed prompt set.
+
+The reference is nodeserve itself on its exact path (`model.quantization = "none"`, `model.dtype =
+"float32"`), which the parity tests hold to transformers token for token, started through
+bench/local_server.py. Its greedy continuation of each prompt (up to `--max-tokens` tokens, or to the end of
+sequence) is the reference continuation. Any OpenAI-compatible server is then scored on two numbers:
+
+(a) greedy prefix: the server's own greedy continuation (temperature 0, the same max_tokens) keeps how many
+    tokens of the reference continuation before its first difference. Reported as the mean over prompts of
+    kept / reference length, and the number of prompts whose continuation is identical.
+(b) teacher-forced top-1 agreement: for every position i of the reference continuation, the server gets
+    prompt + reference[:i] with max_tokens 1 and temperature 0, and its token is compared with reference[i]
+    (the end of sequence counts as a token: predicting it means finish_reason "stop" with no text token).
+    Unlike (a), one early difference does not hide every later position.
+
+Prompts: PROMPTS, 5 chat (rendered with the GGUF's chat template) and 5 raw text, tokenized once here with the
+GGUF's own tokenizer (nodeserve.tokenizer) and sent to every server as token-id lists on /v1/completions, so
+every server sees exactly the same ids whatever it would do with text (nodeserve and llama-server both take a
+list of ids as `prompt`, and neither adds a BOS for this model). Tokens come back through `logprobs: 1`, one
+entry per generated token: as token ids where the server gives them (llama-server), else as token texts; both
+are compared as the GGUF tokenizer's text of the token, and the reference's texts are mapped back to ids
+through that tokenizer's vocabulary (a text that several ids share, e.g. a lone byte of a multi-byte
+character, ends the reference's teacher-forced positions there; the count is reported).
+
+Targets: `nodeserve-default` (nodeserve's default config, plus `--default-extra` TOML lines for its [model]
+table), `nodeserve-none` (`quantization = "none"`, dtype auto: float32 on a CPU without hardware bf16, where it
+must score 100 %, a check of this harness) and `llama-server` (llama.cpp's server on the same GGUF, via
+bench/llama_server.py, with `cache_prompt: false`).
+
+    python bench/quality.py                                   # ~10-15 min on the 2-core machine
+    python bench/quality.py --num-prompts 2 --max-tokens 16   # a smoke run
+    python bench/quality.py --default-extra 'quantization = "int8"' --targets nodeserve-default \
+        --reuse bench/results/quality/quality.json   # one target again; the reference and the rest from before
+
+Writes --out-dir (default bench/results/quality/): quality.json (command, machine, date, prompts and their
+ids, the reference continuation, every target's outputs and per-position results) and table.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llama_server as L  # noqa: E402  (bench/ is scripts, not a package)
+import serve  # noqa: E402
+from local_server import start_server  # noqa: E402
+
+EOS = "<end of sequence>"  # the pseudo-token a continuation ends with when the server stopped on its own
+
+SYSTEM = "You are a helpful assistant."
+PROMPTS: tuple[tuple[str, str], ...] = (
+    ("chat", "What is the capital of France?"),
+    ("chat", "Write a short poem about the sea."),
+    ("chat", "Explain in two sentences why the sky is blue."),
+    ("chat", "Give me three tips for learning a new language."),
+    ("chat", "What is 17 times 23? Show your steps."),
+    ("raw", "The history of the printing press begins"),
+    ("raw", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
+    ("raw", "Once upon a time, in a small village at the edge of a forest,"),
+    ("raw", "The three primary colors are"),
+    ("raw", "Photosynthesis is the process by which"),
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    kind: str              # "nodeserve" | "llama-server"
+    dtype: str = "auto"
+    model_extra: str = ""  # TOML lines for nodeserve's [model] table
+
+
+# ---- pure: token keys and scores --------------------------------------------------------------------------
+
+def continuation(choice: dict, text_of_id) -> tuple[list[str], bool]:
+    """A completion choice's generated tokens as texts, and whether it stopped on its own (end of sequence).
+
+    Reads `logprobs` in either shape servers use: the legacy completions shape (`tokens`: texts) or the chat
+    shape (`content`: entries with `token` and, from llama-server, `id`); an id wins over a text, through
+    text_of_id. An end-of-sequence token some servers list last is dropped: the flag says it instead.
+    """
+    lp = choice.get("logprobs") or {}
+    if lp.get("content") is not None:
+        keys = [text_of_id(e["id"]) if e.get("id") is not None else e["token"] for e in lp["content"]]
+    else:
+        keys = list(lp.get("tokens") or [])
+    stopped = choice.get("finish_reason") == "stop"
+    if stopped and keys and keys[-1] in ("", text_of_id.eos_text):
+        keys.pop()
+    return keys, stopped
+
+
+def with_eos(keys: list[str], stopped: bool) -> list[str]:
+    return keys + [EOS] if stopped else list(keys)
+
+
+def prefix_len(ref: list[str], out: list[str]) -> int:
+    """How many leading tokens of `ref` `out` keeps before the first difference."""
+    n = 0
+    for a, b in zip(ref, out):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def score(prompts: list[dict], refs: list[list[str]], greedy: list[list[str]] | None,
+          forced: list[list[bool]] | None) -> dict:
+    """Greedy-prefix and teacher-forced figures over all prompts and per prompt kind ("chat", "raw").
+
+    refs[k], greedy[k]: prompt k's reference and server continuations (token texts, EOS last if stopped);
+    forced[k]: for each scored position of refs[k], whether the server's teacher-forced token matched.
+    """
+    def agg(idx: list[int]) -> dict:
+        out: dict = {"prompts": len(idx)}
+        if greedy is not None:
+            kept = [prefix_len(refs[k], greedy[k]) for k in idx]
+            out["greedy_prefix_mean"] = (sum(n / len(refs[k]) for n, k in zip(kept, idx) if refs[k])
+                                         / max(1, sum(1 for k in idx if refs[k])))
+            out["greedy_tokens_kept"] = sum(kept)
+            out["reference_tokens"] = sum(len(refs[k]) for k in idx)
+            out["identical"] = sum(1 for k in idx if greedy[k] == refs[k])
+        if forced is not None:
+            pos = [m for k in idx for m in forced[k]]
+            out["forced_positions"] = len(pos)
+            out["forced_matches"] = sum(pos)
+            out["forced_top1"] = sum(pos) / len(pos) if pos else None
+        return out
+
+    every = list(range(len(prompts)))
+    res = {"all": agg(every)}
+    for kind in sorted({p["kind"] for p in prompts}):
+        res[kind] = agg([k for k in every if prompts[k]["kind"] == kind])
+    return res
+
+
+def table(rows: list[tuple[str, str, dict]]) -> str:
+    """Markdown: one row per target (name, config, score())."""
+    def pct(v):
+        return "-" if v is None else f"{v * 100:.1f} %"
+
+    lines = ["| target | config | greedy prefix kept (mean) | identical | teacher-forced top-1 | chat / raw top-1 |",
+             "|---|---|---:|---:|---:|---:|"]
+    for name, config, s in rows:
+        a = s["all"]
+        ident = f"{a['identical']}/{a['prompts']}" if "identical" in a else "-"
+        tf = (f"{pct(a.get('forced_top1'))} ({a['forced_matches']}/{a['forced_positions']})"
+              if a.get("forced_positions") else "-")
+        kinds = " / ".join(pct(s[k].get("forced_top1")) for k in ("chat", "raw") if k in s)
+        lines.append(f"| {name} | {config} | {pct(a.get('greedy_prefix_mean'))} | {ident} | {tf} | {kinds or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- tokenizer --------------------------------------------------------------------------------------------
+
+class Vocab:
+    """The GGUF's tokenizer: prompt ids, token id -> text (callable), and text -> id where that is unique."""
+
+    def __init__(self, path: str):
+        import gguf
+
+        from nodeserve.tokenizer import Tokenizer
+
+        reader = gguf.GGUFReader(path)
+        meta = {}
+        for key, field in reader.fields.items():
+            try:
+                meta[key] = field.contents()
+            except Exception:  # some array fields do not decode; the tokenizer does not need them
+                pass
+        self.tok = Tokenizer.from_gguf_metadata(meta)
+        size = len(meta["tokenizer.ggml.tokens"])
+        texts = [self.tok.token_text(i) for i in range(size)]
+        self._text = texts
+        self.ids: dict[str, int | None] = {}
+        for i, t in enumerate(texts):
+            self.ids[t] = None if t in self.ids else i  # None: several ids share this text
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        self.eos_text = texts[int(eos)] if eos is not None else None
+
+    def __call__(self, token_id: int) -> str:
+        return self._text[int(token_id)]
+
+    def encode_prompt(self, kind: str, text: str) -> list[int]:
+        if kind == "chat":
+            text = self.tok.apply_chat_template([{"role": "system", "content": SYSTEM},
+                                                 {"role": "user", "content": text}])
+        return self.tok.encode(text)
+
+
+def reference_ids(vocab: Vocab, keys: list[str]) -> list[int]:
+    """The ids of a reference continuation's texts, up to (not including) the first text no single id has."""
+    ids = []
+    for k in keys:
+        i = vocab.ids.get(k)
+        if i is None:
+            break
+        ids.append(i)
+    return ids
+
+
+# ---- I/O --------------------------------------------------------------------------------------------------
+
+def complete(url: str, model: str, prompt: list[int], max_tokens: int, extra: dict, timeout: float = 600) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
+            "stream": False, **extra}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)["choices"][0]
+
+
+def run_greedy(url: str, model: str, prompts: list[dict], max_tokens: int, extra: dict, vocab: Vocab
+               ) -> list[list[str]]:
+    """Each prompt's greedy continuation, one request at a time (token texts, EOS last if it stopped)."""
+    return [with_eos(*continuation(complete(url, model, p["ids"], max_tokens, extra), vocab)) for p in prompts]
+
+
+def run_forced(url: str, model: str, prompts: list[dict], refs: list[list[str]], ref_ids: list[list[int]],
+               extra: dict, vocab: Vocab, concurrency: int) -> list[list[bool]]:
+    """For each prompt k and each position i <= len(ref_ids[k]) of refs[k]: whether the server's one greedy token
+    after prompt + ref_ids[k][:i] is refs[k][i]. Requests go `concurrency` at a time."""
+    jobs = [(k, i) for k in range(len(prompts)) for i in range(min(len(refs[k]), len(ref_ids[k]) + 1))]
+
+    def one(job: tuple[int, int]) -> bool:
+        k, i = job
+        keys, stopped = continuation(complete(url, model, prompts[k]["ids"] + ref_ids[k][:i], 1, extra), vocab)
+        got = with_eos(keys, stopped)
+        return bool(got) and got[0] == refs[k][i]
+
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        hits = list(pool.map(one, jobs))
+    out: list[list[bool]] = [[] for _ in prompts]
+    for (k, _), h in zip(jobs, hits):
+        out[k].append(h)
+    return out
+
+
+def _start(target: Target, args, tmp: str, log: str):
+    """(process, url, config text) of a started target."""
+    if target.kind == "llama-server":
+        srv = L.start(slots=4, slot_ctx=1024, threads=args.llama_threads, log_path=log, passive=args.llama_passive)
+        return srv.proc, srv.url, f"{srv.version}, -t {args.llama_threads}"
+    proc, url = start_server(args.mode, target.dtype, tmp, log, model_extra=target.model_extra)
+    extra = "; ".join(ln.strip() for ln in target.model_extra.splitlines() if ln.strip())
+    return proc, url, f"nodeserve {args.mode}, dtype {target.dtype}" + (f"; {extra}" if extra else " (defaults)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--targets", default="nodeserve-default,nodeserve-none,llama-server")
+    ap.add_argument("--default-extra", default="",
+                    help="TOML lines for nodeserve-default's [model] table (default: none, i.e. nodeserve's defaults)")
+    ap.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"],
+                    help="nodeserve's devices.mode for the reference and the nodeserve targets")
+    ap.add_argument("--num-prompts", type=int, default=len(PROMPTS),
+                    help=f"first N of the {len(PROMPTS)} prompts, chat and raw alternating")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=4, help="teacher-forced requests in flight")
+    ap.add_argument("--llama-threads", type=int, default=2)
+    ap.add_argument("--llama-passive", action="store_true", help="OMP_WAIT_POLICY=passive (see llama_server.py)")
+    ap.add_argument("--reuse", default=None, metavar="QUALITY_JSON",
+                    help="take the reference continuations and the targets not in --targets from this earlier "
+                         "quality.json (same prompts and --max-tokens), instead of starting the reference again")
+    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                      "quality"))
+    args = ap.parse_args()
+
+    known = {"nodeserve-default": Target("nodeserve-default", "nodeserve", "auto", args.default_extra),
+             "nodeserve-none": Target("nodeserve-none", "nodeserve", "auto", 'quantization = "none"'),
+             "llama-server": Target("llama-server", "llama-server")}
+    names = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if not names or any(n not in known for n in names):
+        ap.error(f"--targets must name some of {', '.join(known)}")
+    if not 1 <= args.num_prompts <= len(PROMPTS) or args.max_tokens < 1 or args.concurrency < 1:
+        ap.error(f"need 1 <= --num-prompts <= {len(PROMPTS)}, --max-tokens >= 1, --concurrency >= 1")
+    os.makedirs(os.path.join(args.out_dir, "logs"), exist_ok=True)
+
+    t_all = time.perf_counter()
+    vocab = Vocab(L.gguf_path())
+    chosen = [PROMPTS[k] for k in sorted(range(len(PROMPTS)), key=lambda k: (k % 5, k))][:args.num_prompts]
+    prompts = [{"kind": kind, "text": text, "ids": vocab.encode_prompt(kind, text)} for kind, text in chosen]
+    results: dict = {"command": " ".join([os.path.basename(sys.executable)] + [shlex.quote(a) for a in sys.argv]),
+                     "machine": serve.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args),
+                     "prompts": prompts, "targets": {}}
+    reference = Target("reference", "nodeserve", "float32", 'quantization = "none"')
+    runs = [reference] + [known[n] for n in names]
+    if args.reuse:
+        with open(args.reuse) as f:
+            earlier = json.load(f)
+        if [p["ids"] for p in earlier["prompts"]] != [p["ids"] for p in prompts] or \
+                earlier["args"]["max_tokens"] != args.max_tokens:
+            ap.error(f"{args.reuse} was run on other prompts or another --max-tokens")
+        results["reference"] = {**earlier["reference"], "reused_from": earlier["command"]}
+        refs, ref_ids = results["reference"]["continuations"], results["reference"]["ids"]
+        for name, res in earlier["targets"].items():
+            if name not in names:
+                results["targets"][name] = {**res, "reused_from": earlier["command"]}
+        runs = runs[1:]
+    with tempfile.TemporaryDirectory() as tmp:
+        for target in runs:
+            t = time.perf_counter()
+            proc, url, config = _start(target, args, tmp, os.path.join(args.out_dir, "logs", f"{target.name}.log"))
+            try:
+                print(f"{target.name}: {config}, up in {time.perf_counter() - t:.1f} s", flush=True)
+                extra = {"cache_prompt": False} if target.kind == "llama-server" else {}
+                model = serve.default_model(url, {})
+                greedy = run_greedy(url, model, prompts, args.max_tokens, extra, vocab)
+                if target is reference:
+                    refs = greedy
+                    ref_ids = [reference_ids(vocab, r[:-1] if r and r[-1] == EOS else r) for r in refs]
+                    results["reference"] = {"config": config, "continuations": refs, "ids": ref_ids,
+                                            "texts": [vocab.tok.decode(i) for i in ref_ids]}
+                    short = sum(1 for r, i in zip(refs, ref_ids) if len(i) < len([x for x in r if x != EOS]))
+                    print(f"  reference: {sum(map(len, refs))} tokens over {len(refs)} prompts"
+                          + (f"; {short} continuation(s) hold a token text no single id has" if short else ""),
+                          flush=True)
+                    continue
+                forced = run_forced(url, model, prompts, refs, ref_ids, extra, vocab, args.concurrency)
+            finally:
+                L.stop(proc, timeout=60)
+            s = score(prompts, refs, greedy, forced)
+            results["targets"][target.name] = {"config": config, "target": asdict(target), "score": s,
+                                               "greedy": greedy, "forced": forced,
+                                               "wall_s": time.perf_counter() - t}
+            a = s["all"]
+            print(f"  {target.name}: greedy prefix kept {a['greedy_prefix_mean'] * 100:.1f} % (identical "
+                  f"{a['identical']}/{a['prompts']}), teacher-forced top-1 {a['forced_top1'] * 100:.1f} % "
+                  f"({a['forced_matches']}/{a['forced_positions']}) in {time.perf_counter() - t:.0f} s", flush=True)
+    results["wall_s"] = time.perf_counter() - t_all
+    md = table([(n, r["config"], r["score"]) for n, r in results["targets"].items()])
+    reused = [n for n, r in results["targets"].items() if r.get("reused_from")]
+    header = (f"# Quality against the float32 reference, {results['date']}\n\n`{results['command']}`\n\n"
+              + (f"The reference{''.join(', ' + n for n in reused)} come from the earlier run "
+                 f"`{results['reference']['reused_from']}`.\n\n" if args.reuse else "")
+              + f"Reference: {results['reference']['config']}. {len(prompts)} prompts "
+              f"({sum(p['kind'] == 'chat' for p in prompts)} chat, {sum(p['kind'] == 'raw' for p in prompts)} raw), "
+              f"up to {args.max_tokens} tokens each, {sum(map(len, refs))} reference tokens in all. "
+              f"Wall time {results['wall_s'] / 60:.1f} min.\n\n")
+    with open(os.path.join(args.out_dir, "quality.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(args.out_dir, "table.md"), "w") as f:
+        f.write(header + md)
+    print("\n" + md)
+    print(f"-> {os.path.join(args.out_dir, 'quality.json')}\n-> {os.path.join(args.out_dir, 'table.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
