@@ -67,11 +67,11 @@ class NativeDecoder:
                 return False
         return True
 
-    @staticmethod
-    def takes(x: torch.Tensor, meta: AttentionMetadata, kv_layers: list[torch.Tensor]) -> bool:
-        """Whether this step is one it runs: every row decodes one token, over a float32 pool on the CPU."""
+    def takes(self, x: torch.Tensor, meta: AttentionMetadata, kv_layers: list[torch.Tensor]) -> bool:
+        """Whether this step is one it runs: every row decodes one token, over a float32 pool on the CPU, at
+        positions the RoPE table covers (C indexes it unchecked)."""
         return (meta.num_decodes == meta.num_seqs and x.device.type == "cpu" and x.dtype == torch.float32
-                and kv_layers[0].dtype == torch.float32)
+                and kv_layers[0].dtype == torch.float32 and max(meta.seq_lens_host) <= len(self.cos_sin_cache))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_layers: list[torch.Tensor], on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:

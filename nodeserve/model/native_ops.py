@@ -42,4 +42,6 @@ class NativeOps:
         return self.kernels.silu_and_mul(gate_up.contiguous())
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> NativeRotary:
+        if positions.numel() and int(positions.max()) >= len(self.cos_sin_cache):  # C indexes the table unchecked
+            raise ValueError(f"position {int(positions.max())} is past the RoPE table ({len(self.cos_sin_cache)})")
         return NativeRotary(self.kernels, positions.to(torch.int64), self.cos_sin_cache)
