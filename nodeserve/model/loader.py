@@ -84,6 +84,11 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     why = supported(quantization)
     if why is None and quantization != "none" and dtype != torch.float32:
         why = f"quantization '{quantization}' computes in float32: set model.dtype = \"float32\""
+    if why is None and quantization == "auto" and block_quant.available() and native.load().isa == "scalar":
+        # Without AVX2 the kernels run their plain C loops, slower than torch's dense GEMM: stay dense.
+        log.warning("this CPU has no AVX2: serving float32 weights (model.quantization = \"int8\" or \"int4\" "
+                    "would run the plain C kernels)")
+        quantization = "none"
     if why is None and quantization in ("auto", *block_quant.BLOCK_FORMATS) and not block_quant.available():
         if quantization == "auto":
             log.warning("the CPU kernels for block-quantized weights could not be built: serving float32 weights")
