@@ -17,7 +17,8 @@ from nodeserve.attention import flashinfer_importable
 from nodeserve.attention.base import AttentionMetadata
 from nodeserve.attention.torch_ref import TorchAttention
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# 3600 s a test, not the suite's 900: the first use of each FlashInfer kernel JIT-compiles it (minutes when cold).
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.timeout(3600)]
 needs_flashinfer = pytest.mark.skipif(not flashinfer_importable(), reason="needs flashinfer (pip install -e '.[cuda]')")
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
