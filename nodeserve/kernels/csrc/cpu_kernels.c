@@ -185,8 +185,8 @@ static inline __attribute__((always_inline)) void dot_rows(
  * (one zero-extending load and a mask or shift) and multiplied in pairs by madd, about half the vector work of
  * widening them to float, and that work is what batch-1 decode is bound by on one core. An int16 activation keeps 15 bits per block (relative
  * error <= 2^-16 of the block's largest value), ~250x finer than llama.cpp's int8 activations.
- * xq: int16 values; dx[b]: block b's scale; sx8[b * 8 + e] = sum(x_b) / 8. */
-static void quantize_x16(const float *x, int64_t K, int16_t *xq, float *dx, float *sx8) {
+ * xq: int16 values; dx[b]: block b's scale; sx[b] = sum(x_b). */
+static void quantize_x16(const float *x, int64_t K, int16_t *xq, float *dx, float *sx) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.0f, sum = 0.0f;
@@ -194,7 +194,7 @@ static void quantize_x16(const float *x, int64_t K, int16_t *xq, float *dx, floa
         const float d = amax / 32767.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
         for (int j = 0; j < QK; j++) xq[b * QK + j] = (int16_t)lrintf(xb[j] * inv);
         dx[b] = d;
-        for (int e = 0; e < 8; e++) sx8[b * 8 + e] = sum * 0.125f;
+        sx[b] = sum;
     }
 }
 
@@ -216,34 +216,42 @@ static inline __attribute__((always_inline)) __m256i block_dot_i16(int type, con
 /* Weight rows r0 and r1 against one int16 activation row, interleaved: two rows' independent chains keep
  * the vector units busy while the next blocks load, and the activation loads are shared. */
 static inline __attribute__((always_inline)) void dot_rows2_i16(
-        int type, const uint8_t *r0, const uint8_t *r1, const int16_t *xq, const float *dx, const float *sx8,
+        int type, const uint8_t *r0, const uint8_t *r1, const int16_t *xq, const float *dx, const float *sx,
         int64_t nb, float *y0, float *y1) {
     const size_t bb = block_bytes(type);
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, m0 = a0, m1 = a0;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    __m128 m0 = _mm_setzero_ps(), m1 = m0;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *k0 = r0 + b * bb, *k1 = r1 + b * bb;
-        float d0, mm0, d1, mm1;
-        block_scalars(type, k0, &d0, &mm0);
-        block_scalars(type, k1, &d1, &mm1);
+        /* d and m (Q4_1) of both rows' blocks: one widening load and one conversion each, [d, m, ., .] */
+        uint32_t h0, h1;
+        memcpy(&h0, k0, 4);
+        memcpy(&h1, k1, 4);
+        const __m128 dm0 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)h0)), dm1 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)h1));
+        const __m128 vdx = _mm_load_ss(dx + b);
         const __m256i p0 = block_dot_i16(type, block_quants(type, k0), xq + b * QK);
         const __m256i p1 = block_dot_i16(type, block_quants(type, k1), xq + b * QK);
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * dx[b]), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * dx[b]), a1);
-        if (type != NS_Q8_0) {
-            const __m256 s = _mm256_loadu_ps(sx8 + b * 8);
-            m0 = _mm256_fmadd_ps(_mm256_set1_ps(mm0), s, m0);
-            m1 = _mm256_fmadd_ps(_mm256_set1_ps(mm1), s, m1);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcastss_ps(_mm_mul_ss(dm0, vdx)), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcastss_ps(_mm_mul_ss(dm1, vdx)), a1);
+        if (type == NS_Q4_1) {  /* + m * sum(x_b), in lane 0 */
+            const __m128 vsx = _mm_load_ss(sx + b);
+            m0 = _mm_fmadd_ss(_mm_movehdup_ps(dm0), vsx, m0);
+            m1 = _mm_fmadd_ss(_mm_movehdup_ps(dm1), vsx, m1);
+        } else if (type == NS_Q4_0) {  /* m = -8 d */
+            const __m128 vsx = _mm_load_ss(sx + b);
+            m0 = _mm_fmadd_ss(_mm_mul_ss(dm0, _mm_set_ss(-8.0f)), vsx, m0);
+            m1 = _mm_fmadd_ss(_mm_mul_ss(dm1, _mm_set_ss(-8.0f)), vsx, m1);
         }
     }
-    *y0 = hsum8(_mm256_add_ps(a0, m0));
-    *y1 = hsum8(_mm256_add_ps(a1, m1));
+    *y0 = hsum8(a0) + _mm_cvtss_f32(m0);
+    *y1 = hsum8(a1) + _mm_cvtss_f32(m1);
 }
 
 /* y [M, ldy] (columns n_begin..n_end written), x [M, K] contiguous rows, K % 32 == 0. Returns 0, or -1 when
  * out of memory. The weight row stays in L1 while every tile of activation rows passes over it, so weights
  * are read from memory once per call whatever M is. */
 #if NS_AVX2
-struct x16 { int16_t *q; float *d, *s8; };
+struct x16 { int16_t *q; float *d, *s; };
 
 static inline __attribute__((always_inline)) void linear_rows(
         int type, const uint8_t *w, const float *xp, const struct x16 *x16, float *y, int64_t M, int64_t K,
@@ -258,12 +266,12 @@ static inline __attribute__((always_inline)) void linear_rows(
              * the rows PREFETCH_ROWS ahead while these compute. */
             for (size_t off = 0; off < 2 * row_bytes && n + PREFETCH_ROWS + 1 < n_end; off += 64)
                 _mm_prefetch((const char *)(wrow + PREFETCH_ROWS * row_bytes + off), _MM_HINT_T0);
-            dot_rows2_i16(type, wrow, wrow + row_bytes, x16->q, x16->d, x16->s8, nb, y + n, y + n + 1);
+            dot_rows2_i16(type, wrow, wrow + row_bytes, x16->q, x16->d, x16->s, nb, y + n, y + n + 1);
         }
         if (n < n_end) {
             float unused;
             const uint8_t *wrow = w + (size_t)n * row_bytes;
-            dot_rows2_i16(type, wrow, wrow, x16->q, x16->d, x16->s8, nb, y + n, &unused);
+            dot_rows2_i16(type, wrow, wrow, x16->q, x16->d, x16->s, nb, y + n, &unused);
         }
         return;
     }
@@ -300,9 +308,9 @@ int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, i
     if (M == 1) {
         q16.q = malloc(sizeof(int16_t) * (size_t)K);
         q16.d = malloc(sizeof(float) * (size_t)(nb + 1));
-        q16.s8 = malloc(sizeof(float) * (size_t)(8 * nb + 1));
-        if (!q16.q || !q16.d || !q16.s8) { free(q16.q); free(q16.d); free(q16.s8); free(xp); return -1; }
-        quantize_x16(x, K, q16.q, q16.d, q16.s8);
+        q16.s = malloc(sizeof(float) * (size_t)(nb + 1));
+        if (!q16.q || !q16.d || !q16.s) { free(q16.q); free(q16.d); free(q16.s); free(xp); return -1; }
+        quantize_x16(x, K, q16.q, q16.d, q16.s);
         x16 = &q16;
     } else {
         permute_x(type, x, xp, M, K);
@@ -312,7 +320,7 @@ int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, i
         case NS_Q4_1: linear_rows(NS_Q4_1, w, xp, x16, y, M, K, ldy, n_begin, n_end); break;
         default: linear_rows(NS_Q8_0, w, xp, x16, y, M, K, ldy, n_begin, n_end); break;
     }
-    free(q16.q); free(q16.d); free(q16.s8);
+    free(q16.q); free(q16.d); free(q16.s);
     free(xp);
 #else
     float *tmp = malloc(sizeof(float) * (size_t)K);
