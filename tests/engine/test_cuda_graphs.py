@@ -93,7 +93,7 @@ def _graphs(device: torch.device, log: list, current: list):
     g = DecodeGraphs.__new__(DecodeGraphs)
 
     class Model:
-        embed_tokens = SimpleNamespace(weight=torch.zeros(1, dtype=torch.bfloat16))
+        dtype = torch.bfloat16  # the activations' dtype (LlamaModel.dtype)
 
         def __call__(self, input_ids, *args):
             log.append((g, current[-1] if current else None))
