@@ -63,16 +63,18 @@ _REJECT_REASONS = {400: "bad_request", 413: "bad_request", 415: "bad_request", 4
 
 
 REQUEST_ID = "X-Request-Id"
+# Typed request storage where aiohttp has it (3.12+), which warns about string keys; a string key before that.
+_RID = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"
 
 
 def request_id(request: web.Request) -> str:
     """The client's X-Request-Id when it is a sane token, else a new one; echoed on the response."""
-    rid = request.get("request_id")
+    rid = request.get(_RID)
     if rid is None:
         given = request.headers.get(REQUEST_ID, "")
         rid = given if 0 < len(given) <= 128 and given.isascii() and given.isprintable() and " " not in given \
             else uuid.uuid4().hex
-        request["request_id"] = rid
+        request[_RID] = rid
     return rid
 
 

@@ -300,9 +300,9 @@ def test_a_stuck_transfer_stops_the_watchdog(loaded_fp32, prompt_ids, hf_greedy)
             release.wait(30)
             return copy_pages(layer, pages)
         transfer._copy_pages = stuck
-        healthy = workers_healthy(engine.workers, max_stall=1.0)
+        healthy = workers_healthy(engine.workers, max_stall=2.0)  # an idle worker turns every 0.5 s
         stream = engine.add_request(prompt_ids[0], _greedy())
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(4.0)
         stalled = not healthy()
         release.set()
         tokens = await _tokens(stream)

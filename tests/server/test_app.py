@@ -50,6 +50,9 @@ class FakeEngine:
     def pool_stats(self) -> list:
         return []
 
+    def dead_threads(self) -> list[str]:
+        return []
+
     def add_request(self, prompt_ids, params) -> RequestStream:
         if self.reject is not None:
             raise self.reject
