@@ -7,6 +7,7 @@ prefill. Every row names the bound it is compared with.
 
 What each row means:
   * bandwidth: sum() over 1 GiB of written float32 on one thread (GB/s): the read bound everything below uses.
+  * crossover M=m: the layers' projections through the fused kernel vs dequantize + F.linear.
   * gemm M=m: every projection of one decode step (30 layers + lm_head) at m activation rows, from DRAM: the
     file's Q4_1/Q8_0 blocks through the native kernel vs the dense float32 weights through F.linear;
     "x bound" = time / (weight bytes / bandwidth).
@@ -71,6 +72,21 @@ def gemm_rows(quant, dense, gbs: float, ms: list[int]) -> list[dict]:
         rows.append({"what": f"gemm M={m}", "auto_ms": tq * 1e3, "none_ms": td * 1e3,
                      "auto_x_bound": tq / (q_bytes / gbs / 1e9), "none_x_bound": td / (d_bytes / gbs / 1e9),
                      "auto_MB": q_bytes / 1e6, "none_MB": d_bytes / 1e6})
+    return rows
+
+
+def crossover_rows(quant, ms: list[int]) -> list[dict]:
+    """Fused kernel vs dequantize + torch GEMM over one step's projections, per row count: where
+    block_quant.MAX_GEMV_ROWS should sit."""
+    mods = [m for m in quant.modules() if isinstance(m, QuantLinear)][:-1]  # the layers' projections
+    rows = []
+    for m in ms:
+        xs = {k: torch.randn(m, k) for k in {mod.in_features for mod in mods}}
+        fused = timed(lambda: [mod.kernels.linear(mod.qtype, mod.weight, xs[mod.in_features], mod.out_features)
+                               for mod in mods], 3)
+        gemm = timed(lambda: [torch.nn.functional.linear(xs[mod.in_features], mod.quantized.dequantize())
+                              for mod in mods], 3)
+        rows.append({"what": f"crossover M={m}", "fused_ms": fused * 1e3, "dequant_gemm_ms": gemm * 1e3})
     return rows
 
 
@@ -141,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
               "bandwidth_GBs": gbs, "fp32_peak_GFLOPs": peak, "rows": []}
     print(f"one-core DRAM read {gbs:.1f} GB/s, fp32 matmul peak {peak:.1f} GFLOP/s, kernels: {kernels.isa}")
     result["rows"] += gemm_rows(quant, dense, gbs, [1, 2, 4, 8, 16, 32])
+    result["rows"] += crossover_rows(quant, [16, 32, 48, 64])
     result["rows"] += attention_rows(kernels, gbs, [(1, 512), (1, 2048), (16, 1024), (32, 256)])
     result["rows"] += step_rows(models, gbs, [(1, 128), (1, 1024), (16, 1024), (32, 128)])
     result["rows"] += prefill_rows(models, peak)

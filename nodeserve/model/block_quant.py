@@ -22,8 +22,7 @@ from torch import nn
 from nodeserve.kernels import native
 
 BLOCK_FORMATS = {"int8": native.Q8_0, "int4": native.Q4_1}
-# Rows up to which the fused kernel beats dequantize + GEMM (bench/micro.py --block-quant measures the
-# crossover; bench/README.md has the numbers).
+# Rows up to which the fused kernel beats dequantize + GEMM (bench/kernels.py measures both; bench/README.md).
 MAX_GEMV_ROWS = 32
 
 

@@ -1,18 +1,11 @@
 """fp16 weight storage for CPU serving: Linear layers repacked for fbgemm's fp16-weight, fp32-compute GEMM.
 
-On a CPU, decode at small batch is bound by reading the weights, so halving their bytes is the lever. fbgemm
-keeps the weights as float16 in its packed layout and widens them to float32 inside the kernel: activations and
-accumulation stay float32, so each output is the float32 product with the weights rounded to float16 (relative
-error <= 2^-11 per weight), and a request's result does not depend on what it is batched with. Measured on the
-bundled model: 99.7 % teacher-forced top-1 agreement with float32 over 1,000 positions, and greedy output
-identical to float32 on the eight parity prompts x 32 tokens (tests/model/test_quant.py checks both kinds).
-
-Tried and left out: fbgemm dynamic int8 (`quantized::linear_dynamic`, per-channel int8 weights, activations
-quantized per call to 7 bits with one scale per tensor) ran batched decode 1.3-1.6x and prefill 1.7x faster than
-fp16 here, but agreed with float32 on only 46 % of next tokens: the activations' outlier channels set the one
-scale. torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` need bf16 activations and were slower than
-fp16 on this AVX2 CPU. The two fbgemm fp16 entry points warn (once) that they are deprecated in torch 2.13;
-`quantized::linear_dynamic_fp16`, their replacement, ran 1.5x slower at batch 1 here. "none" keeps dense float32/bf16 Linear layers: the path that matches transformers.
+fbgemm keeps the weights as float16 in its packed layout and widens them to float32 inside the kernel:
+activations and accumulation stay float32, so each output is the float32 product with the weights rounded to
+float16 (relative error <= 2^-11 per weight), and a request's result does not depend on what it is batched
+with. The GGUF block formats (`auto`, `int8`, `int4`) live in model/block_quant.py; bench/README.md has the
+measurements behind both, and what was tried and left out. The two fbgemm fp16 entry points warn (once) that
+they are deprecated in torch 2.13.
 """
 
 from __future__ import annotations
