@@ -72,6 +72,7 @@ class KVSection:
     memory_headroom: float = 0.1          # with memory_gib = 0: fraction of free GPU memory left for activations
     dtype: str = "auto"                   # auto (the model's dtype) | fp8_e4m3 (1 byte a value, any device and
                                           # backend; per-layer scales calibrated at warm-up)
+    prefix_cache: bool = True             # reuse the KV of full pages whose prefix was computed before, per device
 
 
 @dataclass(frozen=True)

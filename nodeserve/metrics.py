@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class DeviceState:
     num_waiting: int
     num_pages: int
     num_free: int
+    num_prefix_queried_tokens: int = 0  # cumulative, per device: prompt tokens looked up in its prefix cache
+    num_prefix_hit_tokens: int = 0      # ... and found there
 
 
 class _StateCollector(Collector):
@@ -73,7 +75,7 @@ class _StateCollector(Collector):
         self.model_name = model_name
         self.source: Callable[[], Sequence[Any]] | None = None
 
-    def _families(self) -> tuple[GaugeMetricFamily, ...]:
+    def _families(self) -> tuple[GaugeMetricFamily | CounterMetricFamily, ...]:
         dr = ["model_name", "device", "role"]
         d = ["model_name", "device"]
         return (
@@ -85,6 +87,10 @@ class _StateCollector(Collector):
             GaugeMetricFamily(PREFIX + "kv_pages_free", "KV cache pages free on a device.", labels=d),
             GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV cache usage on a device (1 means 100 percent).",
                               labels=d),
+            CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in a device's prefix cache.",
+                                labels=d),
+            CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in a device's prefix cache.",
+                                labels=d),
         )
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
@@ -92,7 +98,7 @@ class _StateCollector(Collector):
         return self._families()
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        running, waiting, used, free, usage = fams = self._families()
+        running, waiting, used, free, usage, queries, hits = fams = self._families()
         states: Sequence[Any] = ()
         if self.source is not None:
             try:
@@ -101,18 +107,22 @@ class _StateCollector(Collector):
                 log.exception("metrics: state source failed")
         # Sum by label set: one sample per series even if a device ever hosts two workers.
         by_role: dict[tuple[str, str], list[int]] = {}
-        by_dev: dict[str, list[int]] = {}
+        by_dev: dict[str, list[int]] = {}  # pages, free, queried tokens, hit tokens
         for s in states:
             r = by_role.setdefault((s.device, s.role), [0, 0])
             r[0] += s.num_running
             r[1] += s.num_waiting
-            p = by_dev.setdefault(s.device, [0, 0])
+            p = by_dev.setdefault(s.device, [0, 0, 0, 0])
             p[0] += s.num_pages
             p[1] += s.num_free
+            p[2] += getattr(s, "num_prefix_queried_tokens", 0)
+            p[3] += getattr(s, "num_prefix_hit_tokens", 0)
         for (dev, role), (n_run, n_wait) in by_role.items():
             running.add_metric([self.model_name, dev, role], n_run)
             waiting.add_metric([self.model_name, dev, role], n_wait)
-        for dev, (n_pages, n_free) in by_dev.items():
+        for dev, (n_pages, n_free, n_queried, n_hit) in by_dev.items():
+            queries.add_metric([self.model_name, dev], n_queried)
+            hits.add_metric([self.model_name, dev], n_hit)
             used.add_metric([self.model_name, dev], n_pages - n_free)
             free.add_metric([self.model_name, dev], n_free)
             usage.add_metric([self.model_name, dev], (n_pages - n_free) / n_pages if n_pages else 0.0)
@@ -158,6 +168,9 @@ class Metrics:
                                 m + ["finished_reason"], registry=reg)
         self._rejected = Counter(PREFIX + "request_rejected", "Requests refused before they ran, by reason.",
                                  m + ["reason"], registry=reg)
+        self.kv_transfer_saved_bytes = Counter(PREFIX + "kv_transfer_saved_bytes",
+                                               "KV bytes not copied because the decode device had them cached.", m,
+                                               registry=reg).labels(model_name)
         # Create every label set now so each series exists (at 0) from the first scrape: rate() and
         # dashboards then see a reason's first occurrence as an increase, not as a new series.
         self._success_by = {r: self._success.labels(model_name, r) for r in FINISH_REASONS}
@@ -196,10 +209,12 @@ class Metrics:
         # Unknown reasons fold into "error" so a caller's typo can't grow label cardinality.
         self._success_by.get(finish_reason, self._success_by["error"]).inc()
 
-    def observe_transfer(self, seconds: float, num_bytes: int) -> None:
-        """One KV copy between devices (callable from the transfer thread)."""
+    def observe_transfer(self, seconds: float, num_bytes: int, num_saved_bytes: int = 0) -> None:
+        """One request's KV copy between devices (callable from the transfer thread); num_saved_bytes: the part
+        of its prompt's KV the decode device had cached, which was not copied."""
         self.kv_transfer_time.observe(max(seconds, 0.0))
         self.kv_transfer_bytes.observe(max(num_bytes, 0))
+        self.kv_transfer_saved_bytes.inc(max(num_saved_bytes, 0))
 
     def rejected(self, reason: str) -> None:
         """A request refused before it ran; reason is one of REJECT_REASONS (others count as bad_request)."""

@@ -1,15 +1,22 @@
-"""Request: one generation as the engine tracks it, and TokenEvent: what its stream receives after each step."""
+"""Request: one generation as plain data (tokens, params, counts, state), and TokenEvent: what its stream receives
+after each step. Where a request runs and which pages hold its KV live in the engine's records, not here."""
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from nodeserve.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from nodeserve.engine.worker import Worker
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"            # admitted; the router has not placed it yet
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"  # its first token is out; its KV is on the way to its decode device
+    DECODING = "decoding"
+    FINISHED = "finished"          # ended (stop, length, abort or error) and released by whoever held it
 
 
 @dataclass
@@ -26,8 +33,8 @@ class TokenEvent:
 @dataclass(eq=False)
 class Request:
     """Ownership: exactly one thread holds a request at a time (router, then a prefill worker, then the
-    transfer, then a decode worker), and only the holder frees its pages. An abort only sets `aborted`;
-    the holder sees it at its next step and frees everything it holds, on both devices."""
+    transfer, then a decode worker), and only the holder changes it. An abort only sets `aborted`;
+    the holder sees it at its next step and frees everything the request holds, on every device."""
 
     request_id: str
     prompt_ids: list[int]
@@ -36,14 +43,18 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0       # tokens of this request whose KV is in the pool it is computing on
-    decode_worker: Worker | None = field(default=None, repr=False)
-    prefill_worker: Worker | None = field(default=None, repr=False)  # None: prefilled on the decode worker
-    pages: list[int] = field(default_factory=list)          # decode pool pages, reserved at admission
-    prefill_pages: list[int] = field(default_factory=list)  # prefill pool pages while prefilling elsewhere
-    generator: Any = field(default=None, repr=False)
+    num_cached_tokens: int = 0         # prompt tokens whose KV was found in the prefix cache where it prefilled
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)  # per full page of its tokens, chained
+    state: RequestState = RequestState.WAITING
     aborted: bool = False
-    finished: bool = False
-    timings: dict[str, float] = field(default_factory=dict)
+    generator: Any = field(default=None, repr=False)  # the sampler's per-request RNG, when seeded
+    prefill_start: float | None = None  # monotonic times of the phases, for metrics and the timeline
+    prefill_end: float | None = None    # the first token is sampled
+    decode_start: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -57,7 +68,3 @@ class Request:
     def max_total_tokens(self) -> int:
         """Tokens whose KV may ever be needed: the last sampled token is never fed back."""
         return len(self.prompt_ids) + self.params.max_tokens - 1
-
-    @property
-    def prefill_elsewhere(self) -> bool:
-        return self.prefill_worker is not None and self.prefill_worker is not self.decode_worker

@@ -21,7 +21,7 @@ from nodeserve.engine.model_runner import ModelRunner
 from nodeserve.engine.router import QueueFull, Router, TooLarge
 from nodeserve.engine.sampler import Sampler
 from nodeserve.engine.transfer import KVTransfer
-from nodeserve.engine.worker import Worker, WorkerLimits
+from nodeserve.engine.worker import Role, Worker, WorkerLimits
 from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
 from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
 from nodeserve.model.llama import LlamaModel
@@ -72,12 +72,15 @@ class PoolStats:
     num_free: int
     num_running: int
     num_waiting: int
+    num_prefix_queried_tokens: int
+    num_prefix_hit_tokens: int
 
 
 class Engine:
     def __init__(self, config: Config, loaded: LoadedModel,
-                 on_transfer: Callable[[float, int], None] | None = None):
-        """on_transfer(seconds, bytes) is called from transfer threads once per handed-off request."""
+                 on_transfer: Callable[[float, int, int], None] | None = None):
+        """on_transfer(seconds, bytes copied, bytes the decode device already held) is called from transfer
+        threads once per handed-off request."""
         self.config, self.loaded = config, loaded
         self.on_transfer = on_transfer
         self.tokenizer = loaded.tokenizer
@@ -100,7 +103,7 @@ class Engine:
         limits = WorkerLimits(cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, self.max_model_len)
         replicas: dict[torch.device, object] = {}
 
-        def make_worker(name: str, role: str) -> Worker:
+        def make_worker(name: str, role: Role) -> Worker:
             device = make_device(name)
             kv_dtype = kv_cache_dtype(cfg.kv.dtype, dtype)
             if device.torch_device.type == "cuda":
@@ -119,9 +122,10 @@ class Engine:
             else:
                 num_pages = KVPool.num_pages_for_bytes(self.loaded.config, int(cfg.kv.memory_gib * 2**30),
                                                        cfg.kv.page_size, kv_dtype)
-            pool = KVPool(self.loaded.config, num_pages, cfg.kv.page_size, kv_dtype, device.torch_device)
+            pool = KVPool(self.loaded.config, num_pages, cfg.kv.page_size, kv_dtype, device.torch_device,
+                          cfg.kv.prefix_cache)
             runner = build_runner(replicas[device.torch_device], pool, cfg.devices.attention,
-                                  cfg.devices.cuda_graphs and role != "prefill", cfg.scheduler.max_num_seqs)
+                                  cfg.devices.cuda_graphs and role is not Role.PREFILL, cfg.scheduler.max_num_seqs)
             log.info("%s: %s attention, %d KV pages of %s%s", name, type(runner.backend).__name__, num_pages,
                      kv_dtype, ", CUDA graphs at warm-up" if runner.graphs is not None else "")
             fallback = auto_fallback(cfg.devices.attention, device.torch_device, dtype)
@@ -130,10 +134,10 @@ class Engine:
                 self.warnings.append(fallback)
             sampler = Sampler(device.torch_device, eos_token_ids=self.tokenizer.eos_token_ids)
             return Worker(device, role, runner, sampler, self.tokenizer.eos_token_ids, limits,
-                          self._emit_batch_threadsafe, self._pages_freed_threadsafe)
+                          self._emit_batch_threadsafe, self._released_threadsafe)
 
-        self.prefill_workers = [make_worker(n, "prefill") for n in cfg.prefill_devices]
-        role = "decode" if self.prefill_workers else "colocated"
+        self.prefill_workers = [make_worker(n, Role.PREFILL) for n in cfg.prefill_devices]
+        role = Role.DECODE if self.prefill_workers else Role.COLOCATED
         self.decode_workers = [make_worker(n, role) for n in cfg.decode_devices]
         for p in self.prefill_workers:
             for d in self.decode_workers:
@@ -236,14 +240,19 @@ class Engine:
             if event.finish_reason is not None:
                 self.streams.pop(req.request_id, None)
 
-    def _pages_freed_threadsafe(self) -> None:
+    def _released_threadsafe(self, requests: list[Request]) -> None:
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.router.dispatch)
+            self._loop.call_soon_threadsafe(self._released, requests)
+
+    def _released(self, requests: list[Request]) -> None:
+        for req in requests:
+            self.router.release(req)
+        self.router.dispatch()
 
     # ---- introspection -------------------------------------------------------------------------------
     def pool_stats(self) -> list[PoolStats]:
-        return [PoolStats(w.name, w.role, w.kv.num_usable, w.kv.num_free, len(w.running),
-                          len(w.waiting)) for w in self.workers]
+        return [PoolStats(w.name, w.role, w.kv.num_usable, w.kv.num_free, len(w.scheduler.running),
+                          len(w.scheduler.waiting), w.kv.num_queried_tokens, w.kv.num_hit_tokens) for w in self.workers]
 
     def dead_threads(self) -> list[str]:
         """Workers and transfers whose thread died: what they hold never moves again (/health answers 503)."""

@@ -1,14 +1,17 @@
 """Router: admits requests, reserves their decode pages up front, and picks the devices.
 
 Runs on the event loop thread. Reserving the decode pages at admission means a finished prefill never waits
-for space and an abort has exactly one reservation to give back.
+for space and an abort has exactly one reservation to give back. The router's record of each placed request
+(which decode device holds a seat for it) ends when that device reports its pages given back (release()).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
+from nodeserve.engine.scheduler import Handoff
 from nodeserve.engine.worker import Worker
+from nodeserve.kv.manager import hash_blocks
 from nodeserve.request import Request
 
 
@@ -27,6 +30,9 @@ class Router:
         self.local_prefill_threshold, self.max_waiting = local_prefill_threshold, max_waiting
         self.max_queued_tokens = max_queued_tokens
         self.pending: deque[Request] = deque()
+        self.page_size = decode_workers[0].kv.page_size  # one page size on every device (kv.page_size)
+        self.placements: dict[str, Worker] = {}  # request id -> its decode worker, from placement to release
+        self.num_seats_taken: Counter[Worker] = Counter()  # per decode worker: requests placed there, not released
 
     @property
     def num_queued_tokens(self) -> int:
@@ -55,6 +61,7 @@ class Router:
             raise QueueFull(f"{len(self.pending)} requests are already waiting")
         if self.num_queued_tokens + req.num_prompt_tokens > self.max_queued_tokens:
             raise QueueFull(f"{self.num_queued_tokens} prompt tokens are already queued")
+        req.block_hashes = hash_blocks(req.prompt_ids, self.page_size)
         self.pending.append(req)
         self.dispatch()
 
@@ -69,22 +76,36 @@ class Router:
         """Places waiting requests, oldest first, while their decode pages can be reserved."""
         while self.pending:
             req = self.pending[0]
+            # Never the whole prompt from the cache: its last token runs again, for the first token's logits.
+            hashes = req.block_hashes[:(req.num_prompt_tokens - 1) // self.page_size]
             # Decode: a device with a free seat in its batch (so its own short prefills always find one and
-            # nothing it holds waits behind the batch), then the most free pages, then the fewest requests.
-            worker = min((w for w in self.decode_workers if w.num_assigned < w.limits.max_num_seqs),
-                         key=lambda w: (-w.kv.num_free, w.num_assigned), default=None)
-            if worker is None or not worker.kv.can_allocate(worker.kv.blocks_for(req.max_total_tokens)):
+            # nothing it holds waits behind the batch), then the longest cached prefix, then the most free pages.
+            seats = self.num_seats_taken
+            worker = max((w for w in self.decode_workers if seats[w] < w.limits.max_num_seqs),
+                         key=lambda w: (len(w.kv.lookup(hashes)), w.kv.num_free, -seats[w]), default=None)
+            num_blocks = worker.kv.blocks_for(req.max_total_tokens) if worker else 0
+            if worker is None or not worker.kv.can_allocate(num_blocks):  # as if nothing were cached: a bound
                 return
-            req.pages = worker.kv.allocate(worker.kv.blocks_for(req.max_total_tokens))
+            cached = worker.kv.acquire(hashes, req.num_prompt_tokens)
+            blocks = cached + worker.kv.allocate(num_blocks - len(cached))
             self.pending.popleft()
-            req.decode_worker = worker
-            worker.assign(req)
-            if self.prefill_workers and req.num_prompt_tokens >= self.local_prefill_threshold:
-                # Prefill: the fewest outstanding prompt tokens.
-                req.prefill_worker = min(self.prefill_workers, key=lambda w: w.num_outstanding_prefill_tokens)
+            self.placements[req.request_id] = worker
+            seats[worker] += 1
+            num_cached_tokens = len(cached) * self.page_size
+            if self.prefill_workers and req.num_prompt_tokens - num_cached_tokens >= self.local_prefill_threshold:
+                # Prefill: the least work ahead, counting what its own cache saves.
+                prefill = min(self.prefill_workers, key=lambda w: w.num_outstanding_prefill_tokens
+                              - len(w.kv.lookup(hashes)) * self.page_size)
+                prefill.add_prefill(req, [], Handoff(worker, blocks, len(cached)))
             else:
-                req.prefill_worker = worker
-            req.prefill_worker.add_prefill(req)
+                req.num_computed_tokens = req.num_cached_tokens = num_cached_tokens
+                worker.add_prefill(req, blocks)
+
+    def release(self, req: Request) -> None:
+        """Its decode device gave back every page it held: its seat is free."""
+        worker = self.placements.pop(req.request_id, None)
+        if worker is not None:
+            self.num_seats_taken[worker] -= 1
 
     @property
     def num_pending(self) -> int:

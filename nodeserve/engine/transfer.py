@@ -5,13 +5,12 @@ of the two devices, both current in that thread. Jobs run strictly in FIFO order
   1. the prefill worker enqueues copy_layer(i) as soon as layer i's K/V is written (an event marks that point
      on its compute stream), while later layers still compute; the copy waits on that event on the copy
      stream, never on the host;
-  2. after a request's last prefill step it enqueues finish(req), which runs after every copy of that
-     request and records two events: `read` (the source pages are read) goes back to the prefill worker,
-     whose stream waits on it before the pages are reused; `landed` (every byte written) goes with the
-     request to the decode worker, whose stream waits on it before the request's first decode step.
-     No host synchronisation on that path. A request aborted or finished meanwhile has its decode
-     reservation freed instead, after the host waits for its copies: that memory may be reserved again at
-     once, for a copy on another pair's streams, so it must be quiet first.
+  2. after a request's last prefill step (or its end) the prefill worker enqueues finish(request_id, pages,
+     on_done), which runs after every copy of that request and records two events: `read` (the source pages
+     are read) goes back to the prefill worker with the pages, whose stream waits on it before they are reused;
+     `landed` (every byte written) goes to on_done, i.e. to the decode worker, whose stream waits on it before
+     the request's first decode step. No host synchronisation on that path. The decode worker also decides
+     what to do with a request that ended or lost a copy meanwhile: free its pages there.
 A layer's pages move as a few runs of pages contiguous on both sides (one copy each, peer to peer where the
 GPUs allow it), or, when they are scattered, gathered into a staging tensor, copied once and scattered.
 The same code runs on CPU devices, where events are None and every op completes in order.
@@ -33,7 +32,6 @@ import torch
 
 from nodeserve.device import Device
 from nodeserve.kv.pool import KVPool
-from nodeserve.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +82,18 @@ class _CopyLayer:
 
 @dataclass
 class _Finish:
-    request: Request
-    deliver: Callable[[Request, Any], None]   # (request, event the decode stream must wait on)
-    release: Callable[[Request], None]        # frees the decode reservation of a request that will not decode
-    fail: Callable[[Request, str], None]      # ends a live request whose KV did not arrive, with this error
+    request_id: str
+    src_blocks: list[int]                    # the request's pages in the source pool, freed after the copies
+    num_copied_blocks: int                   # pages its copies carried, and pages the destination already held
+    num_cached_blocks: int
+    on_done: Callable[[Any, str | None], None]  # (event the decode stream must wait on, error of a failed copy)
+    queued_at: float
 
 
 class KVTransfer:
     def __init__(self, src_device: Device, src_pool: KVPool, dst_device: Device, dst_pool: KVPool,
                  free_src_pages: Callable[[list[int], Any], None],
-                 on_transfer: Callable[[float, int], None] | None = None):
+                 on_transfer: Callable[[float, int, int], None] | None = None):
         """free_src_pages(pages, event): frees prefill pages once the prefill stream has waited on `event`
         (the prefill worker's release_pages, run in its own thread)."""
         self.src_device, self.src_pool = src_device, src_pool
@@ -141,9 +141,11 @@ class KVTransfer:
     def copy_layer(self, layer: int, pages: PageMap) -> None:
         self._jobs.put(_CopyLayer(layer, pages, self.src_device.record_event()))
 
-    def finish(self, request: Request, deliver: Callable[[Request, Any], None],
-               release: Callable[[Request], None], fail: Callable[[Request, str], None]) -> None:
-        self._jobs.put(_Finish(request, deliver, release, fail))
+    def finish(self, request_id: str, src_blocks: list[int], on_done: Callable[[Any, str | None], None],
+               num_copied_blocks: int = 0, num_cached_blocks: int = 0) -> None:
+        """num_copied_blocks, num_cached_blocks: for the transfer metrics (pages sent, pages the decode side had)."""
+        self._jobs.put(_Finish(request_id, src_blocks, num_copied_blocks, num_cached_blocks, on_done,
+                               time.monotonic()))
 
     def _run(self) -> None:
         self.src_device.init_copy_thread()
@@ -191,37 +193,25 @@ class KVTransfer:
         return staged.numel() * staged.element_size()
 
     def _finish(self, job: _Finish) -> None:
-        req = job.request
-        read = self.src_device.record_event()     # on the source stream, after every copy reading req's pages
+        read = self.src_device.record_event()     # on the source stream, after every copy reading the pages
         landed = self.dst_device.record_event()   # on the destination stream, after every write of them
-        pages, req.prefill_pages = req.prefill_pages, []
-        self.free_src_pages(pages, read)
-        error = self._failed.pop(req.request_id, None)
-        if error is not None or req.aborted or req.finished:
-            self.dst_device.synchronize_event(landed)
-            job.release(req)
-            if error is not None and not (req.aborted or req.finished):
-                job.fail(req, error)
-            return
-        if self.on_transfer is not None:
-            # Time from the last prefill forward to the handoff being queued: the part of the copy the
-            # layer-by-layer overlap did not hide on CPU. On CUDA it is the host side only (no sync here).
-            waited = time.monotonic() - req.timings.get("prefill_end", time.monotonic())
-            num_pages = -(-req.num_prompt_tokens // self.src_pool.page_size)
-            self.on_transfer(waited, num_pages * self.src_pool.bytes_per_page_per_layer * len(self.src_pool.layers))
-        job.deliver(req, landed)
+        self.free_src_pages(job.src_blocks, read)
+        job.src_blocks = []  # given back: a failure from here on must not free them twice
+        error = self._failed.pop(job.request_id, None)
+        if error is None and self.on_transfer is not None:
+            # Time from the last prefill step to the handoff: the part of the copy the layer-by-layer overlap did
+            # not hide on CPU. On CUDA it is the host side only (no sync here).
+            page_bytes = self.src_pool.bytes_per_page_per_layer * len(self.src_pool.layers)
+            self.on_transfer(time.monotonic() - job.queued_at, job.num_copied_blocks * page_bytes,
+                             job.num_cached_blocks * page_bytes)
+        job.on_done(landed, error)
 
     def _give_up(self, job: _Finish, error: str) -> None:
-        """The handoff itself raised: free what the request still holds on both sides and fail it."""
-        req = job.request
-        self._failed.pop(req.request_id, None)
-        try:
-            if req.prefill_pages:
-                pages, req.prefill_pages = req.prefill_pages, []
-                self.free_src_pages(pages, None)
-            if req.pages:
-                job.release(req)
-            if not (req.aborted or req.finished):
-                job.fail(req, error)
-        except Exception:
-            log.exception("%s: cleaning up request %s failed", self.name, req.request_id)
+        """The handoff itself raised: free the source pages and let the decode side fail the request."""
+        self._failed.pop(job.request_id, None)
+        free = (lambda: self.free_src_pages(job.src_blocks, None)) if job.src_blocks else (lambda: None)
+        for step in (free, lambda: job.on_done(None, error)):
+            try:
+                step()
+            except Exception:
+                log.exception("%s: cleaning up request %s failed", self.name, job.request_id)

@@ -1,20 +1,37 @@
-"""KVManager: the one owner of a device's KV pages. Everything else holds block ids it was given.
+"""KVManager: the one owner of a device's KV pages, and its prefix cache. Everything else holds block ids.
 
 Interface in block ids: allocate / free / reserve / can_allocate / num_free, reference-counted so that a page
-can have several holders. A prefix cache fits behind the same calls: allocate would first reuse full pages
-whose content hash matches, free would park a cached page whose last holder left in an LRU of evictable pages,
-and num_free / can_allocate would count those as free.
+can have several holders. The prefix cache sits behind the same calls, as in vLLM v1: a full page whose KV is
+written can be published under the hash of its tokens (chained over every earlier page, so a hash names the
+whole prefix); lookup() finds the longest run of a request's page hashes held here and acquire() shares those
+pages. A published page whose last holder frees it stays cached, evictable: allocate() takes free pages first,
+then evicts the least recently used cached ones, and num_free counts both, so admission keeps its guarantees.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
-from collections import deque
-from typing import Iterable
+from array import array
+from collections import OrderedDict, deque
+from typing import Iterable, Sequence
 
 
 class OutOfPages(Exception):
     """Not enough free pages for an allocation; nothing was allocated."""
+
+
+def hash_blocks(token_ids: Sequence[int], page_size: int, parent: bytes | None = None) -> list[bytes]:
+    """The content hash of each full page of `token_ids`, each chained over the one before (`parent` before the
+    first). A cryptographic hash: Python's hash() collides on purpose-built inputs, and a collision here would
+    hand one request another's KV."""
+    hashes = []
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        h = hashlib.blake2b(parent or b"", digest_size=16)
+        h.update(array("q", token_ids[start:start + page_size]).tobytes())
+        parent = h.digest()
+        hashes.append(parent)
+    return hashes
 
 
 class KVManager:
@@ -22,16 +39,26 @@ class KVManager:
     The page-leak invariant lives here: `num_used` is 0 once every request has ended (tests and /debug/kv read
     it), and freeing a page twice or one never handed out raises."""
 
-    def __init__(self, num_pages: int, page_size: int):
-        self.num_pages, self.page_size = num_pages, page_size
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = False):
+        self.num_pages, self.page_size, self.prefix_cache = num_pages, page_size, prefix_cache
         self._free = deque(range(num_pages))
         self._refcount = [0] * num_pages
         self._lock = threading.Lock()
         self.num_reserved = 0  # pages taken out of circulation for good (reserve)
+        self._hash_of: dict[int, bytes] = {}      # published page -> its hash
+        self._page_of: dict[bytes, int] = {}      # hash -> the page holding that prefix here
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages no one holds, least recent first
+        self.num_queried_tokens = 0  # prompt tokens looked up by acquire(), and how many of them were cached
+        self.num_hit_tokens = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take: free ones and cached ones no request holds."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._hash_of)
 
     @property
     def num_usable(self) -> int:
@@ -40,44 +67,94 @@ class KVManager:
 
     @property
     def num_used(self) -> int:
-        return self.num_usable - len(self._free)
+        """Pages some request holds (cached pages no one holds count as free)."""
+        return self.num_usable - self.num_free
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self.num_free
 
     def allocate(self, num_blocks: int) -> list[int]:
         """num_blocks page ids, each with one holder; raises OutOfPages (allocating nothing) if too few are free."""
         with self._lock:
-            if num_blocks > len(self._free):
-                raise OutOfPages(f"need {num_blocks} pages, {len(self._free)} free")
-            blocks = [self._free.popleft() for _ in range(num_blocks)]
+            if num_blocks > self.num_free:
+                raise OutOfPages(f"need {num_blocks} pages, {self.num_free} free")
+            blocks = [self._free.popleft() if self._free else self._evict() for _ in range(num_blocks)]
             for b in blocks:
                 self._refcount[b] = 1
             return blocks
 
+    def _evict(self) -> int:
+        block, _ = self._evictable.popitem(last=False)
+        del self._page_of[self._hash_of.pop(block)]
+        return block
+
     def share(self, blocks: Iterable[int]) -> None:
-        """Adds a holder to pages that are already allocated."""
+        """Adds a holder to pages that are allocated or cached."""
         with self._lock:
             for b in blocks:
-                if self._refcount[b] <= 0:
+                if self._refcount[b] == 0 and b not in self._evictable:
                     raise ValueError(f"page {b} is not allocated")
+                self._evictable.pop(b, None)
                 self._refcount[b] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Drops one holder of each page; a page with none left is free again."""
+        """Drops one holder of each page; a page with none left is free again, or, if published, cached.
+        Last page first: a request's tail is then evicted before the prefix others are likelier to share."""
         with self._lock:
-            for b in blocks:
+            for b in reversed(list(blocks)):
                 if self._refcount[b] <= 0:
                     raise ValueError(f"page {b} freed twice")
                 self._refcount[b] -= 1
                 if self._refcount[b] == 0:
-                    self._free.append(b)
+                    if b in self._hash_of:
+                        self._evictable[b] = None
+                    else:
+                        self._free.append(b)
 
     def reserve(self) -> int:
         """Takes one page out of circulation for the manager's lifetime (CUDA graph padding rows write there)."""
         block = self.allocate(1)[0]
         self.num_reserved += 1
         return block
+
+    # ---- the prefix cache ----------------------------------------------------------------------------------
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """The pages holding the longest prefix of `hashes` here (no holder is added: see acquire)."""
+        with self._lock:
+            return self._match(hashes)
+
+    def acquire(self, hashes: Sequence[bytes], num_prompt_tokens: int) -> list[int]:
+        """lookup() and a holder added to each page found, in one step, so no eviction comes between them.
+        Counts num_prompt_tokens as queried (the hit rate's denominator, in tokens as vLLM counts it)."""
+        with self._lock:
+            blocks = self._match(hashes)
+            for b in blocks:
+                self._evictable.pop(b, None)
+                self._refcount[b] += 1
+            if self.prefix_cache:
+                self.num_queried_tokens += num_prompt_tokens
+                self.num_hit_tokens += len(blocks) * self.page_size
+            return blocks
+
+    def _match(self, hashes: Sequence[bytes]) -> list[int]:
+        blocks: list[int] = []
+        for h in hashes if self.prefix_cache else ():
+            if (b := self._page_of.get(h)) is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def publish(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """Enters full pages whose KV is written into the cache, each under its hash. A hash already cached on
+        another page (two requests computed the same prefix at once) keeps the first; this page stays private."""
+        if not self.prefix_cache:
+            return
+        with self._lock:
+            for b, h in zip(blocks, hashes):
+                if self._refcount[b] <= 0:
+                    raise ValueError(f"page {b} is not allocated")
+                if h not in self._page_of and b not in self._hash_of:
+                    self._page_of[h], self._hash_of[b] = b, h

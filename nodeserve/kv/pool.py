@@ -33,7 +33,8 @@ class KVPool:
     ignore them. Pools that hand KV to each other must hold the same scales: the transfer copies bytes.
     """
 
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
+                 prefix_cache: bool = False):
         self.num_pages, self.page_size, self.dtype, self.device = num_pages, page_size, dtype, device
         # One allocation for all layers; zero-filled so padding reads see finite values.
         self.data = torch.zeros(cfg.num_layers, num_pages, 2, page_size, cfg.num_kv_heads, cfg.head_dim,
@@ -43,7 +44,7 @@ class KVPool:
         self.v_scales = [1.0] * cfg.num_layers
         # Backends are handed a layer tensor, not its index; every layer starts at its own address in `data`.
         self._layer_index = {layer.data_ptr(): i for i, layer in enumerate(self.layers)}
-        self.manager = KVManager(num_pages, page_size)
+        self.manager = KVManager(num_pages, page_size, prefix_cache)
 
     @property
     def is_fp8(self) -> bool:

@@ -433,7 +433,8 @@ def _abort_all(engine: Engine, gens: list[Generation]) -> None:
 def _usage(gens: list[Generation], n: int) -> dict:
     """Each distinct prompt counts once however many choices (n) it has, as OpenAI counts."""
     prompt_tokens = sum(g.num_prompt_tokens for g in gens[::n])
-    return P.usage(prompt_tokens, sum(g.num_completion_tokens for g in gens))
+    cached_tokens = sum(g.stream.request.num_cached_tokens for g in gens[::n])
+    return P.usage(prompt_tokens, sum(g.num_completion_tokens for g in gens), cached_tokens)
 
 
 def _timeout(state: ServerState):

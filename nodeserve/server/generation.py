@@ -53,7 +53,7 @@ class Generation:
         if self.metrics is None:
             return
         req = self.stream.request
-        start, end = req.timings.get("prefill_start"), req.timings.get("prefill_end")
+        start, end = req.prefill_start, req.prefill_end
         first = self.token_times[0] if self.token_times else None
         self.metrics.observe_request(
             prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_completion_tokens,

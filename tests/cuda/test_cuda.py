@@ -129,9 +129,6 @@ def _pools(devices):
 def _transfer_bytes_exact(src_name: str, dst_name: str, max_direct_runs: int):
     from nodeserve.device import make_device
     from nodeserve.engine.transfer import KVTransfer
-    from nodeserve.request import Request
-    from nodeserve.sampling_params import SamplingParams
-
     src_dev, dst_dev = make_device(src_name), make_device(dst_name)
     src_pool, dst_pool = _pools([src_name, dst_name])
     for layer in src_pool.layers:
@@ -146,12 +143,10 @@ def _transfer_bytes_exact(src_name: str, dst_name: str, max_direct_runs: int):
     assert (pages.runs is None) == (max_direct_runs == 0)
     for layer in range(len(src_pool.layers)):
         transfer.copy_layer(layer, pages)
-    req = Request("r", list(range(96)), SamplingParams(max_tokens=2))
-    req.prefill_pages = src_pool.manager.allocate(6)
     delivered, failed = [], []
-    transfer.finish(req, lambda r, ev: delivered.append(ev), lambda r: None, lambda r, error: failed.append(error))
+    transfer.finish("r", src_pool.manager.allocate(6), lambda ev, error: (delivered.append(ev), failed.append(error)))
     transfer.stop()
-    assert failed == [] and len(delivered) == 1 and len(freed) == 1
+    assert failed == [None] and len(delivered) == 1 and len(freed) == 1
     delivered[0].synchronize()
     for layer in range(len(src_pool.layers)):
         got = dst_pool.layers[layer][dst_pages].cpu().view(torch.uint8)

@@ -8,7 +8,7 @@ import pytest
 
 from nodeserve.config import ConfigError, config_from_dict
 from nodeserve.engine.engine import Engine, PromptTooLong, QueueFull, TooLarge, check_fits, weight_bytes
-from nodeserve.engine.worker import FORWARD_FAILED
+from nodeserve.engine.scheduler import FORWARD_FAILED
 from nodeserve.sampling_params import SamplingParams
 
 MODES = {
@@ -247,14 +247,14 @@ def test_a_fault_outside_the_step_does_not_kill_the_worker(loaded_fp32, prompt_i
     worker keeps serving, instead of its thread dying silently with every later request waiting forever."""
     async def body(engine):
         decode = engine.decode_workers[0]
-        sweep, faults = decode._drop_aborted, [1]
+        sweep, faults = decode.scheduler.drop_aborted, [1]
 
         def faulty():
-            if faults and decode.running:
+            if faults and decode.scheduler.running:
                 faults.pop()
                 raise RuntimeError("injected sweep fault")
-            sweep()
-        decode._drop_aborted = faulty
+            return sweep()
+        decode.scheduler.drop_aborted = faulty
         first = await asyncio.wait_for(_tokens(engine.add_request(prompt_ids[0], _greedy())), 60)
         second = await asyncio.wait_for(_tokens(engine.add_request(prompt_ids[1], _greedy())), 60)
         return first[1], second, engine.dead_threads()
@@ -273,7 +273,7 @@ def test_a_dead_worker_thread_is_reported(loaded_fp32, prompt_ids):
 
             def broken(*args, **kwargs):
                 raise RuntimeError("injected fault")
-            decode._step = decode._fail_all = broken
+            decode._step = decode.scheduler.fail_all = broken
             engine.add_request(prompt_ids[0], _greedy())
             for _ in range(200):
                 if engine.dead_threads():

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from nodeserve.engine.router import Router
+import pytest
+
+from nodeserve.engine.router import QueueFull, Router, TooLarge
+from nodeserve.engine.scheduler import Handoff
 from nodeserve.engine.worker import WorkerLimits
 from nodeserve.kv.manager import KVManager
 from nodeserve.request import Request
@@ -16,25 +19,26 @@ class StubWorker:
         self.name = name
         self.kv = KVManager(num_pages, 16)
         self.limits = WorkerLimits(max_num_seqs, 1024, 8192)
-        self.num_assigned = 0
         self.num_outstanding_prefill_tokens = 0
-        self.prefills: list[Request] = []
+        self.prefills: list[tuple[Request, list[int], Handoff | None]] = []
 
-    def assign(self, req: Request) -> None:
-        self.num_assigned += 1
-
-    def add_prefill(self, req: Request) -> None:
+    def add_prefill(self, req: Request, blocks: list[int], handoff: Handoff | None = None) -> None:
         self.num_outstanding_prefill_tokens += req.num_prompt_tokens
-        self.prefills.append(req)
+        self.prefills.append((req, blocks, handoff))
 
-    def finish(self, req: Request) -> None:
-        """What the worker holding a finished request does: free its decode reservation."""
-        self.kv.free(req.pages)
-        self.num_assigned -= 1
+    def __repr__(self) -> str:
+        return self.name
 
 
 def _req(rid: str, num_prompt_tokens: int, max_tokens: int = 16) -> Request:
     return Request(rid, [1] * num_prompt_tokens, SamplingParams(max_tokens=max_tokens))
+
+
+def _finish(router: Router, worker: StubWorker, req: Request, blocks: list[int]) -> None:
+    """What the decode worker holding a finished request does: free its pages and report the release."""
+    worker.kv.free(blocks)
+    router.release(req)
+    router.dispatch()
 
 
 def test_a_decode_device_takes_no_more_requests_than_it_can_batch():
@@ -46,11 +50,39 @@ def test_a_decode_device_takes_no_more_requests_than_it_can_batch():
     short = _req("short", 10)
     for r in longs + [short]:
         router.admit(r)
-    assert decode.num_assigned == 2 and router.num_pending == 2
-    assert prefill.prefills == longs[:2] and decode.prefills == []
-    decode.finish(longs[0])
-    router.dispatch()
-    assert decode.num_assigned == 2 and prefill.prefills == longs and router.num_pending == 1
-    decode.finish(longs[1])
-    router.dispatch()
-    assert decode.num_assigned == 2 and decode.prefills == [short] and router.num_pending == 0
+    assert router.num_seats_taken[decode] == 2 and router.num_pending == 2
+    assert [p[0] for p in prefill.prefills] == longs[:2] and decode.prefills == []
+    # A remote prefill carries its decode pages in its handoff and takes its own prompt pages later.
+    req, blocks, handoff = prefill.prefills[0]
+    assert blocks == [] and handoff.target is decode and len(handoff.blocks) == decode.kv.blocks_for(115)
+    _finish(router, decode, longs[0], handoff.blocks)
+    assert router.num_seats_taken[decode] == 2 and [p[0] for p in prefill.prefills] == longs
+    assert router.num_pending == 1
+    _finish(router, decode, longs[1], prefill.prefills[1][2].blocks)
+    assert router.num_seats_taken[decode] == 2 and router.num_pending == 0
+    assert [(p[0], p[2]) for p in decode.prefills] == [(short, None)] and len(decode.prefills[0][1]) == 2
+
+
+def test_requests_wait_for_decode_pages_and_go_to_the_device_with_the_most_free():
+    a, b = StubWorker("cpu:0", 10), StubWorker("cpu:1", 12)
+    router = Router([], [a, b], local_prefill_threshold=0, max_waiting=8, max_queued_tokens=10_000)
+    first, second, third = _req("1", 100, 60), _req("2", 100, 60), _req("3", 100, 60)  # 10 pages each
+    for r in (first, second, third):
+        router.admit(r)
+    assert [p[0] for p in b.prefills] == [first] and [p[0] for p in a.prefills] == [second]
+    assert router.num_pending == 1 and router.placements == {"1": b, "2": a}
+    _finish(router, a, second, a.prefills[0][1])
+    assert [p[0] for p in a.prefills] == [second, third] and router.num_pending == 0
+    assert a.kv.num_used == 10 and b.kv.num_used == 10
+
+
+def test_admission_refuses_what_can_never_fit_and_what_would_overflow_the_queue():
+    decode = StubWorker("cpu:0", 4)  # 64 tokens
+    router = Router([], [decode], local_prefill_threshold=0, max_waiting=1, max_queued_tokens=100)
+    with pytest.raises(TooLarge):
+        router.admit(_req("big", 60, max_tokens=10))
+    router.admit(_req("fits", 40, max_tokens=10))  # 49 tokens: 4 pages, placed at once
+    router.admit(_req("waits", 40, max_tokens=10))
+    with pytest.raises(QueueFull):
+        router.admit(_req("full", 5))
+    assert router.num_pending == 1 and not router.abort_pending(_req("other", 1))

@@ -1,8 +1,8 @@
 """KVTransfer ordering on CPU, with a device that records its event calls and random delays injected on both
 sides: each layer's copy waits on that layer's event, copies run in layer order, the handoff comes after the
 last copy with the destination's event and no host sync, prefill pages go back with the source's event, and
-an aborted request gives back its decode reservation only after a host wait on its copies; a copy or
-handoff that raises fails its request alone."""
+a copy or handoff that raises fails its request alone. (What the decode side does with a request that ended
+meanwhile is the decode worker's part: tests/engine/test_worker.py.)"""
 
 from __future__ import annotations
 
@@ -72,51 +72,45 @@ class Harness:
         self.transfer._copy_pages = slow_copy
         self.events: dict[tuple[str, int], tuple] = {}  # (request id, layer) -> the event its copy must wait on
         self.expected: dict[str, torch.Tensor] = {}     # request id -> [layers, pages, ...] of what was written
-        self.released: list[str] = []
-        self.failed: list[tuple[str, str]] = []  # (request id, error)
-        self.delivered: list[tuple[str, object, int]] = []  # (request id, event, src pages free at handoff)
+        self.src_pages: dict[str, list[int]] = {}
+        self.dst_pages: dict[str, list[int]] = {}
+        # (request id, event, src pages free at handoff, error) per on_done call
+        self.delivered: list[tuple[str, object, int, str | None]] = []
 
     def request(self, rid: str, num_tokens: int) -> Request:
         req = Request(rid, list(range(num_tokens)), SamplingParams(max_tokens=4))
         n = -(-num_tokens // PAGE_SIZE)
-        req.prefill_pages = self.src_pool.manager.allocate(n)
-        req.pages = self.dst_pool.manager.allocate(n + 1)  # prompt + room for the outputs
+        self.src_pages[rid] = self.src_pool.manager.allocate(n)
+        self.dst_pages[rid] = self.dst_pool.manager.allocate(n + 1)  # prompt + room for the outputs
         return req
 
     def prefill(self, req: Request) -> None:
         """What a prefill worker does: write layer i's K/V, then enqueue its copy; sleeps stand in for compute."""
-        pages = self.transfer.page_indices(req.prefill_pages, req.pages[:len(req.prefill_pages)], (req.request_id,))
+        src = self.src_pages[req.request_id]
+        pages = self.transfer.page_indices(src, self.dst_pages[req.request_id][:len(src)], (req.request_id,))
         written = []
         for layer in range(NUM_LAYERS):
             time.sleep(self.rng.uniform(0, self.max_delay))
-            values = torch.randn(len(req.prefill_pages), *self.src_pool.layers[layer].shape[1:])
-            self.src_pool.layers[layer][req.prefill_pages] = values
+            values = torch.randn(len(src), *self.src_pool.layers[layer].shape[1:])
+            self.src_pool.layers[layer][src] = values
             written.append(values)
             self.transfer.copy_layer(layer, pages)
             self.events[(req.request_id, layer)] = self.src.last_event
         self.expected[req.request_id] = torch.stack(written)
 
     def finish(self, req: Request) -> None:
-        self.transfer.finish(req, self._deliver, self._release, self._fail)
+        rid = req.request_id
+        self.transfer.finish(rid, self.src_pages[rid], lambda landed, error: self.on_done(rid, landed, error))
 
     def _free_src(self, pages: list[int], event) -> None:
         """What the prefill worker's release_pages does, minus the hop through its inbox."""
         self.log.append((threading.current_thread().name, "free", event))
         self.src_pool.manager.free(pages)
 
-    def _deliver(self, req: Request, event) -> None:
-        self.log.append((threading.current_thread().name, "deliver", req.request_id))
-        self.delivered.append((req.request_id, event, self.src_pool.manager.num_free))
-
-    def _release(self, req: Request) -> None:
-        self.log.append((threading.current_thread().name, "release", req.request_id))
-        self.dst_pool.manager.free(req.pages)
-        req.pages = []
-        self.released.append(req.request_id)
-
-    def _fail(self, req: Request, error: str) -> None:
-        self.log.append((threading.current_thread().name, "fail", req.request_id))
-        self.failed.append((req.request_id, error))
+    def on_done(self, rid: str, landed, error: str | None) -> None:
+        """What the decode worker's arrive() gets."""
+        self.log.append((threading.current_thread().name, "done", rid))
+        self.delivered.append((rid, landed, self.src_pool.manager.num_free, error))
 
     def run(self, body) -> list:
         """Starts the transfer, runs body(), waits for the queue to drain, stops; returns the copy thread's log."""
@@ -143,16 +137,15 @@ def test_copies_wait_on_their_layer_and_run_in_order(seed):
     # The handoff: after the last copy, one event on each device's copy stream; the source's goes back with the
     # prefill pages, the destination's goes with the request. No host sync on this path.
     last_copy = copies[-1][0]
-    assert [e[0] for e in copy_log[last_copy + 1:]] == ["record", "record", "free", "deliver"]
+    assert [e[0] for e in copy_log[last_copy + 1:]] == ["record", "record", "free", "done"]
     read, landed = copy_log[last_copy + 1][1], copy_log[last_copy + 2][1]
     assert read[0] == "cpu:0" and landed[0] == "cpu:1"
     assert copy_log[last_copy + 3] == ("free", read)
-    assert h.delivered == [("a", landed, NUM_PAGES)]  # delivered with that event, prefill pages already free
+    assert h.delivered == [("a", landed, NUM_PAGES, None)]  # with that event, prefill pages already free
     assert not any(e[0] == "sync" for e in copy_log)
-    assert req.prefill_pages == [] and h.released == []
     # The bytes arrived: every layer of the decode pages equals what prefill wrote.
     for layer in range(NUM_LAYERS):
-        assert torch.equal(h.dst_pool.layers[layer][req.pages[:4]], h.expected["a"][layer])
+        assert torch.equal(h.dst_pool.layers[layer][h.dst_pages["a"][:4]], h.expected["a"][layer])
 
 
 @pytest.mark.parametrize("max_direct_runs", [0, 8])
@@ -166,10 +159,10 @@ def test_fifo_across_requests_with_delays(max_direct_runs):
             h.finish(r)
 
     copy_log = h.run(body)
-    order = [(e[0], e[1]) for e in copy_log if e[0] in ("copy", "deliver")]
+    order = [(e[0], e[1]) for e in copy_log if e[0] in ("copy", "done")]
     expected = []
     for r in reqs:
-        expected += [("copy", layer) for layer in range(NUM_LAYERS)] + [("deliver", r.request_id)]
+        expected += [("copy", layer) for layer in range(NUM_LAYERS)] + [("done", r.request_id)]
     assert order == expected
     waits = [e[1] for e in copy_log if e[0] == "wait"]
     assert waits == [h.events[(r.request_id, layer)] for r in reqs for layer in range(NUM_LAYERS)]
@@ -177,32 +170,7 @@ def test_fifo_across_requests_with_delays(max_direct_runs):
     for r in reqs:
         n = -(-r.num_prompt_tokens // PAGE_SIZE)
         for layer in range(NUM_LAYERS):
-            assert torch.equal(h.dst_pool.layers[layer][r.pages[:n]], h.expected[r.request_id][layer])
-
-
-def test_aborted_request_releases_its_decode_reservation():
-    h = Harness(seed=3, max_delay=0.002)
-    kept, aborted = h.request("kept", 9), h.request("gone", 9)
-
-    def body():
-        h.prefill(aborted)
-        aborted.aborted = True  # e.g. the client disconnected while its copies were queued
-        h.finish(aborted)
-        h.prefill(kept)
-        h.finish(kept)
-
-    copy_log = h.run(body)
-    assert h.released == ["gone"] and [d[0] for d in h.delivered] == ["kept"]
-    assert aborted.pages == [] and aborted.prefill_pages == []
-    # Released after all of its own copies and a host wait on the last of them, before any copy of the next.
-    order = [e for e in copy_log if e[0] in ("copy", "release", "deliver")]
-    assert order.index(("release", "gone")) == NUM_LAYERS
-    i = copy_log.index(("release", "gone"))
-    landed = copy_log[i - 3][1]
-    assert [e[0] for e in copy_log[i - 4:i]] == ["record", "record", "free", "sync"] and copy_log[i - 1] == ("sync", landed)
-    assert landed[0] == "cpu:1"
-    assert h.src_pool.manager.num_free == NUM_PAGES
-    assert h.dst_pool.manager.num_free == NUM_PAGES - len(kept.pages)
+            assert torch.equal(h.dst_pool.layers[layer][h.dst_pages[r.request_id][:n]], h.expected[r.request_id][layer])
 
 
 def test_a_failed_copy_fails_its_request_and_the_pair_keeps_serving():
@@ -216,34 +184,30 @@ def test_a_failed_copy_fails_its_request_and_the_pair_keeps_serving():
         return copy_pages(layer, pages)
     h.transfer._copy_pages = faulty
 
-    copy_log = h.run(lambda: (h.prefill(bad), h.finish(bad), h.prefill(good), h.finish(good)))
-    assert [d[0] for d in h.delivered] == ["good"] and h.released == ["bad"]
-    assert h.failed == [("bad", "KV transfer kv cpu:0->cpu:1 failed (the error is in the server log)")]
-    # Its pages come back only after a host wait on whatever copies of it did run.
-    i = copy_log.index(("release", "bad"))
-    assert copy_log[i - 1][0] == "sync" and copy_log[i + 1] == ("fail", "bad")
+    h.run(lambda: (h.prefill(bad), h.finish(bad), h.prefill(good), h.finish(good)))
+    assert [(d[0], d[3]) for d in h.delivered] == [
+        ("bad", "KV transfer kv cpu:0->cpu:1 failed (the error is in the server log)"), ("good", None)]
     assert h.src_pool.manager.num_free == NUM_PAGES
-    assert h.dst_pool.manager.num_free == NUM_PAGES - len(good.pages)
     for layer in range(NUM_LAYERS):
-        assert torch.equal(h.dst_pool.layers[layer][good.pages[:3]], h.expected["good"][layer])
+        assert torch.equal(h.dst_pool.layers[layer][h.dst_pages["good"][:3]], h.expected["good"][layer])
 
 
-def test_a_failed_handoff_frees_both_sides_and_fails_the_request():
+def test_a_failed_handoff_frees_the_source_once_and_reports_the_error():
     h = Harness(seed=6, max_delay=0.001)
     bad, good = h.request("bad", 9), h.request("good", 9)
-    deliver = h._deliver
+    on_done = h.on_done
 
-    def faulty_deliver(req, event):
-        if req.request_id == "bad":
+    def faulty_on_done(rid, landed, error):
+        if rid == "bad" and error is None:
             raise RuntimeError("injected handoff fault")
-        deliver(req, event)
-    h._deliver = faulty_deliver
+        on_done(rid, landed, error)
+    h.on_done = faulty_on_done
 
-    h.run(lambda: (h.prefill(bad), h.finish(bad), h.prefill(good), h.finish(good)))
-    assert [d[0] for d in h.delivered] == ["good"] and h.released == ["bad"]
-    assert [f[0] for f in h.failed] == ["bad"] and "injected" not in h.failed[0][1]
+    copy_log = h.run(lambda: (h.prefill(bad), h.finish(bad), h.prefill(good), h.finish(good)))
+    assert [d[0] for d in h.delivered] == ["bad", "good"]
+    assert [e[0] for e in copy_log].count("free") == 2
+    assert h.delivered[0][3] is not None and "injected" not in h.delivered[0][3] and h.delivered[1][3] is None
     assert h.src_pool.manager.num_free == NUM_PAGES
-    assert h.dst_pool.manager.num_free == NUM_PAGES - len(good.pages)
 
 
 @pytest.mark.parametrize("src, dst, runs", [

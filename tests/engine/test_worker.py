@@ -8,7 +8,8 @@ import torch
 
 from nodeserve.device import make_device
 from nodeserve.engine.sampler import Sampler
-from nodeserve.engine.worker import FORWARD_FAILED, Worker, WorkerLimits
+from nodeserve.engine.scheduler import FORWARD_FAILED
+from nodeserve.engine.worker import Arrival, Role, Worker, WorkerLimits
 from nodeserve.kv.manager import KVManager
 from nodeserve.request import Request, TokenEvent
 from nodeserve.sampling_params import SamplingParams
@@ -34,51 +35,49 @@ class FakeRunner:
 
 def _worker(max_num_seqs: int = 8, max_num_batched_tokens: int = 16, num_pages: int = 32):
     events: list[tuple[Request, TokenEvent]] = []
+    released: list[Request] = []  # what the worker reported as given back
     runner = FakeRunner(num_pages)
-    worker = Worker(make_device("cpu:0"), "colocated", runner, Sampler(torch.device("cpu")), frozenset(),
-                    WorkerLimits(max_num_seqs, max_num_batched_tokens, 1024), events.extend, lambda: None)
-    return worker, runner, events
+    worker = Worker(make_device("cpu:0"), Role.COLOCATED, runner, Sampler(torch.device("cpu")), frozenset(),
+                    WorkerLimits(max_num_seqs, max_num_batched_tokens, 1024), events.extend, released.extend)
+    return worker, runner, events, released
 
 
 def _admit(worker: Worker, prompt: list[int], max_tokens: int) -> Request:
     """What the router does for a request prefilled on its decode device."""
     req = Request(f"r{len(prompt)}-{prompt[0]}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
-    req.pages = worker.kv.allocate(worker.kv.blocks_for(req.max_total_tokens))
-    req.decode_worker = req.prefill_worker = worker
-    worker.assign(req)
-    worker.add_prefill(req)
+    worker.add_prefill(req, worker.kv.allocate(worker.kv.blocks_for(req.max_total_tokens)))
     return req
 
 
 def _turn(worker: Worker) -> None:
     worker._drain_inbox(block=False)
-    worker._drop_aborted()
+    worker._finish(worker.scheduler.drop_aborted())
     worker._step()
 
 
 def test_a_long_prompt_is_chunked_then_decodes_and_gives_every_page_back():
-    worker, runner, events = _worker()
+    worker, runner, events, released = _worker()
     req = _admit(worker, [1 + i % 20 for i in range(40)], max_tokens=3)  # ends with token 20
     for _ in range(5):
         _turn(worker)
     assert runner.steps == [[(0, 16)], [(16, 16)], [(32, 8)], [(40, 1)], [(41, 1)]]
     assert [ev.token_id for _, ev in events] == [21, 22, 23]
     assert events[-1][1].finish_reason == "length" and req.finished
-    assert worker.kv.num_used == 0 and worker.num_assigned == 0 and not worker.running
+    assert worker.kv.num_used == 0 and released == [req] and not worker.scheduler.running
 
 
 def test_short_prefills_share_a_step_with_decodes_within_the_seats():
-    worker, runner, events = _worker(max_num_seqs=2)
+    worker, runner, events, released = _worker(max_num_seqs=2)
     first = _admit(worker, [1, 2, 3], max_tokens=10)
     _turn(worker)  # first's prefill
     second = _admit(worker, [5, 6], max_tokens=10)
     _turn(worker)
     assert runner.steps[-1] == [(3, 1), (0, 2)]  # first decodes while second prefills
-    assert worker.running == [first, second]
+    assert [s.req for s in worker.scheduler.running] == [first, second]
 
 
 def test_a_fault_in_one_request_fails_only_that_request():
-    worker, runner, events = _worker()
+    worker, runner, events, released = _worker()
     good = _admit(worker, [1, 2, 3], max_tokens=4)
     bad = _admit(worker, [4, POISON], max_tokens=4)
     _turn(worker)  # the batch fails; each is re-run alone
@@ -88,15 +87,36 @@ def test_a_fault_in_one_request_fails_only_that_request():
     for _ in range(3):
         _turn(worker)
     assert [ev.token_id for req, ev in events if req is good] == [4, 5, 6, 7]
-    assert worker.kv.num_used == 0 and worker.num_assigned == 0
+    assert worker.kv.num_used == 0 and set(released) == {good, bad}
 
 
 def test_an_aborted_request_gives_its_pages_back_at_the_next_turn():
-    worker, runner, events = _worker()
+    worker, runner, events, released = _worker()
     req = _admit(worker, [1, 2, 3], max_tokens=50)
     _turn(worker)
     _turn(worker)
     assert worker.kv.num_used > 0
     req.aborted = True
     _turn(worker)
-    assert worker.kv.num_used == 0 and not worker.running and req.finished
+    assert worker.kv.num_used == 0 and not worker.scheduler.running and req.finished and released == [req]
+
+
+def test_an_arrival_decodes_after_its_copies_or_if_it_ended_meanwhile_frees_its_pages_after_a_host_wait():
+    worker, runner, events, released = _worker()
+    calls = []
+    worker.device = SimpleNamespace(name="cpu:0", wait_event=lambda e: calls.append(("wait", e)),
+                                    synchronize_event=lambda e: calls.append(("sync", e)))
+    arrived, aborted, failed = (Request(rid, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0), output_ids=[4])
+                                for rid in ("ok", "gone", "bad"))
+    aborted.aborted = True
+    for req, event, error in ((arrived, "e1", None), (aborted, "e2", None), (failed, "e3", "copy failed")):
+        worker.arrive(Arrival(req, worker.kv.allocate(1), 0, event, error))
+    worker._drain_inbox(block=False)
+    # The request that is still wanted decodes once its stream waited on the copies (no host wait); the two
+    # others give their pages back only after the host waited on theirs: they may be reserved again at once.
+    assert calls == [("wait", "e1"), ("sync", "e2"), ("sync", "e3")]
+    assert [s.req for s in worker.scheduler.running] == [arrived] and arrived.num_computed_tokens == 3
+    assert released == [aborted, failed] and worker.kv.num_used == 1
+    assert [(r, ev.finish_reason, ev.error) for r, ev in events] == [(failed, "error", "copy failed")]
+    _turn(worker)
+    assert runner.steps[-1] == [(3, 1)] and [ev.token_id for r, ev in events if r is arrived] == [5]
