@@ -16,26 +16,27 @@ MODES = {
 
 
 def start_server(mode: str, dtype: str, tmp: str, log_path: str | None = None,
-                 model_name: str = "m", model_extra: str = "") -> tuple[subprocess.Popen, str]:
+                 model_name: str = "m", model_extra: str = "", kv_extra: str = "") -> tuple[subprocess.Popen, str]:
     """Writes a config for `mode` into `tmp`, starts the server and returns (process, base url).
 
-    model_extra: more TOML lines for the [model] table, e.g. 'quantization = "int8"'.
+    model_extra, kv_extra: more TOML lines for the [model] and [kv] tables, e.g. 'quantization = "int8"'.
     """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    path = os.path.join(tmp, f"{mode}.toml")
+    path = os.path.join(tmp, f"{mode}-{abs(hash(model_extra + kv_extra))}.toml")
     with open(path, "w") as f:
         f.write(f'[model]\npath = "smollm2-135m-instruct"\nname = "{model_name}"\ndtype = "{dtype}"\n'
                 + (model_extra.strip() + "\n" if model_extra.strip() else "") +
-                f'[server]\nport = {port}\n[devices]\n{MODES[mode]}\n[kv]\nmemory_gib = 2.0\n')
+                f'[server]\nport = {port}\n[devices]\n{MODES[mode]}\n[kv]\nmemory_gib = 2.0\n{kv_extra.strip()}\n')
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, "-m", "nodeserve", "run", "--config", path],
                             stdout=out, stderr=subprocess.STDOUT)
     if log_path:
         out.close()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    deadline = time.monotonic() + 300  # a cold start on a busy 2-core machine can take minutes
+    while time.monotonic() < deadline:
         if proc.poll() is not None:
             break
         try:

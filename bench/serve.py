@@ -79,6 +79,8 @@ async def send(session, url: str, model: str, req: W.Request, headers: dict, ext
                         continue
                     if obj.get("usage"):
                         usage = obj["usage"]
+                    if obj.get("timings"):  # llama-server: prompt tokens computed (prompt_n) and reused (cache_n)
+                        rec["timings"] = obj["timings"]
                     if any(c.get("text") or c.get("logprobs") for c in obj.get("choices") or ()):
                         chunk_times.append(now)
                 if not done and rec["error"] is None:
@@ -96,6 +98,8 @@ async def send(session, url: str, model: str, req: W.Request, headers: dict, ext
     rec["prompt_tokens"] = prompt_tokens if prompt_tokens is not None else (
         req.prompt_len if isinstance(req.prompt, list) else None)
     rec["usage_reported"] = usage is not None
+    # prompt tokens served from the server's prefix cache, where it says (OpenAI's usage field)
+    rec["cached_tokens"] = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
     rec["sent_s"] = t_send - t0
     rec["end_s"] = t_end - t0
     return rec

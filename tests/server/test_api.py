@@ -273,3 +273,27 @@ def test_decode_device_never_prefills_and_kv_moves_layer_by_layer(server, prompt
     assert all(c[2] > 0 for c in copies)
     first_decode_start = min(s[0] for s in by_role["decode"])
     assert max(c[1] for c in copies) <= first_decode_start     # every layer landed before decoding began
+
+
+def _counter(server, name: str, device: str) -> float:
+    with urllib.request.urlopen(server.url + "/metrics") as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f"nodeserve:{name}{{") and f'device="{device}"' in line)
+
+
+def test_a_repeated_prefix_is_served_from_the_cache_and_reported_as_openai_and_vllm_do(server):
+    client = _client(server)
+    words = random.Random(7).choices(["alpha", "beta", "gamma", "delta", "omega", "sigma"], k=120)
+    messages = [{"role": "system", "content": " ".join(words)}, {"role": "user", "content": "Say hi."}]
+    hits = _counter(server, "prefix_cache_hits_total", "cpu:0")
+    first = client.chat.completions.create(model="smollm2", messages=messages, **GREEDY)
+    again = client.chat.completions.create(model="smollm2", messages=messages, **GREEDY)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # Every full page but the one holding the last prompt token (which runs again for the first token's logits).
+    assert cached == (again.usage.prompt_tokens - 1) // 16 * 16 and cached >= 112
+    # The prefill device counted the same tokens as hits (vLLM's metric names, in tokens).
+    assert _counter(server, "prefix_cache_hits_total", "cpu:0") - hits == cached
+    _assert_pools_whole(server)
