@@ -6,7 +6,7 @@ Command (the one whose output is in bench/README.md):
 
 What it runs, per dtype, on the CPU, with torch.set_num_threads(--threads) (default 1: one server worker):
   * the bundled model (smollm2-135m-instruct) loaded with nodeserve.model.loader.load_model, load time reported;
-  * ModelRunner(model, KVPool, TorchAttention()).run(chunks), i.e. the server's own step path (host-side
+  * ModelRunner(model, TorchAttention(KVPool, ...)).run(chunks), i.e. the server's own step path (host-side
     prepare + forward + logits), so host overhead is included in every figure;
   * prefill: one 512-token prompt, and 4 prompts x 256 tokens (1024 tokens) in one step; logits only for
     each prompt's last token, as the server does. Reported as tokens/s and step time;
@@ -192,7 +192,7 @@ class Bench:
         need = max(need, max(DECODE_BATCHES) * pages_for(DECODE_CONTEXT + 1, PAGE_SIZE))
         self.pool = KVPool(cfg, need + 4, PAGE_SIZE, self.dtype, torch.device("cpu"))
         self.pool.data.copy_(torch.randn(self.pool.data.shape) * 0.5)  # stand-in for cached context K/V
-        self.runner = ModelRunner(model, self.pool, TorchAttention())
+        self.runner = ModelRunner(model, TorchAttention(self.pool, cfg, model.dtype))
         self.peak, self.peak_desc = measure_peak(self.dtype) if self.quantization == "none" \
             else measure_packed_peak(self.quantization)
 

@@ -113,7 +113,8 @@ class FP8Check:
             half = len(ids) // 2
             for chunk in (SeqChunk(ids[:half], 0, table), SeqChunk(ids[half:], half, table)):
                 input_ids, positions, meta, _ = runner.prepare([chunk])
-                hidden = model(input_ids, positions, meta, pool.layers, runner.backend)
+                runner.backend.prepare(meta)
+                hidden = model(input_ids, positions, runner.backend)
                 out.append(model.compute_logits(hidden))  # every row: teacher-forced next-token logits
             pool.manager.free(table)
         return torch.cat(out)

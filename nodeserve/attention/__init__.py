@@ -6,7 +6,13 @@ import importlib
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from nodeserve.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from nodeserve.kv.pool import KVPool
+    from nodeserve.model.config import ModelConfig
 
 BACKENDS = ("auto", "torch", "flashinfer")
 
@@ -33,12 +39,14 @@ def auto_fallback(name: str, device: torch.device, dtype: torch.dtype | None) ->
     return None
 
 
-def make_backend(name: str, device: torch.device, dtype: torch.dtype | None = None) -> AttentionBackend:
-    """"torch": the PyTorch reference; "flashinfer": FlashInfer (CUDA only, bf16/fp16 models); "auto": FlashInfer on
-    a CUDA device when it imports and the model is not float32, the reference otherwise. Raises ConfigError when the
-    choice cannot run here."""
+def make_backend(name: str, pool: KVPool, cfg: ModelConfig, dtype: torch.dtype) -> AttentionBackend:
+    """The backend over `pool` for a model of config `cfg` whose activations are `dtype`. "torch": the PyTorch
+    reference; "flashinfer": FlashInfer (CUDA only, bf16/fp16 models); "auto": FlashInfer on a CUDA device when it
+    imports and the model is not float32, the reference otherwise. Raises ConfigError when the choice cannot run
+    here."""
     from nodeserve.config import FLASHINFER_FLOAT32, ConfigError
 
+    device = pool.device
     if name not in BACKENDS:
         raise ConfigError(f"'devices.attention' must be one of {', '.join(BACKENDS)}, got {name!r}")
     use_flashinfer = name == "flashinfer" or (name == "auto" and device.type == "cuda"
@@ -46,7 +54,7 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype | None = No
     if not use_flashinfer:
         from nodeserve.attention.torch_ref import TorchAttention
 
-        return TorchAttention()
+        return TorchAttention(pool, cfg, dtype)
     if device.type != "cuda":
         raise ConfigError(f"'devices.attention' = \"flashinfer\" needs a CUDA device, not {device}; "
                           "use \"auto\" or \"torch\"")
@@ -57,4 +65,4 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype | None = No
                           "pip install -e '.[cuda]', or use \"auto\"")
     from nodeserve.attention.flashinfer_backend import FlashInferAttention
 
-    return FlashInferAttention(device)
+    return FlashInferAttention(pool, cfg, dtype)

@@ -38,17 +38,51 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Writes this step's K/V into one layer's paged pool, then attends over it.
+    """Attends over one device's paged KV pool. Pool layout per layer is FlashInfer's NHD:
+    pool.layers[i] is [num_pages, 2, page_size, num_kv_heads, head_dim], K at [:, 0] and V at [:, 1].
 
-    Pool layout per layer is FlashInfer's NHD: [num_pages, 2, page_size, num_kv_heads, head_dim],
-    index 0 of dim 1 holds K and index 1 holds V. forward() is called once per layer with the same `meta`
-    object for every layer of a step, so a backend may plan once per step when it sees a new `meta`.
-    FP8 pools: K/V are stored quantized with kv_pool's per-layer scales (KVPool.scales_of), 1.0 when unbound.
+    Lifecycle:
+      - built once with its pool and what it needs of the model (heads, head_dim and so the scale, dtype);
+      - prepare(meta) once per step, before the model's forward and outside any CUDA-graph capture: whatever
+        depends only on the step is built there (FlashInfer's plan(), torch_ref's decode groups);
+      - forward(layer_id, q, k, v) for each layer of that step, in increasing layer order: writes the step's K/V
+        into pool.layers[layer_id] (FP8 pools: quantized with that layer's k_scales / v_scales) and attends.
+    forward() before any prepare(), or on a layer that already ran since the last prepare() (a new step that
+    skipped it), raises instead of attending with a stale plan.
     """
 
-    kv_pool: KVPool | None  # the pool whose layers forward() is given; ModelRunner binds it
+    pool: KVPool
+    meta: AttentionMetadata | None  # the step prepare() was last given
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prepare(self, meta: AttentionMetadata) -> None: ...
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KH, D]; returns [T, H, D]."""
         ...
+
+
+class PagedAttention:
+    """The lifecycle both backends share: their pool, the prepared step, and the check that forward() runs on it."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.meta: AttentionMetadata | None = None
+        self._next_layer = 0  # the lowest layer that has not run on `meta`
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self.meta, self._next_layer = meta, 0
+
+    def step_for(self, layer_id: int) -> AttentionMetadata:
+        """The prepared step's metadata, for a layer that has not run on it yet."""
+        if self.meta is None:
+            raise RuntimeError("attention forward() before prepare(): prepare(meta) once per step comes first")
+        if layer_id < self._next_layer:
+            raise RuntimeError(f"layer {layer_id} already ran on the prepared step: a new step needs prepare(meta)")
+        self._next_layer = layer_id + 1
+        return self.meta
+
+    def scales(self, layer_id: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of a layer: the pool's for FP8, 1.0 for a wide pool (which stores values as they are)."""
+        if not self.pool.is_fp8:
+            return 1.0, 1.0
+        return self.pool.k_scales[layer_id], self.pool.v_scales[layer_id]

@@ -1,8 +1,8 @@
 """The FlashInfer attention backend (CUDA only): torch_ref's contract and pool layout, FlashInfer's paged kernels.
 
-One plan per step: the first forward() of a step (layer 0) builds the page indices on the host and plans the
-decode and prefill wrappers; every later layer of the step reuses that plan. FlashInfer's plan() copies its
-inputs to the GPU and cannot be captured in a CUDA graph; run() can.
+One plan per step: prepare() builds the page indices on the host and plans the decode and prefill wrappers; every
+layer's forward() runs on that plan. FlashInfer's plan() copies its inputs to the GPU and cannot be captured in a
+CUDA graph; run() can, so the graph path prepares outside capture and replay (engine/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from nodeserve.attention.base import AttentionMetadata
-from nodeserve.attention.torch_ref import is_fp8, layer_scales, write_kv_scaled
+from nodeserve.attention.base import AttentionMetadata, PagedAttention
+from nodeserve.attention.torch_ref import write_kv_scaled
 from nodeserve.device import upload
 
 if TYPE_CHECKING:
     from nodeserve.kv.pool import KVPool
+    from nodeserve.model.config import ModelConfig
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partial results)
 
@@ -85,25 +86,27 @@ def split_indices(meta: AttentionMetadata) -> tuple[PagedIndices | None, PagedIn
     return part(0, nd), part(nd, b)
 
 
-class FlashInferAttention:
+class FlashInferAttention(PagedAttention):
     """Decodes go through BatchDecodeWithPagedKVCacheWrapper, prefill chunks (whole prompts, and chunks
     extending a cached prefix) through BatchPrefillWithPagedKVCacheWrapper with causal=True, whose mask puts
     the queries at the end of the sequence, as torch_ref does.
 
+    dtype: the model's activations' (q's and the output's); the pool's dtype is the KV's.
     graph_batch_size: build a decode-only backend for one CUDA graph bucket, whose wrapper keeps its index
-    tensors in fixed buffers (max_num_pages bounds the pages one step may index).
+    tensors in fixed buffers (the pool's pages, plus one scratch page per padding row, bound what a step indexes).
     workspace: share another backend's float workspace; safe when both run in turn on one stream.
-    FP8 pools: K/V are quantized with the bound pool's per-layer scales, and the same scales go to run() as
-    Python floats, which a captured CUDA graph keeps: calibrate before capturing (engine/warmup.py).
+    FP8 pools: K/V are quantized with each layer's scales, and the same scales go to run() as Python floats,
+    which a captured CUDA graph keeps: calibrate before capturing (engine/warmup.py).
     """
 
-    def __init__(self, device: torch.device, graph_batch_size: int | None = None, max_num_pages: int = 0,
+    def __init__(self, pool: KVPool, cfg: ModelConfig, dtype: torch.dtype, graph_batch_size: int | None = None,
                  workspace: torch.Tensor | None = None):
         import flashinfer  # optional dependency ([cuda] extra); its kernels and wrappers need a GPU
 
-        self.device = device
-        self.kv_pool: KVPool | None = None  # whose per-layer FP8 scales forward() uses (ModelRunner binds it)
-        self._meta: AttentionMetadata | None = None
+        super().__init__(pool)
+        device = self.device = pool.device
+        self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.dtype, self.scale = dtype, cfg.head_dim ** -0.5
         # plan() fills a pinned host buffer and copies it to the GPU asynchronously: planning again before that
         # copy has run would overwrite the previous step's plan. An event after each plan, waited on before the next
         # (steps that do not sample, like intermediate prefill chunks, never sync otherwise).
@@ -113,6 +116,7 @@ class FlashInferAttention:
             torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         graph = {}
         if graph_batch_size is not None:
+            max_num_pages = pool.num_pages + graph_batch_size
             graph = dict(use_cuda_graph=True,
                          paged_kv_indptr_buffer=torch.zeros(graph_batch_size + 1, dtype=torch.int32, device=device),
                          paged_kv_indices_buffer=torch.zeros(max_num_pages, dtype=torch.int32, device=device),
@@ -125,32 +129,30 @@ class FlashInferAttention:
         self.prefill = None if graph_batch_size is not None else \
             flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
 
-    def plan(self, meta: AttentionMetadata, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-             q_dtype: torch.dtype, kv_dtype: torch.dtype, scale: float) -> None:
+    def prepare(self, meta: AttentionMetadata) -> None:
         """Plans both wrappers for this step; forward() then runs every layer on that plan."""
         decode, prefill = (None if part is None else for_plan(part, self.device) for part in split_indices(meta))
-        common = dict(q_data_type=q_dtype, kv_data_type=kv_dtype, o_data_type=q_dtype, sm_scale=scale)
+        common = dict(q_data_type=self.dtype, kv_data_type=self.pool.dtype, o_data_type=self.dtype,
+                      sm_scale=self.scale)
         if self._plan_event is not None:
             self._plan_event.synchronize()  # the previous plan's copies have run: its host buffer is free
         if decode is not None:
-            self.decode.plan(decode.kv_indptr, decode.kv_indices, decode.kv_last_page_len, num_qo_heads,
-                             num_kv_heads, head_dim, meta.page_size, pos_encoding_mode="NONE", **common)
+            self.decode.plan(decode.kv_indptr, decode.kv_indices, decode.kv_last_page_len, *self.heads,
+                             meta.page_size, pos_encoding_mode="NONE", **common)
         if prefill is not None:
             if self.prefill is None:
                 raise ValueError("a CUDA-graph decode backend cannot run prefill chunks")
             self.prefill.plan(prefill.qo_indptr, prefill.kv_indptr, prefill.kv_indices, prefill.kv_last_page_len,
-                              num_qo_heads, num_kv_heads, head_dim, meta.page_size, causal=True, **common)
+                              *self.heads, meta.page_size, causal=True, **common)
         self._plan_event = self._record_plan_event()
-        self._meta = meta
+        super().prepare(meta)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KH, D]; returns [T, H, D]."""
-        if meta is not self._meta:  # layer 0 of a new step (holding the old meta keeps its id from being reused)
-            self.plan(meta, q.shape[1], k.shape[1], q.shape[2], q.dtype, kv_layer.dtype, scale)
-        k_scale, v_scale = layer_scales(self.kv_pool, kv_layer)
+        meta, kv_layer = self.step_for(layer_id), self.pool.layers[layer_id]
+        k_scale, v_scale = self.scales(layer_id)
         write_kv_scaled(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
-        scales = dict(k_scale=k_scale, v_scale=v_scale) if is_fp8(kv_layer) else {}
+        scales = dict(k_scale=k_scale, v_scale=v_scale) if self.pool.is_fp8 else {}
         nd = meta.num_decodes
         if nd == q.shape[0]:
             return self.decode.run(q, kv_layer, **scales)

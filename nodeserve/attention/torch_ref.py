@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from nodeserve.attention.base import AttentionMetadata
+from nodeserve.attention.base import AttentionMetadata, PagedAttention
 from nodeserve.kernels import native
 
 if TYPE_CHECKING:
     from nodeserve.kv.pool import KVPool
+    from nodeserve.model.config import ModelConfig
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 
@@ -52,13 +53,6 @@ def fp8_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return x.to(dtype)
     table = torch.arange(256, dtype=torch.uint8, device=x.device).view(x.dtype).to(dtype)  # [256]
     return table.index_select(0, x.view(torch.uint8).reshape(-1).int()).view(x.shape)
-
-
-def layer_scales(pool: KVPool | None, kv_layer: torch.Tensor) -> tuple[float, float]:
-    """(k_scale, v_scale) a backend bound to `pool` uses for `kv_layer`: the pool's, for FP8 layers; 1.0 else."""
-    if pool is None or not is_fp8(kv_layer):
-        return 1.0, 1.0
-    return pool.scales_of(kv_layer)
 
 
 def gather_kv(kv_layer: torch.Tensor, block_table: torch.Tensor, length: int,
@@ -127,32 +121,31 @@ class _DecodeGroup:
     mask: torch.Tensor         # [n, 1, 1, max_len]: key positions each row may see
 
 
-class TorchAttention:
-    """On CPU with a float32 pool, decodes read K/V where they lie in the pages (the native kernel: no gather, no
-    padding). Elsewhere decodes are batched in padded SDPA calls over groups of similar length. Each prefill
-    chunk runs alone, so no one pads to the longest prompt. The grouping and masks depend only on the step, so they are
-    built at the first layer and reused by the others (the same `meta` object comes with every layer).
+class TorchAttention(PagedAttention):
+    """On CPU with a float32 model and pool, decodes read K/V where they lie in the pages (the native kernel: no
+    gather, no padding). Elsewhere decodes are batched in padded SDPA calls over groups of similar length, whose
+    rows and masks depend only on the step: prepare() builds them once for every layer. Each prefill chunk runs
+    alone, so no one pads to the longest prompt.
 
     FP8 pools: K/V are gathered as stored and converted to q's dtype (exact: every e4m3 value is a bf16, fp16
     and fp32 value); k_scale is folded into the softmax scale and v_scale applied to the output, which is what
     FlashInfer's run(k_scale=, v_scale=) computes, and spares a pass over the gathered K/V.
     """
 
-    def __init__(self) -> None:
-        self.kv_pool: KVPool | None = None  # whose per-layer FP8 scales forward() uses (ModelRunner binds it)
-        self._planned: tuple[AttentionMetadata | None, list[_DecodeGroup]] = (None, [])
+    def __init__(self, pool: KVPool, cfg: ModelConfig, dtype: torch.dtype):
+        """dtype: the model's activations' (q's)."""
+        super().__init__(pool)
+        self.scale = cfg.head_dim ** -0.5
+        paged = pool.device.type == "cpu" and dtype == pool.dtype == torch.float32
+        self._kernels = native.load() if paged else None  # None: no compiler, or not a pool the kernels read
+        self._groups: list[_DecodeGroup] = []
 
-    @staticmethod
-    def _paged_kernels(q: torch.Tensor, kv_layer: torch.Tensor) -> native.NativeKernels | None:
-        """The native kernels when they can read this pool where it lies (float32 on CPU), else None."""
-        if q.device.type != "cpu" or q.dtype != torch.float32 or kv_layer.dtype != torch.float32:
-            return None
-        return native.load()
+    def prepare(self, meta: AttentionMetadata) -> None:
+        super().prepare(meta)
+        self._groups = self._decode_groups(meta) if self._kernels is None else []
 
-    def _decode_groups(self, meta: AttentionMetadata, device: torch.device) -> list[_DecodeGroup]:
-        if self._planned[0] is meta:
-            return self._planned[1]
-        nd = meta.num_decodes
+    def _decode_groups(self, meta: AttentionMetadata) -> list[_DecodeGroup]:
+        nd, device = meta.num_decodes, self.pool.device
         groups = length_groups(meta.seq_lens_host[:nd]) if nd else []
         planned = []
         for rows in groups:
@@ -162,25 +155,25 @@ class TorchAttention:
             mask = (positions[None, :] < meta.seq_lens[idx, None])[:, None, None, :]
             table = meta.block_tables[idx, :-(-max_len // meta.page_size)]
             planned.append(_DecodeGroup(idx, table, max_len, mask))
-        self._planned = (meta, planned)
         return planned
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        k_scale, v_scale = layer_scales(self.kv_pool, kv_layer)
-        if (kernels := self._paged_kernels(q, kv_layer)) is not None:
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta, kv_layer = self.step_for(layer_id), self.pool.layers[layer_id]
+        k_scale, v_scale = self.scales(layer_id)
+        kernels = self._kernels
+        if kernels is not None:
             kernels.write_kv(kv_layer, k, v, meta.slot_mapping)
         else:
             write_kv_scaled(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
         dtype = q.dtype if is_fp8(kv_layer) else None
-        scale = scale * k_scale
+        scale = self.scale * k_scale
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd and kernels is not None:
             out[:nd] = kernels.paged_decode_attention(
                 q[:nd].contiguous(), kv_layer, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
         else:
-            for g in self._decode_groups(meta, q.device):
+            for g in self._groups:
                 kd, vd = gather_kv(kv_layer, g.block_table, g.max_len, dtype)  # [n, L, KH, D]
                 out[g.idx] = attend_decode(q[g.idx], kd, vd, g.mask, scale)
         start = nd

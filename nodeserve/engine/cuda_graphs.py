@@ -2,8 +2,9 @@
 
 A decode batch of n sequences runs in the graph of the smallest bucket >= n, padded with rows that write
 their (ignored) K/V into a scratch page this object owns; batches above the largest bucket run eagerly.
-Per step the host copies inputs into static buffers, plans FlashInfer (plan() cannot be captured), and
-replays one graph: no per-layer Python, which is what lets one process drive many GPUs.
+Per step the host copies inputs into static buffers, prepares the bucket's backend (FlashInfer's plan(), which
+cannot be captured), and replays one graph of its forward() calls: no per-layer Python, which is what lets one
+process drive many GPUs.
 GPU-only, and used only with the FlashInfer backend; the bucket and padding logic is plain Python.
 """
 
@@ -15,7 +16,7 @@ import logging
 import torch
 
 from nodeserve.attention.base import AttentionMetadata
-from nodeserve.kv.pool import KVPool
+from nodeserve.attention.flashinfer_backend import FlashInferAttention
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +68,11 @@ def pad_decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, meta: Att
 class DecodeGraphs:
     """Captures the model's decode forward once per bucket (capture() at warm-up), replays it in run()."""
 
-    def __init__(self, model, pool: KVPool, max_batch: int, workspace: torch.Tensor | None = None):
-        """workspace: the eager backend's FlashInfer workspace, shared (one step runs at a time per device)."""
-        from nodeserve.attention.flashinfer_backend import FlashInferAttention
-
-        self.model, self.pool, self.device = model, pool, pool.device
-        cfg = model.cfg
-        self.dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.scale = cfg.head_dim ** -0.5
+    def __init__(self, model, backend: FlashInferAttention, max_batch: int):
+        """backend: the device's eager one; each bucket's graph-mode backend shares its pool and workspace (one step
+        runs at a time per device)."""
+        pool = self.pool = backend.pool
+        self.model, self.device = model, pool.device
         self.buckets = graph_buckets(max_batch)
         self.scratch_page = pool.manager.reserve()  # padding rows write their K/V here
         largest = self.buckets[-1]
@@ -82,22 +80,14 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(largest, dtype=torch.int64, device=self.device)
         self.slot_mapping = torch.zeros(largest, dtype=torch.int64, device=self.device)
-        # One wrapper per bucket: a graph-mode wrapper has a fixed batch size. Padding rows add one page each.
-        first = FlashInferAttention(self.device, graph_batch_size=largest, max_num_pages=pool.num_pages + largest,
-                                    workspace=workspace)
-        self.backends = {b: FlashInferAttention(self.device, graph_batch_size=b, max_num_pages=pool.num_pages + b,
-                                                workspace=first.workspace) for b in self.buckets[:-1]}
-        self.backends[largest] = first
-        for backend in self.backends.values():
-            backend.kv_pool = pool  # FP8 scales: read at capture, fixed in the graphs from then on
+        # One backend per bucket: a graph-mode wrapper has a fixed batch size. FP8 scales are read at capture and
+        # fixed in the graphs from then on.
+        self.backends = {b: FlashInferAttention(pool, model.cfg, model.dtype, graph_batch_size=b,
+                                                workspace=backend.workspace) for b in self.buckets}
         self.capture_stream: torch.cuda.Stream | None = None  # this device's own, made at capture()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [bucket, hidden] per graph, in the shared pool
         self.captured_scales: tuple[list[float], list[float]] | None = None  # the pool's FP8 scales at capture
-
-    def _plan(self, bucket: int, meta: AttentionMetadata) -> None:
-        self.backends[bucket].plan(meta, *self.dims, self.model.dtype, self.pool.dtype,
-                                   self.scale)
 
     def capture(self) -> None:
         """Captures every bucket, largest first so the smaller graphs reuse its memory in the shared pool."""
@@ -116,15 +106,16 @@ class DecodeGraphs:
                     query_lens=[1] * bucket, seq_lens_host=[1] * bucket, num_decodes=bucket,
                     page_size=self.pool.page_size, block_tables_host=[[self.scratch_page]] * bucket)
                 self.slot_mapping[:bucket] = self.scratch_page * self.pool.page_size
-                self._plan(bucket, meta)  # outside the capture; forward() then sees this meta as planned
-                args = (self.input_ids[:bucket], self.positions[:bucket], meta, self.pool.layers,
-                        self.backends[bucket])
+                backend = self.backends[bucket]
+                args = (self.input_ids[:bucket], self.positions[:bucket], backend)
+                backend.prepare(meta)  # plan() outside the capture, like every replay's
                 # One eager run on the capture stream first: lazy init (cuBLAS handles, JIT) must not be captured.
                 side = self.capture_stream
-                side.wait_stream(torch.cuda.current_stream(self.device))
+                side.wait_stream(torch.cuda.current_stream(self.device))  # and the plan's copies
                 with torch.cuda.stream(side):
                     self.model(*args)
                 torch.cuda.current_stream(self.device).wait_stream(side)
+                backend.prepare(meta)  # the eager run used up the prepared step; the capture is one more
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: idle worker threads of other devices may touch CUDA meanwhile.
                 with torch.cuda.graph(graph, pool=mem_pool, stream=side, capture_error_mode="thread_local"):
@@ -144,6 +135,6 @@ class DecodeGraphs:
         self.input_ids[:bucket].copy_(ids)
         self.positions[:bucket].copy_(pos)
         self.slot_mapping[:bucket].copy_(padded.slot_mapping)
-        self._plan(bucket, padded)
+        self.backends[bucket].prepare(padded)  # plan() on the host; the graph replays only run()
         self.graphs[bucket].replay()
         return self.outputs[bucket][:meta.num_seqs]

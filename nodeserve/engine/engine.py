@@ -268,13 +268,13 @@ def build_runner(replica: LlamaModel, pool: KVPool, attention: str, cuda_graphs:
     """A device's step runner: the attention backend `attention` asks for; with FlashInfer, its norm, RoPE and
     SiLU kernels on the replica (set once, before any graph capture) and, if `cuda_graphs`, decode graphs for
     batches up to max_num_seqs (captured at warm-up)."""
-    backend = make_backend(attention, pool.device, replica.embed_tokens.weight.dtype)
+    backend = make_backend(attention, pool, replica.cfg, replica.dtype)
     if not isinstance(backend, FlashInferAttention):
-        return ModelRunner(replica, pool, backend)
+        return ModelRunner(replica, backend)
     if replica.dtype in FLASHINFER_OPS_DTYPES and not isinstance(replica.ops, FlashInferOps):
         replica.use_kernels(FlashInferOps(replica.rope, replica.cfg.max_position_embeddings, pool.device))
-    graphs = DecodeGraphs(replica, pool, max_num_seqs, workspace=backend.workspace) if cuda_graphs else None
-    return ModelRunner(replica, pool, backend, graphs)
+    graphs = DecodeGraphs(replica, backend, max_num_seqs) if cuda_graphs else None
+    return ModelRunner(replica, backend, graphs)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

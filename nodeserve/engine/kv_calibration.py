@@ -12,7 +12,6 @@ from typing import Sequence
 
 import torch
 
-from nodeserve.attention.base import AttentionMetadata
 from nodeserve.attention.torch_ref import FP8_E4M3_MAX, TorchAttention
 from nodeserve.engine.model_runner import ModelRunner, SeqChunk
 from nodeserve.kv.pool import KVPool, pages_for
@@ -36,32 +35,27 @@ def calibration_token_ids(tokenizer) -> list[int]:
     return tokenizer.encode(text)
 
 
-class _AmaxRecorder:
-    """An attention backend that keeps the running max of |K| and |V| each layer is given, then attends through
-    the reference backend. The max stays on the device: one transfer at the end, not a sync per layer."""
+class _AmaxRecorder(TorchAttention):
+    """The reference backend over a scratch pool, keeping the running max of |K| and |V| each layer writes. The max
+    stays on the device: one transfer at the end, not a sync per layer."""
 
-    def __init__(self, pool: KVPool):
-        self.kv_pool = pool
-        self.inner = TorchAttention()
-        self.inner.kv_pool = pool
+    def __init__(self, pool: KVPool, model: LlamaModel):
+        super().__init__(pool, model.cfg, model.dtype)
         self.amax = torch.zeros(len(pool.layers), 2, dtype=torch.float32, device=pool.device)  # [layer, K|V]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        i = self.kv_pool.layer_index(kv_layer)
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         step = torch.stack([k.abs().amax(), v.abs().amax()]).float()
-        torch.maximum(self.amax[i], step, out=self.amax[i])
-        return self.inner.forward(q, k, v, kv_layer, meta, scale)
+        torch.maximum(self.amax[layer_id], step, out=self.amax[layer_id])
+        return super().forward(layer_id, q, k, v)
 
 
 def measure_kv_amax(model: LlamaModel, token_ids: Sequence[int],
                     device: torch.device) -> tuple[list[float], list[float]]:
     """(K amax per layer, V amax per layer) over one prefill of `token_ids`, in the model's dtype on `device`."""
     ids = list(token_ids)[:model.cfg.max_position_embeddings]
-    dtype = model.dtype
-    scratch = KVPool(model.cfg, pages_for(len(ids), CALIBRATION_PAGE_SIZE), CALIBRATION_PAGE_SIZE, dtype, device)
-    recorder, pages = _AmaxRecorder(scratch), scratch.manager.allocate(scratch.num_pages)
-    ModelRunner(model, scratch, recorder).run([SeqChunk(ids, 0, pages, want_logits=False)])
+    scratch = KVPool(model.cfg, pages_for(len(ids), CALIBRATION_PAGE_SIZE), CALIBRATION_PAGE_SIZE, model.dtype, device)
+    recorder, pages = _AmaxRecorder(scratch, model), scratch.manager.allocate(scratch.num_pages)
+    ModelRunner(model, recorder).run([SeqChunk(ids, 0, pages, want_logits=False)])
     k_amax, v_amax = recorder.amax.t().tolist()
     return k_amax, v_amax
 

@@ -9,7 +9,6 @@ import torch
 
 from nodeserve.attention.base import AttentionBackend, AttentionMetadata
 from nodeserve.device import upload
-from nodeserve.kv.pool import KVPool
 from nodeserve.model.llama import LlamaModel
 
 if TYPE_CHECKING:
@@ -27,12 +26,11 @@ class SeqChunk:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
-                 graphs: DecodeGraphs | None = None):
-        """graphs: CUDA graphs that decode-only steps replay when captured (CUDA + FlashInfer only)."""
-        self.model, self.pool, self.backend, self.graphs = model, pool, backend, graphs
-        self.device = pool.device
-        backend.kv_pool = pool  # the backend reads this pool's per-layer FP8 scales
+    def __init__(self, model: LlamaModel, backend: AttentionBackend, graphs: DecodeGraphs | None = None):
+        """backend: attention over this device's KV pool; graphs: CUDA graphs that decode-only steps replay when
+        captured (CUDA + FlashInfer only)."""
+        self.model, self.pool, self.backend, self.graphs = model, backend.pool, backend, graphs
+        self.device = self.pool.device
 
     def prepare(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Chunks must be ordered with every single-token chunk first (those attend as one batched decode)."""
@@ -82,7 +80,8 @@ class ModelRunner:
         if self.graphs is not None and on_layer_done is None and meta.num_decodes == meta.num_seqs:
             hidden = self.graphs.run(ids, positions, meta)  # None: no graph for this batch size, run eagerly
         if hidden is None:
-            hidden = self.model(ids, positions, meta, self.pool.layers, self.backend, on_layer_done)
+            self.backend.prepare(meta)
+            hidden = self.model(ids, positions, self.backend, on_layer_done)
         # rows: a device index (a Python list would be a blocking copy on CUDA, see device.upload)
         logits = self.model.compute_logits(hidden[upload(rows, self.device, torch.int64)])  # [N, V]
         wanted = [i for i in order if chunks[i].want_logits]

@@ -42,22 +42,11 @@ class KVPool:
         self.layers = list(self.data.unbind(0))
         self.k_scales = [1.0] * cfg.num_layers
         self.v_scales = [1.0] * cfg.num_layers
-        # Backends are handed a layer tensor, not its index; every layer starts at its own address in `data`.
-        self._layer_index = {layer.data_ptr(): i for i, layer in enumerate(self.layers)}
         self.manager = KVManager(num_pages, page_size, prefix_cache)
 
     @property
     def is_fp8(self) -> bool:
         return self.dtype == torch.float8_e4m3fn
-
-    def layer_index(self, kv_layer: torch.Tensor) -> int:
-        """Which of this pool's layers `kv_layer` is; KeyError for a tensor that is not one of them."""
-        return self._layer_index[kv_layer.data_ptr()]
-
-    def scales_of(self, kv_layer: torch.Tensor) -> tuple[float, float]:
-        """(k_scale, v_scale) of one of this pool's layers."""
-        i = self.layer_index(kv_layer)
-        return self.k_scales[i], self.v_scales[i]
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from nodeserve.attention.base import AttentionBackend, AttentionMetadata
+from nodeserve.attention.base import AttentionBackend
 from nodeserve.model import block_quant
 from nodeserve.model.config import ModelConfig
 from nodeserve.model.ops import Kernels, Rotary, TorchOps
@@ -56,14 +56,14 @@ def _fused(*linears: nn.Module) -> nn.Module:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
+        self.layer_id = layer_id  # which of the backend's pool layers holds this layer's K/V
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = _linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.attention_bias)
         self.k_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias)
         self.v_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias)
         self.o_proj = _linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
-        self.scale = cfg.head_dim ** -0.5
         self.qkv_proj: nn.Module | None = None  # set by fuse()
 
     def fuse(self) -> None:
@@ -71,8 +71,7 @@ class Attention(nn.Module):
         self.qkv_proj = _fused(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, kv_layer: torch.Tensor, meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -80,7 +79,7 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KH, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, KH, D]
         q, k = rotary.apply(q, k)
-        out = backend.forward(q, k, v, kv_layer, meta, self.scale)    # [T, H, D]
+        out = backend.forward(self.layer_id, q, k, v)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -102,16 +101,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rotary, kv_layer, meta, backend, ops):
+    def forward(self, x, rotary, backend, ops):
         # x: [T, hidden], the residual stream; this layer owns it (add_and_norm may update it in place).
-        attn = self.self_attn(self.input_layernorm(x, ops), rotary, kv_layer, meta, backend)
+        attn = self.self_attn(self.input_layernorm(x, ops), rotary, backend)
         h, x = self.post_attention_layernorm.add_and_norm(attn, x, ops)  # x += attn; h = norm(x)
         return x + self.mlp(h, ops)
 
@@ -123,7 +122,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -146,21 +145,20 @@ class LlamaModel(nn.Module):
             layer.mlp.fuse()
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_layers: list[torch.Tensor], backend: AttentionBackend,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns hidden states [T, hidden].
+        """input_ids, positions: [T], the step `backend` was prepared for. Returns hidden states [T, hidden].
 
         on_layer_done(i) is called once layer i's K/V is in the pool, so a transfer can start copying it
         while later layers still compute.
         """
         ops = self.ops
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        if self.native_decoder is not None and self.native_decoder.takes(x, meta, kv_layers):
-            return self.norm(self.native_decoder(x, positions, meta, kv_layers, on_layer_done), ops)
+        if self.native_decoder is not None and self.native_decoder.takes(x, backend):
+            return self.norm(self.native_decoder(x, positions, backend, on_layer_done), ops)
         rotary = ops.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rotary, kv_layers[i], meta, backend, ops)
+            x = layer(x, rotary, backend, ops)
             if on_layer_done is not None:
                 on_layer_done(i)
         return self.norm(x, ops)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from nodeserve.attention.base import AttentionMetadata
+from nodeserve.attention.base import AttentionBackend
 from nodeserve.kernels.native import NativeKernels
 
 _i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
@@ -67,15 +67,19 @@ class NativeDecoder:
                 return False
         return True
 
-    def takes(self, x: torch.Tensor, meta: AttentionMetadata, kv_layers: list[torch.Tensor]) -> bool:
-        """Whether this step is one it runs: every row decodes one token, over a float32 pool on the CPU, at
-        positions the RoPE table covers (C indexes it unchecked)."""
-        return (meta.num_decodes == meta.num_seqs and x.device.type == "cpu" and x.dtype == torch.float32
-                and kv_layers[0].dtype == torch.float32 and max(meta.seq_lens_host) <= len(self.cos_sin_cache))
+    def takes(self, x: torch.Tensor, backend: AttentionBackend) -> bool:
+        """Whether the step `backend` was prepared for is one it runs: every row decodes one token, over a float32
+        pool on the CPU, at positions the RoPE table covers (C indexes it unchecked)."""
+        meta, kv_layers = backend.meta, backend.pool.layers
+        return (meta is not None and meta.num_decodes == meta.num_seqs and x.device.type == "cpu"
+                and x.dtype == torch.float32 and kv_layers[0].dtype == torch.float32
+                and max(meta.seq_lens_host) <= len(self.cos_sin_cache))
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 kv_layers: list[torch.Tensor], on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """x: [T, hidden] embeddings -> the residual stream after the last layer (before the final norm)."""
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """x: [T, hidden] embeddings -> the residual stream after the last layer (before the final norm). Writes
+        K/V into the backend's pool layers, at the slots of the step it was prepared for."""
+        meta, kv_layers = backend.meta, backend.pool.layers
         x = x.contiguous()
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()

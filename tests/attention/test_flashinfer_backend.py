@@ -3,6 +3,8 @@ backend selection. The kernels themselves are checked against torch_ref in tests
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from nodeserve.attention.torch_ref import TorchAttention
 from nodeserve.config import ConfigError
 
 PAGE_SIZE = 4
+CFG = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=8)
 
 
 def _meta(rows: list[tuple[list[int], int, int]], num_decodes: int, host_tables: bool = True) -> AttentionMetadata:
@@ -92,19 +95,26 @@ def test_write_kv_scaled_is_write_kv_for_wide_dtypes():
     assert torch.equal(kv_layer[1, 0, 1], k[0]) and torch.equal(kv_layer[1, 1, 1], v[0])
 
 
+def _pool(device: torch.device, dtype: torch.dtype) -> SimpleNamespace:
+    """A stand-in KVPool: make_backend and the reference backend's constructor read only its device and dtype."""
+    return SimpleNamespace(device=device, dtype=dtype)
+
+
 def test_make_backend_on_cpu():
-    cpu = torch.device("cpu")
-    assert isinstance(make_backend("auto", cpu), TorchAttention)
-    assert isinstance(make_backend("torch", cpu), TorchAttention)
+    cpu = _pool(torch.device("cpu"), torch.float32)
+    auto = make_backend("auto", cpu, CFG, torch.float32)
+    assert isinstance(auto, TorchAttention) and auto.pool is cpu and auto.scale == 8 ** -0.5
+    assert isinstance(make_backend("torch", cpu, CFG, torch.float32), TorchAttention)
     with pytest.raises(ConfigError, match="needs a CUDA device"):
-        make_backend("flashinfer", cpu)
+        make_backend("flashinfer", cpu, CFG, torch.bfloat16)
     with pytest.raises(ConfigError, match="devices.attention"):
-        make_backend("triton", cpu)
+        make_backend("triton", cpu, CFG, torch.float32)
 
 
 # ---- "auto" on a CUDA host: what it picks when it cannot use FlashInfer, and that it says so ------------------
 
 CUDA0 = torch.device("cuda:0")  # a device object only: nothing below touches a GPU
+BF16_POOL, FP32_POOL = _pool(CUDA0, torch.bfloat16), _pool(CUDA0, torch.float32)
 
 
 def test_auto_falls_back_with_a_reason_when_flashinfer_is_missing(monkeypatch):
@@ -113,7 +123,7 @@ def test_auto_falls_back_with_a_reason_when_flashinfer_is_missing(monkeypatch):
     monkeypatch.setattr(attention, "flashinfer_importable", lambda: False)  # a CUDA host without flashinfer
     reason = attention.auto_fallback("auto", CUDA0, torch.bfloat16)
     assert "flashinfer does not import" in reason and "pip install -e '.[cuda]'" in reason
-    assert isinstance(make_backend("auto", CUDA0, torch.bfloat16), TorchAttention)
+    assert isinstance(make_backend("auto", BF16_POOL, CFG, torch.bfloat16), TorchAttention)
     monkeypatch.setattr(attention, "flashinfer_importable", lambda: True)
     assert attention.auto_fallback("auto", CUDA0, torch.bfloat16) is None
     # Not a fallback: an explicit choice, or a CPU device where "auto" always means the reference.
@@ -127,6 +137,6 @@ def test_a_float32_model_never_reaches_flashinfer(monkeypatch):
     monkeypatch.setattr(attention, "flashinfer_importable", lambda: True)
     reason = attention.auto_fallback("auto", CUDA0, torch.float32)
     assert "float32" in reason and "model.dtype" in reason
-    assert isinstance(make_backend("auto", CUDA0, torch.float32), TorchAttention)
+    assert isinstance(make_backend("auto", FP32_POOL, CFG, torch.float32), TorchAttention)
     with pytest.raises(ConfigError, match="no float32 kernels"):
-        make_backend("flashinfer", CUDA0, torch.float32)
+        make_backend("flashinfer", FP32_POOL, CFG, torch.float32)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import types
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,14 @@ from nodeserve.engine.model_runner import ModelRunner, SeqChunk
 from nodeserve.kv.pool import KVPool, pages_for
 
 H, KH, D = 8, 2, 32
-SCALE = D ** -0.5
+SCALE = D ** -0.5  # what the backends derive from head_dim
+CPU = torch.device("cpu")
+CFG = SimpleNamespace(num_heads=H, num_kv_heads=KH, head_dim=D)
+
+
+def _pool(num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype = torch.float32) -> KVPool:
+    cfg = SimpleNamespace(num_layers=num_layers, num_kv_heads=KH, head_dim=D)
+    return KVPool(cfg, num_pages, page_size, dtype, CPU)
 
 
 class _FakeWrapper:
@@ -115,53 +123,81 @@ def _ragged(page_size: int, seed: int):
     return kv, q, k, v, meta
 
 
+def _backends(fake_flashinfer, kv: torch.Tensor, num_layers: int = 1, dtype: torch.dtype = torch.float32):
+    """(FlashInfer, torch reference), each over its own pool whose every layer holds `kv`."""
+    pools = [_pool(num_layers, kv.shape[0], kv.shape[2], dtype) for _ in range(2)]
+    for pool in pools:
+        for layer in pool.layers:
+            layer.copy_(kv)
+    return fake_flashinfer(pools[0], CFG, torch.float32), TorchAttention(pools[1], CFG, torch.float32)
+
+
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 def test_matches_torch_reference_and_plans_once_per_step(fake_flashinfer, page_size):
     kv, q, k, v, meta = _ragged(page_size, seed=page_size)
-    kv_ref, kv2 = kv.clone(), kv.clone()
-    backend = fake_flashinfer(torch.device("cpu"))
-    ref = TorchAttention().forward(q, k, v, kv_ref, meta, SCALE)
-    out = backend.forward(q, k, v, kv, meta, SCALE)
-    assert torch.equal(kv, kv_ref)
+    backend, reference = _backends(fake_flashinfer, kv, num_layers=2)
+    reference.prepare(meta)
+    ref = reference.forward(0, q, k, v)
+    assert _FakeWrapper.num_plans == 0  # nothing before prepare()
+    backend.prepare(meta)
+    assert _FakeWrapper.num_plans == 2  # decode + prefill, once
+    out = backend.forward(0, q, k, v)
+    assert torch.equal(backend.pool.layers[0], reference.pool.layers[0])
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     assert backend.prefill.kw["causal"] is True and backend.decode.kw["sm_scale"] == SCALE
-    assert _FakeWrapper.num_plans == 2  # decode + prefill, once
-    backend.forward(q, k, v, kv2, meta, SCALE)  # the next layer of the same step: no new plan
+    backend.forward(1, q, k, v)  # the next layer of the same step: no new plan
     assert _FakeWrapper.num_plans == 2
-    backend.forward(q, k, v, kv2, _ragged(page_size, seed=page_size)[4], SCALE)  # a new step: plans again
+    backend.prepare(_ragged(page_size, seed=page_size)[4])  # a new step: plans again
     assert _FakeWrapper.num_plans == 4
 
 
-def test_fp8_pool_passes_scales(fake_flashinfer):
-    """The bound pool's scales for the layer given: they quantize the write and go to run(); the torch backend
-    reading the same bytes with the same scales gets the same result."""
-    from types import SimpleNamespace
+@pytest.mark.parametrize("kind", ["flashinfer", "torch"])
+def test_forward_needs_a_prepare_per_step(fake_flashinfer, kind):
+    """forward() before prepare(), or a layer run again on one prepare() (a new step that skipped it, which would
+    attend with the last step's plan and slots), raises; after prepare() the step runs."""
+    kv, q, k, v, meta = _ragged(16, seed=7)
+    backend = _backends(fake_flashinfer, kv, num_layers=2)[kind == "torch"]
+    with pytest.raises(RuntimeError, match="before prepare"):
+        backend.forward(0, q, k, v)
+    backend.prepare(meta)
+    backend.forward(0, q, k, v)
+    backend.forward(1, q, k, v)
+    with pytest.raises(RuntimeError, match="already ran"):
+        backend.forward(0, q, k, v)  # the next step's layer 0 on this step's prepare
+    with pytest.raises(RuntimeError, match="already ran"):
+        backend.forward(1, q, k, v)
+    backend.prepare(meta)
+    backend.forward(0, q, k, v)
 
+
+def test_fp8_pool_passes_scales(fake_flashinfer):
+    """The pool's scales for the layer run: they quantize the write and go to run(); the torch backend reading the
+    same bytes with the same scales gets the same result."""
     kv, q, k, v, meta = _ragged(16, seed=5)
-    ref = TorchAttention().forward(q, k, v, kv.clone(), meta, SCALE)
-    pools = []
-    for _ in range(2):
-        pool = KVPool(SimpleNamespace(num_layers=2, num_kv_heads=KH, head_dim=D), kv.shape[0], 16,
-                      torch.float8_e4m3fn, torch.device("cpu"))
+    reference = _backends(fake_flashinfer, kv)[1]
+    reference.prepare(meta)
+    ref = reference.forward(0, q, k, v)
+    backend, torch_backend = _backends(fake_flashinfer, kv, num_layers=2, dtype=torch.float8_e4m3fn)
+    pools = [backend.pool, torch_backend.pool]
+    for pool in pools:
         pool.k_scales, pool.v_scales = [1.0, 2.0], [1.0, 4.0]
         pool.layers[1].view(torch.uint8).copy_(torch.stack([kv[:, 0] / 2.0, kv[:, 1] / 4.0], 1)
                                                .to(torch.float8_e4m3fn).view(torch.uint8))  # the cached prefixes
-        pools.append(pool)
-    backend, torch_backend = fake_flashinfer(torch.device("cpu")), TorchAttention()
-    backend.kv_pool, torch_backend.kv_pool = pools
-    out = backend.forward(q, k, v, pools[0].layers[1], meta, SCALE)
+    backend.prepare(meta)
+    out = backend.forward(1, q, k, v)
     assert backend.decode.kw["kv_data_type"] == torch.float8_e4m3fn
     torch.testing.assert_close(out, ref, atol=0.1, rtol=0.1)
-    torch_out = torch_backend.forward(q, k, v, pools[1].layers[1], meta, SCALE)
+    torch_backend.prepare(meta)
+    torch_out = torch_backend.forward(1, q, k, v)
     assert torch.equal(pools[0].data.view(torch.uint8), pools[1].data.view(torch.uint8))  # the same writes
     torch.testing.assert_close(out, torch_out, atol=1e-5, rtol=1e-5)
 
 
 def test_model_runner_greedy_tokens_equal_torch_backend(fake_flashinfer, loaded_fp32, prompt_ids, one_thread):
     """The real model through ModelRunner: the metadata hook (host block tables, one plan per step) end to end."""
-    def greedy(backend) -> list[list[int]]:
-        pool = KVPool(loaded_fp32.config, 128, 16, torch.float32, torch.device("cpu"))
-        runner = ModelRunner(loaded_fp32.model, pool, backend)
+    def greedy(make) -> list[list[int]]:
+        pool = KVPool(loaded_fp32.config, 128, 16, torch.float32, CPU)
+        runner = ModelRunner(loaded_fp32.model, make(pool, loaded_fp32.config, torch.float32))
         prompts = prompt_ids[:3]
         tables = [pool.manager.allocate(pages_for(len(p) + 8, 16)) for p in prompts]
         # Chunked prefill of the first prompt (prefix extension) next to whole prompts.
@@ -176,7 +212,7 @@ def test_model_runner_greedy_tokens_equal_torch_backend(fake_flashinfer, loaded_
                 o.append(x)
         return out
 
-    assert greedy(fake_flashinfer(torch.device("cpu"))) == greedy(TorchAttention())
+    assert greedy(fake_flashinfer) == greedy(TorchAttention)
 
 
 def test_each_plan_waits_for_the_previous_plans_copies(fake_flashinfer):
@@ -192,17 +228,17 @@ def test_each_plan_waits_for_the_previous_plans_copies(fake_flashinfer):
 
         def synchronize(self):
             log.append(("sync", self.n))
-    backend = fake_flashinfer(torch.device("cpu"))
+    kv, q, k, v, _ = _ragged(16, seed=1)
+    backend = _backends(fake_flashinfer, kv, num_layers=2)[0]
     events = iter(range(100))
     backend._record_plan_event = lambda: Event(next(events))
     for wrapper in (backend.decode, backend.prefill):
         plan = wrapper.plan
         wrapper.plan = lambda *args, plan=plan, **kw: (log.append(("plan",)), plan(*args, **kw))[1]
-    kv, q, k, v, _ = _ragged(16, seed=1)
     for seed in (1, 2, 3):  # three steps: three plans (decode + prefill each)
-        meta = _ragged(16, seed=seed)[4]
-        backend.forward(q, k, v, kv, meta, SCALE)
-        backend.forward(q, k, v, kv, meta, SCALE)  # a later layer of the step: no plan, no wait
+        backend.prepare(_ragged(16, seed=seed)[4])
+        backend.forward(0, q, k, v)
+        backend.forward(1, q, k, v)  # a later layer of the step: no plan, no wait
     assert log == [("plan",), ("plan",), ("record", 0),
                    ("sync", 0), ("plan",), ("plan",), ("record", 1),
                    ("sync", 1), ("plan",), ("plan",), ("record", 2)]

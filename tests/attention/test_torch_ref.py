@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from nodeserve.attention.base import AttentionMetadata
 from nodeserve.attention.torch_ref import TorchAttention, gather_kv, write_kv
+from nodeserve.kv.pool import KVPool
 
 H, KH, D = 8, 2, 32
-SCALE = D ** -0.5
+SCALE = D ** -0.5  # what the backend derives from head_dim
+CFG = SimpleNamespace(num_layers=1, num_heads=H, num_kv_heads=KH, head_dim=D)
 ATOL = 1e-5
 
 # (cached tokens, new tokens) per sequence. q_len 1 is a decode; the rest are prefill chunks.
@@ -42,8 +45,10 @@ def _run(seqs: list[tuple[int, int]], page_size: int, seed: int):
     seqs = sorted(seqs, key=lambda s: s[1] != 1)  # the backend's contract: decodes first
     pages_needed = [-(-(c + n) // page_size) for c, n in seqs]
     num_pages = sum(pages_needed) + 5
+    pool = KVPool(CFG, num_pages, page_size, torch.float32, torch.device("cpu"))
+    kv_layer = pool.layers[0]
     # Garbage everywhere: a read past a sequence's length, or from a page it doesn't own, would show.
-    kv_layer = torch.randn(num_pages, 2, page_size, KH, D, generator=gen) * 100
+    kv_layer.copy_(torch.randn(num_pages, 2, page_size, KH, D, generator=gen) * 100)
     ids = list(range(num_pages))
     rng.shuffle(ids)
     tables, full_k, full_v, qs, new_k, new_v, slots = [], [], [], [], [], [], []
@@ -81,7 +86,9 @@ def _run(seqs: list[tuple[int, int]], page_size: int, seed: int):
     untouched = set(range(num_pages)) - {p for t in tables for p in t}
     before = kv_layer[sorted(untouched)].clone()
     q = torch.cat(qs)
-    out = TorchAttention().forward(q, torch.cat(new_k), torch.cat(new_v), kv_layer, meta, SCALE)
+    backend = TorchAttention(pool, CFG, torch.float32)
+    backend.prepare(meta)
+    out = backend.forward(0, q, torch.cat(new_k), torch.cat(new_v))
     assert out.shape == q.shape and out.dtype == torch.float32
 
     start = 0

@@ -23,7 +23,7 @@ needs_flashinfer = pytest.mark.skipif(not flashinfer_importable(), reason="needs
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
 H, KH, D = 8, 2, 128
-SCALE = D ** -0.5
+SCALE = D ** -0.5  # what the backends derive from head_dim
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)  # bf16 keeps 8 mantissa bits; both sides accumulate in fp32
 # e4m3 keeps 3 mantissa bits: each K/V value is off by up to 2^-4 of itself. Averaged by the softmax that is a mean
 # error near 0.004 on these N(0, 1) inputs, and up to about 0.2 where one key dominates a row (measured on CPU).
@@ -65,6 +65,19 @@ def _step(seqs, page_size: int, device: torch.device, seed: int):
     return kv_layer.to(**to), torch.cat(qs).to(**to), torch.cat(ks).to(**to), torch.cat(vs).to(**to), meta
 
 
+def _backend(cls, kv: torch.Tensor, num_layers: int = 1, dtype: torch.dtype = torch.bfloat16, **kw):
+    """A `cls` backend for a bf16 model over a pool on kv's device whose every layer holds `kv`."""
+    from types import SimpleNamespace
+
+    from nodeserve.kv.pool import KVPool
+
+    cfg = SimpleNamespace(num_layers=num_layers, num_heads=H, num_kv_heads=KH, head_dim=D)
+    pool = KVPool(cfg, kv.shape[0], kv.shape[2], dtype, kv.device)
+    for layer in pool.layers:
+        layer.copy_(kv)
+    return cls(pool, cfg, torch.bfloat16, **kw)
+
+
 @needs_flashinfer
 @pytest.mark.parametrize("seqs", [DECODES, PREFILLS, DECODES + PREFILLS], ids=["decode", "prefill", "mixed"])
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -73,46 +86,43 @@ def test_flashinfer_matches_torch_reference(seqs, page_size):
 
     device = torch.device("cuda", 0)
     kv, q, k, v, meta = _step(seqs, page_size, device, seed=page_size)
-    kv_ref = kv.clone()
-    fi = FlashInferAttention(device)
-    out = fi.forward(q, k, v, kv, meta, SCALE)
-    ref = TorchAttention().forward(q, k, v, kv_ref, meta, SCALE)
-    assert torch.equal(kv, kv_ref), "both backends must write the same K/V to the same slots"
+    fi, reference = _backend(FlashInferAttention, kv, num_layers=2), _backend(TorchAttention, kv)
+    fi.prepare(meta)
+    reference.prepare(meta)
+    out, ref = fi.forward(0, q, k, v), reference.forward(0, q, k, v)
+    assert torch.equal(fi.pool.layers[0], reference.pool.layers[0]), "both backends must write the same K/V"
     torch.testing.assert_close(out.float(), ref.float(), **BF16_TOL)
-    # A second layer of the same step reuses the plan (no re-plan), on another layer's pool.
-    kv2 = kv.clone()
-    torch.testing.assert_close(fi.forward(q, k, v, kv2, meta, SCALE).float(), ref.float(), **BF16_TOL)
+    # A second layer of the same step runs on the same plan, over the pool's next layer.
+    torch.testing.assert_close(fi.forward(1, q, k, v).float(), ref.float(), **BF16_TOL)
 
 
 @needs_flashinfer
 def test_fp8_kv_within_tolerance():
     """FlashInfer over an FP8 pool's layer with its own scales (used for the write and passed to run()): within
     e4m3's error of the bf16 reference, and within bf16's of the torch backend reading the same bytes."""
-    from types import SimpleNamespace
-
     from nodeserve.attention.flashinfer_backend import FlashInferAttention
     from nodeserve.attention.torch_ref import write_kv_scaled
-    from nodeserve.kv.pool import KVPool
 
     device = torch.device("cuda", 0)
     kv, q, k, v, meta = _step(DECODES + PREFILLS, 16, device, seed=7)
-    ref = TorchAttention().forward(q, k, v, kv.clone(), meta, SCALE)
-    pools = []
-    for _ in range(2):
-        pool = KVPool(SimpleNamespace(num_layers=2, num_kv_heads=KH, head_dim=D), kv.shape[0], kv.shape[2],
-                      torch.float8_e4m3fn, device)
+    bf16 = _backend(TorchAttention, kv)
+    bf16.prepare(meta)
+    ref = bf16.forward(0, q, k, v)
+    fp8 = torch.float8_e4m3fn
+    flashinfer, reference = _backend(FlashInferAttention, kv, 2, fp8), _backend(TorchAttention, kv, 2, fp8)
+    pools = [flashinfer.pool, reference.pool]
+    for pool in pools:
         pool.k_scales, pool.v_scales = [1.0, 0.03], [1.0, 0.02]  # layer 1 holds |x| up to 13.4 and 9.0
         # The cached prefix, quantized the way the backends quantize new tokens.
         all_slots = torch.arange(kv.shape[0] * kv.shape[2], device=device)
         flat = kv.transpose(1, 2).reshape(-1, 2, KH, D)  # [slots, 2, KH, D]
-        write_kv_scaled(pool.layers[1], flat[:, 0], flat[:, 1], all_slots, *pool.scales_of(pool.layers[1]))
-        pools.append(pool)
-    flashinfer, reference = FlashInferAttention(device), TorchAttention()
-    flashinfer.kv_pool, reference.kv_pool = pools
-    out = flashinfer.forward(q, k, v, pools[0].layers[1], meta, SCALE)
+        write_kv_scaled(pool.layers[1], flat[:, 0], flat[:, 1], all_slots, pool.k_scales[1], pool.v_scales[1])
+    flashinfer.prepare(meta)
+    out = flashinfer.forward(1, q, k, v)
     err = (out.float() - ref.float()).abs()
     assert err.mean() < FP8_MEAN_ERR and err.max() < FP8_MAX_ERR, (err.mean().item(), err.max().item())
-    same_bytes = reference.forward(q, k, v, pools[1].layers[1], meta, SCALE)
+    reference.prepare(meta)
+    same_bytes = reference.forward(1, q, k, v)
     assert torch.equal(pools[0].data.view(torch.uint8), pools[1].data.view(torch.uint8))
     torch.testing.assert_close(out.float(), same_bytes.float(), **BF16_TOL)
 
@@ -215,11 +225,11 @@ def _eager_and_graphed_runners(loaded, kv_dtype, calibration_ids=None):
     model = _replica(loaded.model, device)
     runners = []
     for use_graphs in (False, True):
-        pool = KVPool(loaded.config, 256, 16, kv_dtype, device)
-        graphs = DecodeGraphs(model, pool, max_batch=8) if use_graphs else None
-        runner = ModelRunner(model, pool, FlashInferAttention(device), graphs)
+        backend = FlashInferAttention(KVPool(loaded.config, 256, 16, kv_dtype, device), model.cfg, model.dtype)
+        graphs = DecodeGraphs(model, backend, max_batch=8) if use_graphs else None
+        runner = ModelRunner(model, backend, graphs)
         if calibration_ids is not None:
-            calibrate_kv_scales(model, pool, calibration_ids)
+            calibrate_kv_scales(model, runner.pool, calibration_ids)
         warmup_runner(runner)
         runners.append(runner)
     return runners
@@ -242,7 +252,8 @@ def _teacher_forced_logits(check, model, loaded, kv_dtype, device, scales=None) 
     pool = KVPool(loaded.config, 64, 16, kv_dtype, device)
     if scales is not None:
         pool.k_scales, pool.v_scales = list(scales[0]), list(scales[1])
-    return check.teacher_forced_logits(ModelRunner(model, pool, FlashInferAttention(device)), loaded.tokenizer)
+    runner = ModelRunner(model, FlashInferAttention(pool, model.cfg, model.dtype))
+    return check.teacher_forced_logits(runner, loaded.tokenizer)
 
 
 @needs_flashinfer
@@ -405,9 +416,10 @@ def test_graph_decode_with_flashinfer_ops_equals_eager(loaded_bf16, prompt_ids):
     model.use_kernels(FlashInferOps(model.rope, model.cfg.max_position_embeddings, device))
     runners = []
     for use_graphs in (False, True):
-        pool = KVPool(loaded_bf16.config, 256, 16, torch.bfloat16, device)
-        graphs = DecodeGraphs(model, pool, max_batch=4) if use_graphs else None
-        runner = ModelRunner(model, pool, FlashInferAttention(device), graphs)
+        backend = FlashInferAttention(KVPool(loaded_bf16.config, 256, 16, torch.bfloat16, device), model.cfg,
+                                      model.dtype)
+        graphs = DecodeGraphs(model, backend, max_batch=4) if use_graphs else None
+        runner = ModelRunner(model, backend, graphs)
         warmup_runner(runner)
         runners.append(runner)
     prompts = prompt_ids[:3]  # the graph of 4 with one padding row
@@ -449,15 +461,15 @@ def test_graph_plan_does_not_wait_for_queued_gpu_work():
     from nodeserve.attention.flashinfer_backend import FlashInferAttention
 
     device = torch.device("cuda", 0)
-    _, _, _, _, meta = _step(DECODES, 16, device, seed=3)
-    backend = FlashInferAttention(device, graph_batch_size=len(DECODES), max_num_pages=256)
+    kv, _, _, _, meta = _step(DECODES, 16, device, seed=3)
+    backend = _backend(FlashInferAttention, kv, graph_batch_size=len(DECODES))
     a = torch.randn(4096, 4096, device=device)
     torch.cuda.synchronize(device)
     start = time.perf_counter()
     for _ in range(20):
         a = a @ a / 64
     queued = time.perf_counter()
-    backend.plan(meta, H, KH, D, torch.bfloat16, torch.bfloat16, SCALE)  # the first plan: no previous one to wait on
+    backend.prepare(meta)  # the first plan: no previous one to wait on
     returned = time.perf_counter()
     busy = not torch.cuda.current_stream(device).query()
     torch.cuda.synchronize(device)
@@ -482,9 +494,10 @@ def test_decode_graphs_on_a_second_gpu_equal_eager(loaded_bf16, prompt_ids):
         model = _replica(loaded_bf16.model, device)
         runners = []
         for use_graphs in (False, True):
-            pool = KVPool(loaded_bf16.config, 256, 16, torch.bfloat16, device)
-            graphs = DecodeGraphs(model, pool, max_batch=4) if use_graphs else None
-            runner = ModelRunner(model, pool, FlashInferAttention(device), graphs)
+            backend = FlashInferAttention(KVPool(loaded_bf16.config, 256, 16, torch.bfloat16, device), model.cfg,
+                                          model.dtype)
+            graphs = DecodeGraphs(model, backend, max_batch=4) if use_graphs else None
+            runner = ModelRunner(model, backend, graphs)
             warmup_runner(runner)
             runners.append(runner)
         assert runners[1].graphs.capture_stream.device == device

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -85,34 +88,35 @@ class _Stream:
 
 
 def _graphs(device: torch.device, log: list, current: list):
-    """A DecodeGraphs without FlashInfer: its model logs the stream each forward ran on."""
-    from types import SimpleNamespace
-
+    """A DecodeGraphs without FlashInfer: its model logs the stream each forward ran on, its backends each prepare
+    (with the stream current then: None outside any capture or stream context)."""
     from nodeserve.engine.cuda_graphs import DecodeGraphs
 
     g = DecodeGraphs.__new__(DecodeGraphs)
 
     class Model:
-        dtype = torch.bfloat16  # the activations' dtype (LlamaModel.dtype)
+        dtype = torch.bfloat16  # the activations' (LlamaModel.dtype)
 
-        def __call__(self, input_ids, *args):
-            log.append((g, current[-1] if current else None))
+        def __call__(self, input_ids, positions, backend):
+            log.append((g, "forward", backend, current[-1] if current else None))
             return torch.zeros(len(input_ids), 4)
     g.model, g.device = Model(), device
     g.pool = SimpleNamespace(k_scales=[], v_scales=[], page_size=PAGE_SIZE, layers=[], dtype=torch.bfloat16)
-    g.dims, g.scale, g.buckets, g.scratch_page = (2, 1, 4), 0.5, [1, 2, 4], 7
+    g.buckets, g.scratch_page = [1, 2, 4], 7
     g.input_ids, g.positions, g.slot_mapping = (torch.zeros(4, dtype=torch.int64) for _ in range(3))
-    g.backends = {b: SimpleNamespace(plan=lambda *args: None) for b in g.buckets}
+    g.backends = {}
+    for b in g.buckets:
+        backend = g.backends[b] = SimpleNamespace()
+        backend.prepare = lambda meta, backend=backend: log.append(
+            (g, "prepare", backend, current[-1] if current else None, meta.num_seqs))
     g.graphs, g.outputs, g.capture_stream = {}, {}, None
     return g
 
 
-def test_each_device_captures_on_a_stream_of_its_own(monkeypatch):
-    """torch.cuda.graph's default capture stream is made once, on the device current at the first capture: a second
-    GPU must pass its own stream, and run its warm-up pass on it too."""
-    import contextlib
-
-    current, log, captures = [], [], []
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda stood in for: (the stack of current streams, the stream each capture ran on)."""
+    current, captures = [], []
 
     @contextlib.contextmanager
     def use(stream):
@@ -133,7 +137,14 @@ def test_each_device_captures_on_a_stream_of_its_own(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(device))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    return current, captures
 
+
+def test_each_device_captures_on_a_stream_of_its_own(fake_cuda):
+    """torch.cuda.graph's default capture stream is made once, on the device current at the first capture: a second
+    GPU must pass its own stream, and run its warm-up pass on it too."""
+    current, captures = fake_cuda
+    log = []
     first, second = _graphs(torch.device("cpu"), log, current), _graphs(torch.device("meta"), log, current)
     for g in (first, second):
         g.capture()
@@ -141,6 +152,26 @@ def test_each_device_captures_on_a_stream_of_its_own(monkeypatch):
     for g in (first, second):
         assert isinstance(g.capture_stream, _Stream) and g.capture_stream.device == g.device
         # Every forward of this object's capture (3 warm-up passes, 3 captures) ran on its own capture stream.
-        assert [stream for owner, stream in log if owner is g] == [g.capture_stream] * 6
+        assert [e[3] for e in log if e[0] is g and e[1] == "forward"] == [g.capture_stream] * 6
     assert captures == [first.capture_stream] * 3 + [second.capture_stream] * 3
     assert first.capture_stream is not second.capture_stream
+
+
+def test_every_pass_is_prepared_outside_the_capture(fake_cuda):
+    """FlashInfer's plan() cannot be captured: each bucket's backend is prepared, outside any capture or stream
+    context, before its warm-up pass and again before its captured pass; a replay is prepared with the padded step
+    first, and replays a graph that the Python forward does not run again."""
+    current, _ = fake_cuda
+    log = []
+    g = _graphs(torch.device("cpu"), log, current)
+    g.capture()
+    for bucket in (4, 2, 1):  # largest first
+        backend = g.backends[bucket]
+        assert [e[1:] for e in log[:4]] == [("prepare", backend, None, bucket), ("forward", backend, g.capture_stream),
+                                           ("prepare", backend, None, bucket), ("forward", backend, g.capture_stream)]
+        del log[:4]
+    assert not log
+    g.graphs = {b: SimpleNamespace(replay=lambda b=b: log.append((g, "replay", b))) for b in g.graphs}
+    ids, pos, meta = _decode_meta([[3, 5], [7], [1]], [6, 2, 4])
+    assert g.run(ids, pos, meta).shape == (3, 4)  # 3 rows replay the graph of 4
+    assert [e[1:] for e in log] == [("prepare", g.backends[4], None, 4), ("replay", 4)]

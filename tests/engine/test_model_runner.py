@@ -24,12 +24,12 @@ def _tiny_config() -> ModelConfig:
                        max_position_embeddings=128, tie_word_embeddings=True)
 
 
-def _meta_runner(kv_dtype: torch.dtype = torch.float32) -> ModelRunner:
+def _meta_runner(kv_dtype: torch.dtype = torch.float32, backend: type = TorchAttention) -> ModelRunner:
     cfg = _tiny_config()
     model = LlamaModel(cfg).to_empty(device=META)
     model.fuse()
     pool = KVPool(cfg, num_pages=8, page_size=4, dtype=kv_dtype, device=META)
-    return ModelRunner(model, pool, TorchAttention())
+    return ModelRunner(model, backend(pool, cfg, torch.float32))
 
 
 MIXED_STEP = [
@@ -58,13 +58,11 @@ def test_layer_hook_sees_every_layer_on_the_meta_device():
 def test_a_host_read_in_the_forward_would_fail_here():
     """The guard works: a backend that reads a device value on the host fails on meta."""
     class HostReadingAttention(TorchAttention):
-        def forward(self, q, k, v, kv_layer, meta, scale):
-            meta.seq_lens.max().item()  # the kind of sync the real backends must not do
-            return super().forward(q, k, v, kv_layer, meta, scale)
+        def forward(self, layer_id, q, k, v):
+            self.meta.seq_lens.max().item()  # the kind of sync the real backends must not do
+            return super().forward(layer_id, q, k, v)
 
-    runner = _meta_runner()
-    runner.backend = HostReadingAttention()
-    runner.backend.kv_pool = runner.pool
+    runner = _meta_runner(backend=HostReadingAttention)
     with pytest.raises((RuntimeError, NotImplementedError)):
         runner.run(MIXED_STEP)
 

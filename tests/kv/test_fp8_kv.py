@@ -84,37 +84,58 @@ def _step_meta(seqs, page_size, table_ids):
     return meta, torch.tensor(all_slots)
 
 
-def test_torch_backend_reads_fp8_with_the_layers_scales(one_thread):
+def _dequantized(layer: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
+    deq = layer.float()
+    deq[:, 0] *= k_scale
+    deq[:, 1] *= v_scale
+    return deq
+
+
+def _float32_attention(meta: AttentionMetadata, layer: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """TorchAttention over a float32 pool holding `layer`, the step writing what `layer` already holds at its slots."""
+    cfg = SimpleNamespace(num_layers=1, num_heads=H, num_kv_heads=KH, head_dim=D)
+    pool = KVPool(cfg, layer.shape[0], meta.page_size, torch.float32, torch.device("cpu"))
+    pool.layers[0].copy_(layer)
+    pages, offsets = meta.slot_mapping // meta.page_size, meta.slot_mapping % meta.page_size
+    backend = TorchAttention(pool, cfg, torch.float32)
+    backend.prepare(meta)
+    return backend.forward(0, q, layer[pages, 0, offsets], layer[pages, 1, offsets])
+
+
+def test_torch_backend_reads_fp8_by_layer_index(one_thread):
     """An FP8 pool through TorchAttention (scales folded into the softmax scale and the output) equals attention
-    over a float32 pool holding the dequantized values, for decodes, whole prompts and prefix extensions; and
-    each layer of the pool is read with its own scales."""
+    over a float32 pool holding the dequantized values, for decodes, whole prompts and prefix extensions. Each layer
+    is read and written with the scales at its index: layers 0 and 1 hold the same cached bytes under different
+    scales, and each gives the attention of its own dequantized values."""
     page_size, seqs = 4, [(0, 1), (9, 1), (30, 1), (0, 7), (5, 6)]  # decodes first
-    cfg = SimpleNamespace(num_layers=2, num_kv_heads=KH, head_dim=D)
+    cfg = SimpleNamespace(num_layers=2, num_heads=H, num_kv_heads=KH, head_dim=D)
     pool = KVPool(cfg, 32, page_size, FP8, torch.device("cpu"))
-    pool.k_scales, pool.v_scales = [1.0, 0.05], [1.0, 0.03]  # layer 1's: |x| up to 22.4 and 13.4
+    pool.k_scales, pool.v_scales = [0.1, 0.05], [0.04, 0.03]  # |x| up to 44.8 / 17.9 in layer 0, 22.4 / 13.4 in 1
     rng = random.Random(0)
     meta, all_slots = _step_meta(seqs, page_size, rng.sample(range(32), 32))
     gen = torch.Generator().manual_seed(1)
-    for layer in pool.layers:  # the cached prefixes: values around 3, far from 1.0-scale e4m3's sweet spot
-        k_all, v_all = torch.randn(2, len(all_slots), KH, D, generator=gen) * 3
-        write_kv_scaled(layer, k_all, v_all, all_slots, *pool.scales_of(layer))
+    # The cached prefixes: values around 3, far from 1.0-scale e4m3's sweet spot; the same bytes in both layers.
+    k_all, v_all = torch.randn(2, len(all_slots), KH, D, generator=gen) * 3
+    write_kv_scaled(pool.layers[1], k_all, v_all, all_slots, pool.k_scales[1], pool.v_scales[1])
+    pool.layers[0].view(torch.uint8).copy_(pool.layers[1].view(torch.uint8))
     t = meta.slot_mapping.numel()
     q = torch.randn(t, H, D, generator=gen)
     k, v = torch.randn(2, t, KH, D, generator=gen) * 3
-    backend = TorchAttention()
-    backend.kv_pool = pool
-    out = backend.forward(q, k, v, pool.layers[1], meta, D ** -0.5)
+    backend = TorchAttention(pool, cfg, torch.float32)
+    assert [backend.scales(i) for i in (0, 1)] == [(0.1, 0.04), (0.05, 0.03)]
+    backend.prepare(meta)
+    outs = [backend.forward(i, q, k, v) for i in (0, 1)]
 
-    k_scale, v_scale = pool.scales_of(pool.layers[1])
-    assert (k_scale, v_scale) == (0.05, 0.03)
-    deq = pool.layers[1].float()
-    deq[:, 0] *= k_scale
-    deq[:, 1] *= v_scale
     pages, offsets = meta.slot_mapping // page_size, meta.slot_mapping % page_size
-    ref = TorchAttention().forward(q, deq[pages, 0, offsets], deq[pages, 1, offsets], deq.clone(), meta, D ** -0.5)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    # and the values written are this step's K/V within e4m3's rounding
-    torch.testing.assert_close(deq[pages, 0, offsets], k, rtol=2 ** -4, atol=k_scale * 2 ** -10)
+    for i, out in enumerate(outs):
+        deq = _dequantized(pool.layers[i], pool.k_scales[i], pool.v_scales[i])
+        torch.testing.assert_close(out, _float32_attention(meta, deq, q), atol=1e-5, rtol=1e-5)
+        # and the values written are this step's K/V within e4m3's rounding at this layer's scales
+        torch.testing.assert_close(deq[pages, 0, offsets], k, rtol=2 ** -4, atol=pool.k_scales[i] * 2 ** -10)
+        torch.testing.assert_close(deq[pages, 1, offsets], v, rtol=2 ** -4, atol=pool.v_scales[i] * 2 ** -10)
+    assert (outs[0] - outs[1]).abs().max() > 0.1  # the scales, not the bytes, told the layers apart
+    wrong = _dequantized(pool.layers[1], pool.k_scales[0], pool.v_scales[0])  # layer 1 read with layer 0's scales
+    assert (outs[1] - _float32_attention(meta, wrong, q)).abs().max() > 0.1
 
 
 def test_pool_scales_are_per_layer_and_default_to_one():
@@ -122,10 +143,11 @@ def test_pool_scales_are_per_layer_and_default_to_one():
     pool = KVPool(cfg, 4, 4, FP8, torch.device("cpu"))
     assert pool.is_fp8 and pool.k_scales == [1.0] * 3 and pool.v_scales == [1.0] * 3
     pool.k_scales[2], pool.v_scales[2] = 0.5, 0.25
-    assert [pool.layer_index(layer) for layer in pool.layers] == [0, 1, 2]
-    assert pool.scales_of(pool.layers[2]) == (0.5, 0.25) and pool.scales_of(pool.layers[0]) == (1.0, 1.0)
-    with pytest.raises(KeyError):
-        pool.scales_of(torch.zeros_like(pool.layers[0]))  # not one of this pool's layers
+    backend = TorchAttention(pool, SimpleNamespace(head_dim=D), torch.float32)
+    assert [backend.scales(i) for i in range(3)] == [(1.0, 1.0), (1.0, 1.0), (0.5, 0.25)]
+    wide = KVPool(cfg, 4, 4, torch.float32, torch.device("cpu"))
+    wide.k_scales[2] = 0.5
+    assert TorchAttention(wide, SimpleNamespace(head_dim=D), torch.float32).scales(2) == (1.0, 1.0)  # stored as is
 
 
 # ---- calibration -------------------------------------------------------------------------------------------
@@ -162,7 +184,7 @@ def test_amax_is_what_the_layers_write(loaded_fp32, calibration_ids):
     """The recorded amax is the largest |K| (after RoPE) and |V| an unquantized pool holds after the same prefill."""
     k_amax, v_amax = measure_kv_amax(loaded_fp32.model, calibration_ids, torch.device("cpu"))
     pool = KVPool(loaded_fp32.config, pages_for(len(calibration_ids), 16), 16, torch.float32, torch.device("cpu"))
-    ModelRunner(loaded_fp32.model, pool, TorchAttention()).run(
+    ModelRunner(loaded_fp32.model, TorchAttention(pool, loaded_fp32.config, torch.float32)).run(
         [SeqChunk(calibration_ids, 0, list(range(pool.num_pages)), want_logits=False)])
     written = [(layer[:, 0].abs().max().item(), layer[:, 1].abs().max().item()) for layer in pool.layers]
     assert k_amax == pytest.approx([w[0] for w in written], rel=1e-6)
@@ -175,7 +197,8 @@ def _teacher_forced_logits(check, loaded, dtype, k_scales=None, v_scales=None) -
     pool = KVPool(loaded.config, 64, 16, dtype, torch.device("cpu"))
     if k_scales is not None:
         pool.k_scales, pool.v_scales = list(k_scales), list(v_scales)
-    return check.teacher_forced_logits(ModelRunner(loaded.model, pool, TorchAttention()), loaded.tokenizer)
+    runner = ModelRunner(loaded.model, TorchAttention(pool, loaded.config, loaded.model.dtype))
+    return check.teacher_forced_logits(runner, loaded.tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +256,7 @@ def test_calibration_keeps_large_kv_in_range(fp8_check, loaded_fp32, calibration
 
 def _greedy_fp32(loaded, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
     pool = KVPool(loaded.config, 128, 16, torch.float32, torch.device("cpu"))
-    runner = ModelRunner(loaded.model, pool, TorchAttention())
+    runner = ModelRunner(loaded.model, TorchAttention(pool, loaded.config, loaded.model.dtype))
     tables = [pool.manager.allocate(pages_for(len(p) + num_tokens, 16)) for p in prompts]
     out = [[t] for t in runner.run([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)]).argmax(-1).tolist()]
     for step in range(num_tokens - 1):

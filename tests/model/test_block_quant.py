@@ -70,8 +70,8 @@ def test_quantized_decode_follows_float32_on_the_same_weights(loaded_auto, loade
     from nodeserve.kv.pool import KVPool, pages_for
 
     def runner(loaded):
-        return ModelRunner(loaded.model, KVPool(loaded.config, 64, 16, torch.float32, torch.device("cpu")),
-                           TorchAttention())
+        pool = KVPool(loaded.config, 64, 16, torch.float32, torch.device("cpu"))
+        return ModelRunner(loaded.model, TorchAttention(pool, loaded.config, loaded.model.dtype))
 
     ref_runner, q_runner = runner(loaded_fp32), runner(loaded_auto)
     agree = total = 0
@@ -104,7 +104,7 @@ def test_native_decoder_is_the_module_path_in_one_call(loaded_auto, one_thread):
     model = loaded_auto.model
     assert model.native_decoder is not None
     pools = [KVPool(model.cfg, 32, 16, torch.float32, torch.device("cpu")) for _ in range(2)]
-    runners = [ModelRunner(model, pool, TorchAttention()) for pool in pools]
+    runners = [ModelRunner(model, TorchAttention(pool, model.cfg, model.dtype)) for pool in pools]
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [400, 401, 402], [9000] * 40]
     tables = [[list(range(0, 4)), list(range(4, 8)), list(range(8, 12))] for _ in pools]
     for runner, table in zip(runners, tables):

@@ -416,7 +416,7 @@ def test_tokenizer_from_gguf_vocab(converted):
 def _new_runner(loaded, num_pages: int = 32) -> ModelRunner:
     pool = KVPool(loaded.config, num_pages, PAGE_SIZE, torch.float32, torch.device("cpu"))
     pool.data.normal_(0, 10)  # garbage in unused slots: a read past a sequence's KV would show
-    return ModelRunner(loaded.model, pool, TorchAttention())
+    return ModelRunner(loaded.model, TorchAttention(pool, loaded.config, loaded.model.dtype))
 
 
 def test_logits_match_transformers(converted):
@@ -431,7 +431,8 @@ def test_logits_match_transformers(converted):
     rng.shuffle(pages)
     # prefill: every position's logits
     x, positions, meta, _ = runner.prepare([SeqChunk(ids[:n_prefill], 0, pages)])
-    hidden = loaded.model(x, positions, meta, runner.pool.layers, runner.backend)
+    runner.backend.prepare(meta)
+    hidden = loaded.model(x, positions, runner.backend)
     logits = loaded.model.compute_logits(hidden)
     assert logits.shape == (n_prefill, loaded.config.vocab_size)
     torch.testing.assert_close(logits, ref[:n_prefill], atol=ATOL, rtol=0)

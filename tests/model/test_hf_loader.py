@@ -135,7 +135,7 @@ def _new_runner(loaded, num_pages: int = 128) -> ModelRunner:
     pool = KVPool(loaded.config, num_pages, PAGE_SIZE, torch.float32, torch.device("cpu"))
     # Pages are reused in practice: fill the pool with garbage so a read past a sequence's KV would show.
     pool.data.normal_(0, 10)
-    return ModelRunner(loaded.model, pool, TorchAttention())
+    return ModelRunner(loaded.model, TorchAttention(pool, loaded.config, loaded.model.dtype))
 
 
 def test_config_matches(checkpoint, loaded):
@@ -175,7 +175,8 @@ def test_prefill_in_one_chunk_matches_every_position(loaded, refs):
     table = _shuffled_table(runner.pool, len(prompt), random.Random(0))
     # All positions, not only the last: run the model on the runner's prepared step and project every row.
     ids, positions, meta, rows = runner.prepare([SeqChunk(prompt, 0, table)])
-    hidden = loaded.model(ids, positions, meta, runner.pool.layers, runner.backend)
+    runner.backend.prepare(meta)
+    hidden = loaded.model(ids, positions, runner.backend)
     logits = loaded.model.compute_logits(hidden)
     assert logits.shape == (len(prompt), loaded.config.vocab_size)
     torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)

@@ -233,7 +233,7 @@ def _greedy(model, prompts: list[list[int]], steps: int) -> tuple[list[list[int]
     from nodeserve.kv.pool import KVPool, pages_for
 
     pool = KVPool(model.cfg, 64, 4, torch.float32, torch.device("cpu"))
-    runner = ModelRunner(model, pool, TorchAttention())
+    runner = ModelRunner(model, TorchAttention(pool, model.cfg, model.dtype))
     tables = [pool.manager.allocate(pages_for(len(p) + steps, 4)) for p in prompts]
     logits = runner.run([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
     history, out = [logits], [[int(x)] for x in logits.argmax(-1)]

@@ -15,7 +15,7 @@ def _greedy(loaded, prompts: list[list[int]], page_size: int, prefill_chunk: int
     """Runs all prompts together: chunked prefill, then batched decode, the way a worker steps."""
     cfg = loaded.config
     pool = KVPool(cfg, 512, page_size, torch.float32, torch.device("cpu"))
-    runner = ModelRunner(loaded.model, pool, TorchAttention())
+    runner = ModelRunner(loaded.model, TorchAttention(pool, cfg, torch.float32))
     tables = [pool.manager.allocate(pages_for(len(p) + NUM_NEW_TOKENS, page_size)) for p in prompts]
     done = [0] * len(prompts)
     outs: list[list[int]] = [[] for _ in prompts]

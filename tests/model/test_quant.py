@@ -64,9 +64,10 @@ def test_fp16_weights_keep_the_models_answers(loaded_fp16w, loaded_fp32, prompt_
 
     def all_logits(loaded, ids):
         pool = KVPool(loaded.config, 64, 16, torch.float32, torch.device("cpu"))
-        runner = ModelRunner(loaded.model, pool, TorchAttention())
+        runner = ModelRunner(loaded.model, TorchAttention(pool, loaded.config, loaded.model.dtype))
         t, pos, meta, _ = runner.prepare([SeqChunk(ids, 0, pool.manager.allocate(pages_for(len(ids), 16)))])
-        return loaded.model.compute_logits(loaded.model(t, pos, meta, pool.layers, runner.backend))
+        runner.backend.prepare(meta)
+        return loaded.model.compute_logits(loaded.model(t, pos, runner.backend))
 
     agree = total = 0
     for ids in prompt_ids:
