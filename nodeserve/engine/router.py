@@ -7,6 +7,7 @@ for space and an abort has exactly one reservation to give back.
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from nodeserve.engine.worker import Worker
 from nodeserve.request import Request
@@ -21,6 +22,9 @@ class TooLarge(Exception):
 
 
 class Router:
+    # Called as admission(router, req) before a request queues; may raise QueueFull (adaptive/admission.py).
+    admission: Callable[[Router, Request], None] | None = None
+
     def __init__(self, prefill_workers: list[Worker], decode_workers: list[Worker],
                  local_prefill_threshold: int, max_waiting: int, max_queued_tokens: int):
         self.prefill_workers, self.decode_workers = prefill_workers, decode_workers
@@ -55,6 +59,8 @@ class Router:
             raise QueueFull(f"{len(self.pending)} requests are already waiting")
         if self.num_queued_tokens + req.num_prompt_tokens > self.max_queued_tokens:
             raise QueueFull(f"{self.num_queued_tokens} prompt tokens are already queued")
+        if self.admission is not None:
+            self.admission(self, req)
         self.pending.append(req)
         self.dispatch()
 
