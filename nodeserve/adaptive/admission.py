@@ -9,6 +9,7 @@ predicted TTFT on the request (req.timings["predicted_ttft"], for the prediction
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from nodeserve.adaptive.placement import DeviceLoad, Placement, SloTarget, StepLimits, choose_placement
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from nodeserve.request import Request
 
 REFINE_INTERVAL_S = 1.0  # refit the cost model from fresh step records at most this often
+PREFILL_WINDOW_S = 10.0  # a device's prefill share is measured over its steps of the last this many seconds
 
 
 class SloMiss(QueueFull):
@@ -30,15 +32,34 @@ class SloMiss(QueueFull):
     reject_reason = "slo"
 
 
-def worker_load(w: Worker) -> DeviceLoad:
+def prefill_share(records, now: float, window: float = PREFILL_WINDOW_S) -> float:
+    """Share of the last `window` seconds spent in steps with prefill chunks, from a worker's step records
+    (read from the newest back by index: the worker thread may append meanwhile, which iterating would not allow)."""
+    busy, i = 0.0, 1
+    while i <= len(records):
+        try:
+            r = records[-i]
+        except IndexError:
+            break
+        if r.end < now - window:
+            break
+        if r.num_prefill_tokens:
+            busy += r.end - max(r.start, now - window)
+        i += 1
+    return min(busy / window, 1.0)
+
+
+def worker_load(w: Worker, now: float) -> DeviceLoad:
     """A worker's live load. Read from the event loop while the worker runs: a slightly stale view is fine."""
     running = list(w.running)
     return DeviceLoad(w.name, w.role, w.num_outstanding_prefill_tokens, len(running),
-                      sum(r.num_tokens for r in running), w.limits.max_num_seqs - w.num_assigned)
+                      sum(r.num_tokens for r in running), w.limits.max_num_seqs - w.num_assigned,
+                      prefill_share(w.records, now))
 
 
-def snapshot(router: Router) -> list[DeviceLoad]:
-    return [worker_load(w) for w in router.prefill_workers + router.decode_workers]
+def snapshot(router: Router, now: float) -> list[DeviceLoad]:
+    """What placement.choose_placement takes: every device's load, prefill devices first."""
+    return [worker_load(w, now) for w in router.prefill_workers + router.decode_workers]
 
 
 class SloAdmission:
@@ -53,11 +74,11 @@ class SloAdmission:
         if now - self._refined > REFINE_INTERVAL_S:
             self.profiler.refine()
             self._refined = now
-        return choose_placement(self.profiler.model, self.limits, self.target, snapshot(router),
+        return choose_placement(self.profiler.model, self.limits, self.target, snapshot(router, now),
                                 req.num_prompt_tokens, req.params.max_tokens, self.local_prefill_threshold)
 
     def __call__(self, router: Router, req: Request) -> None:
-        best = self.best(router, req, req.arrival_time)
+        best = self.best(router, req, time.monotonic())
         if best is None:  # every decode seat taken: the router's queue decides, as without admission
             return
         req.timings["predicted_ttft"] = best.ttft

@@ -9,7 +9,6 @@ simulator behind `nodeserve plan`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,6 +25,7 @@ class DeviceLoad:
     num_decodes: int = 0             # requests in its decode batch
     decode_context: int = 0          # tokens those requests attend, in total
     free_seats: int = 1              # decode seats left (max_num_seqs - requests placed here for decode)
+    prefill_share: float = 0.0       # share of its recent time spent in steps with prefill chunks (0..1)
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,17 @@ class Placement:
     tpot: float          # predicted time per output token of this request
     others_tpot: float   # predicted TPOT of the requests already decoding where this one prefills, while it does
 
+    num_others: int = 0  # how many requests others_tpot is about
+
     def violation(self, slo: SloTarget, num_prompt_tokens: int) -> float:
         """The worst ratio of a prediction to its SLO: <= 1 keeps every SLO this placement touches."""
         return max(self.ttft / slo.ttft_limit(num_prompt_tokens), self.tpot / slo.tpot_s,
                    self.others_tpot / slo.tpot_s)
+
+    def num_misses(self, slo: SloTarget, num_prompt_tokens: int) -> int:
+        """Requests predicted to miss an SLO: this one, and those decoding where it prefills."""
+        own = self.ttft > slo.ttft_limit(num_prompt_tokens) or self.tpot > slo.tpot_s
+        return int(own) + (self.num_others if self.others_tpot > slo.tpot_s else 0)
 
 
 def prefill_steps(cost: CostModel, load: DeviceLoad, limits: StepLimits, num_prompt_tokens: int
@@ -90,18 +97,24 @@ def predict(cost: CostModel, limits: StepLimits, loads: dict[str, DeviceLoad], p
         mixed_extra = ttft - steps * alone
         others = alone + mixed_extra / max(out, steps)
     transfer = cost.transfer_tail(prefill, decode, num_prompt_tokens, ttft) if prefill != decode else 0.0
-    # Its own decode steps: the batch it joins, with its context half-way through its output.
+    # Its own decode steps: the batch it joins, with its context half-way through its output, slowed by the
+    # prefill chunks mixed into them: the device's recent prefill share, or the prompt tokens already queued
+    # there if they take more of the time this request decodes.
     batch = d.num_decodes + 1
     context = d.decode_context + num_prompt_tokens + max_tokens // 2
     step = cost.step_time(d.name, StepShape(num_decodes=batch, decode_context=context))
-    # Prompt tokens still queued on the decode device when this request starts decoding mix into its steps.
+    share = d.prefill_share
     if prefill != decode and d.queued_prefill_tokens:
-        drain, d_steps, _ = prefill_steps(cost, d, limits, 0)
-        left = max(0.0, 1.0 - (ttft + transfer) / drain) if drain > 0 else 0.0
-        mixed_steps = math.ceil(left * d_steps)
-        step = (step * max(out - mixed_steps, 0) + left * drain) / max(out, mixed_steps)
+        drain = prefill_steps(cost, d, limits, 0)[0]
+        share = max(share, drain / (drain + out * step))
+    if share > 0:
+        # A fraction f of the steps carry a full chunk (time `mixed`), the rest are plain decodes (`step`):
+        # share = f * mixed / mean step, so mean step = step * mixed / (mixed * (1 - share) + share * step).
+        chunk = max(limits.max_num_batched_tokens - batch, 1)
+        mixed = cost.step_time(d.name, StepShape(chunk, chunk * chunk / 2, batch, context))
+        step = step * mixed / (mixed * (1 - share) + share * step)
     tpot = step + transfer / out
-    return Placement(prefill, decode, ttft, transfer, tpot, others)
+    return Placement(prefill, decode, ttft, transfer, tpot, others, p.num_decodes)
 
 
 def candidates(loads: Sequence[DeviceLoad], num_prompt_tokens: int, local_prefill_threshold: int = 0
@@ -125,15 +138,16 @@ def candidates(loads: Sequence[DeviceLoad], num_prompt_tokens: int, local_prefil
 
 def choose_placement(cost: CostModel, limits: StepLimits, slo: SloTarget, loads: Sequence[DeviceLoad],
                      num_prompt_tokens: int, max_tokens: int, local_prefill_threshold: int = 0) -> Placement | None:
-    """The candidate that keeps the SLOs it touches (else misses them least), then has the earliest first
-    decode (TTFT + handoff): under light or uniform short load that is prefill on the decode device itself
-    (no handoff, no idle device), and with a long prompt it is a device whose decodes it does not stall.
-    None when no decode device has a free seat."""
+    """The candidate with the fewest requests predicted to miss an SLO, then the smallest worst miss, then the
+    earliest first decode (TTFT + handoff). Under light or uniform short load that is prefill on the decode
+    device itself (no handoff); a long prompt goes to a device whose decodes it stalls least, ideally one with
+    none, and its decode elsewhere: a dedicated prefill device. None when no decode device has a free seat."""
     by_name = {x.name: x for x in loads}
     best, best_key = None, None
     for p, d in candidates(loads, num_prompt_tokens, local_prefill_threshold):
         pl = predict(cost, limits, by_name, p, d, num_prompt_tokens, max_tokens)
-        key = (max(pl.violation(slo, num_prompt_tokens), 1.0), pl.ttft + pl.transfer)
+        key = (pl.num_misses(slo, num_prompt_tokens), max(pl.violation(slo, num_prompt_tokens), 1.0),
+               pl.ttft + pl.transfer)
         if best_key is None or key < best_key:
             best, best_key = pl, key
     return best
