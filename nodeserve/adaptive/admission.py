@@ -2,9 +2,10 @@
 when even its best placement would miss the TTFT SLO by more than the margin.
 
 Router.admit calls `SloAdmission(router, req)` before queueing a request. It snapshots the workers
-(`snapshot`), asks placement.choose_placement for the best placement the devices' roles allow, records the
-predicted TTFT on the request (req.timings["predicted_ttft"], for the prediction-error histogram), and with
-`slo.admission = "reject"` raises SloMiss, a QueueFull, when that TTFT misses.
+(`snapshot`), asks placement.choose_placement for the placement the devices' roles allow and the rule picks (in
+the static modes the one the router itself makes), records its predicted TTFT on the request
+(req.timings["predicted_ttft"], for the prediction-error histogram), and with `slo.admission = "reject"` raises
+SloMiss, a QueueFull, when that TTFT misses the target by more than the margin.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def worker_load(w: Worker, now: float) -> DeviceLoad:
     running = list(w.running)
     return DeviceLoad(w.name, w.role, w.num_outstanding_prefill_tokens, len(running),
                       sum(r.num_tokens for r in running), w.limits.max_num_seqs - w.num_assigned,
-                      prefill_share(w.records, now))
+                      prefill_share(w.records, now), w.kv.num_free * w.kv.page_size)
 
 
 def snapshot(router: Router, now: float) -> list[DeviceLoad]:

@@ -26,6 +26,7 @@ class DeviceLoad:
     decode_context: int = 0          # tokens those requests attend, in total
     free_seats: int = 1              # decode seats left (max_num_seqs - requests placed here for decode)
     prefill_share: float = 0.0       # share of its recent time spent in steps with prefill chunks (0..1)
+    free_tokens: float = float("inf")  # KV tokens it can still reserve
 
 
 @dataclass(frozen=True)
@@ -138,16 +139,18 @@ def candidates(loads: Sequence[DeviceLoad], num_prompt_tokens: int, local_prefil
 
 def choose_placement(cost: CostModel, limits: StepLimits, slo: SloTarget, loads: Sequence[DeviceLoad],
                      num_prompt_tokens: int, max_tokens: int, local_prefill_threshold: int = 0) -> Placement | None:
-    """The candidate with the fewest requests predicted to miss an SLO, then the smallest worst miss, then the
-    earliest first decode (TTFT + handoff). Under light or uniform short load that is prefill on the decode
-    device itself (no handoff); a long prompt goes to a device whose decodes it stalls least, ideally one with
-    none, and its decode elsewhere: a dedicated prefill device. None when no decode device has a free seat."""
+    """The candidate with the fewest requests predicted to miss an SLO, then the smallest worst miss; among
+    equals, what colocated mode's router does: prefill on the decode device itself, the one with the most free
+    KV, then free seats (the remaining work it holds balances decode load better than this instant's TTFT).
+    So under light or uniform short load it is colocated; a long prompt that would stall a decode batch goes
+    to a device whose decodes it stalls least, ideally none, with its decode elsewhere: a dedicated prefill
+    device. None when no decode device has a free seat."""
     by_name = {x.name: x for x in loads}
     best, best_key = None, None
     for p, d in candidates(loads, num_prompt_tokens, local_prefill_threshold):
         pl = predict(cost, limits, by_name, p, d, num_prompt_tokens, max_tokens)
         key = (pl.num_misses(slo, num_prompt_tokens), max(pl.violation(slo, num_prompt_tokens), 1.0),
-               pl.ttft + pl.transfer)
+               p != d, -by_name[d].free_tokens, -by_name[d].free_seats, pl.ttft)
         if best_key is None or key < best_key:
             best, best_key = pl, key
     return best

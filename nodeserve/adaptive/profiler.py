@@ -158,3 +158,23 @@ class Profiler:
     def as_dict(self) -> dict:
         with self._lock:
             return self.model.as_dict()
+
+
+def measure_config(config, budget_s: float) -> CostModel:
+    """`nodeserve plan --measure`: loads the model, starts the config's workers (no server) and profiles them."""
+    import asyncio
+
+    from nodeserve.engine.engine import Engine
+    from nodeserve.model.loader import load_model, parse_dtype
+
+    loaded = load_model(config.model.path, parse_dtype(config.dtype), quantization=config.quantization)
+    engine = Engine(config, loaded)
+    loop = asyncio.new_event_loop()  # the workers post results to it; nothing runs on them here
+    engine.start(loop)
+    try:
+        profiler = Profiler(engine.workers)
+        profiler.measure(budget_s)
+        return profiler.model
+    finally:
+        engine.stop()
+        loop.close()

@@ -32,7 +32,8 @@ class FakeProfiler:
 
 def worker(name, role, queued=0, records=()):
     return SimpleNamespace(name=name, role=role, num_outstanding_prefill_tokens=queued, running=[],
-                           num_assigned=0, limits=WorkerLimits(64, 1024, 8192), records=deque(records))
+                           num_assigned=0, limits=WorkerLimits(64, 1024, 8192), records=deque(records),
+                           kv=SimpleNamespace(num_free=1000, page_size=16))
 
 
 def router(queued=0):
@@ -98,4 +99,4 @@ def test_snapshot_reads_workers():
     r.decode_workers[0].num_assigned = 1
     p, d = snapshot(r, now=0.0)
     assert (p.role, p.queued_prefill_tokens, p.num_decodes) == ("prefill", 700, 0)
-    assert (d.role, d.num_decodes, d.decode_context, d.free_seats) == ("decode", 1, 50, 63)
+    assert (d.role, d.num_decodes, d.decode_context, d.free_seats, d.free_tokens) == ("decode", 1, 50, 63, 16000)
