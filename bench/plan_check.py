@@ -46,6 +46,19 @@ def fetch_profile(url: str) -> dict:
         return json.load(r)
 
 
+def prediction_errors(url: str) -> dict[str, float]:
+    """The server's nodeserve:ttft_prediction_error_seconds buckets (le -> cumulative count): how far SLO
+    admission's TTFT predictions were from what each request got."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "nodeserve:ttft_prediction_error_seconds":
+            return {s.labels["le"]: s.value for s in fam.samples if s.name.endswith("_bucket")}
+    return {}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default="colocated,disaggregated")
@@ -107,6 +120,7 @@ def main() -> int:
                               f"predicted {predicted:.0%} (load {load_before:.1f})", flush=True)
                     lo, hi = S.bracket_from_points([(p["rate"], p["measured"]) for p in run["probes"]], args.target)
                     run["measured_bracket"] = [lo, hi if hi != float("inf") else None]
+                    run["ttft_prediction_error_buckets"] = prediction_errors(url)  # cumulative over the server's life
                     print(f"{mode_name} {wl}: predicted goodput {pred.goodput:.3f} req/s, measured bracket "
                           f"[{lo:.3f}, {hi:.3f}]", flush=True)
                     results["runs"].append(run)
