@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -74,6 +75,7 @@ def main() -> int:
                     "room for two 2 GiB pools)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "plan_check.json"))
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the server is stopped (finally) on a kill too
     slo = SloTarget(args.slo_ttft, args.slo_tpot, args.slo_ttft_per_token)
     sch, kv = SchedulerSection(), KVSection(memory_gib=args.kv_gib)
     limits = StepLimits(sch.max_num_batched_tokens, sch.max_num_seqs)
@@ -98,6 +100,7 @@ def main() -> int:
                     pred = predict_goodput(cost, mode, limits, slo, work, args.seed, args.target,
                                            capacity_tokens=capacity)
                     start = pred.goodput or 0.05
+                    print(f"{mode_name} {wl}: predicted goodput {pred.goodput} req/s ({pred.status})", flush=True)
                     run = {"mode": mode_name, "workload": wl, "predicted_goodput": pred.goodput,
                            "predicted_status": pred.status, "probes": [],
                            "profile": {d: m["coefficients"] for d, m in profile["devices"].items()}}
