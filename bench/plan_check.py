@@ -90,13 +90,13 @@ def main() -> int:
                 model = serve.default_model(url, {})
                 warm = W.generate("agent", 2, seed=args.seed + 100)
                 serve.measure(url, model, warm, "concurrency", None, 1, args.seed, progress=False, force_close=True)
-                profile = fetch_profile(url)
-                cost = CostModel.from_dict(profile)
-                capacity = kv.memory_gib * 2**30 / cost.kv_bytes_per_token
+                capacity = kv.memory_gib * 2**30 / (fetch_profile(url)["kv_bytes_per_token"] or 1)
                 for wl in args.workloads.split(","):
                     reqs = W.generate(wl, args.requests, seed=args.seed)
                     work = [(r.prompt_len, r.max_tokens) for r in reqs]
                     mode = MODES[mode_name]
+                    profile = fetch_profile(url)  # refitted from every step the server has run so far
+                    cost = CostModel.from_dict(profile)
                     pred = predict_goodput(cost, mode, limits, slo, work, args.seed, args.target,
                                            capacity_tokens=capacity)
                     start = pred.goodput or 0.05
@@ -108,8 +108,7 @@ def main() -> int:
                         rate = start * f
                         load_before = os.getloadavg()[0]
                         m = serve.measure(url, model, reqs, "poisson", rate, None, args.seed, timeout=600,
-                                          slo_ttft=slo.ttft_s,
-                                          slo_tpot=slo.tpot_s, ttft_per_token=slo.ttft_per_token_s,
+                                          slo_ttft=slo.ttft_s, slo_tpot=slo.tpot_s, ttft_per_token=slo.ttft_per_token_s,
                                           progress=False, force_close=True)
                         predicted = attainment(cost, mode, limits, slo, work,
                                                W.arrival_times("poisson", len(work), rate, args.seed),
@@ -124,6 +123,17 @@ def main() -> int:
                     lo, hi = S.bracket_from_points([(p["rate"], p["measured"]) for p in run["probes"]], args.target)
                     run["measured_bracket"] = [lo, hi if hi != float("inf") else None]
                     run["ttft_prediction_error_buckets"] = prediction_errors(url)  # cumulative over the server's life
+                    # The same prediction from the profile as refitted with the probes' own steps: how much of
+                    # the miss is the simulator, and how much the profile's conditions at start-up.
+                    after = CostModel.from_dict(fetch_profile(url))
+                    g = predict_goodput(after, mode, limits, slo, work, args.seed, args.target,
+                                        capacity_tokens=capacity)
+                    run["refit"] = {"predicted_goodput": g.goodput, "predicted": [
+                        attainment(after, mode, limits, slo, work, W.arrival_times("poisson", len(work), p["rate"],
+                                                                                  args.seed), capacity_tokens=capacity)
+                        for p in run["probes"]]}
+                    print(f"{mode_name} {wl}: refitted profile predicts goodput {g.goodput:.3f} req/s, attainment "
+                          + ", ".join(f"{a:.0%}" for a in run["refit"]["predicted"]), flush=True)
                     print(f"{mode_name} {wl}: predicted goodput {pred.goodput:.3f} req/s, measured bracket "
                           f"[{lo:.3f}, {hi:.3f}]", flush=True)
                     results["runs"].append(run)
