@@ -1,5 +1,5 @@
 """SLO admission: the router's hook that predicts a request's TTFT from live load and refuses it at once (503)
-when even its best placement would miss the TTFT SLO by more than the margin.
+when its placement would miss the TTFT SLO by more than the margin.
 
 Router.admit calls `SloAdmission(router, req)` before queueing a request. It snapshots the workers
 (`snapshot`), asks placement.choose_placement for the placement the devices' roles allow and the rule picks (in
@@ -19,6 +19,7 @@ from nodeserve.engine.router import QueueFull
 if TYPE_CHECKING:
     from nodeserve.adaptive.profiler import Profiler
     from nodeserve.config import SloSection
+    from nodeserve.engine.engine import Engine
     from nodeserve.engine.router import Router
     from nodeserve.engine.worker import Worker
     from nodeserve.request import Request
@@ -28,7 +29,7 @@ PREFILL_WINDOW_S = 10.0  # a device's prefill share is measured over its steps o
 
 
 class SloMiss(QueueFull):
-    """The request's best predicted TTFT misses its SLO by more than the margin (503 + Retry-After)."""
+    """The request's predicted TTFT misses its SLO by more than the margin (503 + Retry-After)."""
 
     reject_reason = "slo"
 
@@ -82,13 +83,14 @@ class SloAdmission:
         best = self.best(router, req, time.monotonic())
         if best is None:  # every decode seat taken: the router's queue decides, as without admission
             return
+        # Not counted: requests already waiting in the router for a seat or pages (admission sees a seat free).
         req.timings["predicted_ttft"] = best.ttft
         limit = self.target.ttft_limit(req.num_prompt_tokens)
         if self.reject and best.ttft > limit * (1 + self.margin):
             raise SloMiss(f"its predicted time to first token, {best.ttft:.1f}s, misses the {limit:.1f}s target")
 
 
-def install(engine) -> Profiler:
+def install(engine: Engine) -> Profiler:
     """At the end of Engine.warmup: the cost model (measured unless profile.startup is false) and, with a
     profile, the router's admission hook. Returns the profiler (GET /debug/profile reads it)."""
     from nodeserve.adaptive.profiler import Profiler
