@@ -83,7 +83,7 @@ class SloAdmission:
         best = self.best(router, req, time.monotonic())
         if best is None:  # every decode seat taken: the router's queue decides, as without admission
             return
-        # Not counted: requests already waiting in the router for a seat or pages (admission sees a seat free).
+        # Not counted: requests still waiting in the router (router.pending) ahead of this one.
         req.timings["predicted_ttft"] = best.ttft
         limit = self.target.ttft_limit(req.num_prompt_tokens)
         if self.reject and best.ttft > limit * (1 + self.margin):
