@@ -66,6 +66,7 @@ def main() -> int:
     ap.add_argument("--workloads", default="agent,bimodal")
     ap.add_argument("--requests", type=int, default=16, help="requests per probe (the same list at every rate)")
     ap.add_argument("--rate-factors", default="0.67,1.0,1.5", help="probe rates, as multiples of the prediction")
+    ap.add_argument("--rates", default="", help="probe these rates (req/s) instead")
     ap.add_argument("--slo-ttft", type=float, default=2.5)
     ap.add_argument("--slo-ttft-per-token", type=float, default=0.025)
     ap.add_argument("--slo-tpot", type=float, default=0.1)
@@ -80,6 +81,7 @@ def main() -> int:
     sch, kv = SchedulerSection(), KVSection(memory_gib=args.kv_gib)
     limits = StepLimits(sch.max_num_batched_tokens, sch.max_num_seqs)
     factors = [float(x) for x in args.rate_factors.split(",")]
+    rates = [float(x) for x in args.rates.split(",") if x]
     results = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                "slo": vars(slo), "target": args.target, "requests_per_probe": args.requests, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,8 +106,7 @@ def main() -> int:
                     run = {"mode": mode_name, "workload": wl, "predicted_goodput": pred.goodput,
                            "predicted_status": pred.status, "probes": [],
                            "profile": {d: m["coefficients"] for d, m in profile["devices"].items()}}
-                    for f in factors:
-                        rate = start * f
+                    for rate in rates or [start * f for f in factors]:
                         load_before = os.getloadavg()[0]
                         m = serve.measure(url, model, reqs, "poisson", rate, None, args.seed, timeout=600,
                                           slo_ttft=slo.ttft_s, slo_tpot=slo.tpot_s, ttft_per_token=slo.ttft_per_token_s,
