@@ -113,7 +113,8 @@ def predict(cost: CostModel, limits: StepLimits, loads: dict[str, DeviceLoad], p
         # share = f * mixed / mean step, so mean step = step * mixed / (mixed * (1 - share) + share * step).
         chunk = max(limits.max_num_batched_tokens - batch, 1)
         mixed = cost.step_time(d.name, StepShape(chunk, chunk * chunk / 2, batch, context))
-        step = step * mixed / (mixed * (1 - share) + share * step)
+        if mixed > 0:  # a model with no samples yet predicts 0 for everything
+            step = step * mixed / (mixed * (1 - share) + share * step)
     tpot = step + transfer / out
     return Placement(prefill, decode, ttft, transfer, tpot, others, p.num_decodes)
 

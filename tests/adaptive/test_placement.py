@@ -102,3 +102,9 @@ def test_decoding_where_prefills_keep_coming_is_slower():
     busy = predict(c, LIMITS, by(load("d0", prefill_share=0.5), load("d1")), "d1", "d0", 100, 64).tpot
     queued = predict(c, LIMITS, by(load("d0", queued=3000), load("d1")), "d1", "d0", 100, 64).tpot
     assert quiet < busy and quiet < queued
+
+
+def test_an_unfitted_model_predicts_without_dividing_by_zero():
+    c = CostModel({n: StepModel() for n in ("d0", "d1")}, {}, 0, 1)
+    pl = choose_placement(c, LIMITS, SLO, [load("d0", prefill_share=0.5), load("d1")], 100, 10)
+    assert pl is not None and pl.ttft == 0 and pl.tpot == 0
