@@ -1,4 +1,4 @@
-"""The `nodeserve` command: run, check-config, devices."""
+"""The `nodeserve` command: run, check-config, devices, plan."""
 
 from __future__ import annotations
 
@@ -80,6 +80,40 @@ def _cmd_devices(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from nodeserve.adaptive.cost_model import CostModel
+    from nodeserve.adaptive.plan import format_report, load_workload, plan, workload_from_dict
+    from nodeserve.config import ConfigError
+
+    config = _load_config(args.config, "nodeserve: config error: ")
+    if config is None:
+        return 2
+    try:
+        wl = load_workload(args.workload, config) if args.workload else workload_from_dict({}, config)
+        if args.measure:
+            from nodeserve.adaptive.profiler import measure_config
+
+            cost = measure_config(config, args.budget)
+        else:
+            try:
+                with open(args.profile) as f:
+                    cost = CostModel.from_dict(json.load(f))
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"--profile {args.profile}: {e}") from None
+        result = plan(config, cost, wl)
+    except ConfigError as e:
+        print(f"nodeserve plan: {e}", file=sys.stderr)
+        return 2
+    for line in format_report(result, cost):
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nodeserve", description="Single-node LLM server with disaggregated "
                                      "prefill and decode in one process.")
@@ -103,6 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mib", type=float, default=256, help="buffer size for the bandwidth measurements "
                    "(default: %(default)s)")
     p.set_defaults(func=_cmd_devices)
+    p = sub.add_parser("plan", help="predict goodput of every device layout for a workload",
+                       description="Simulates colocated, every prefill:decode split and adaptive placement on a "
+                       "measured cost model and prints the predicted goodput of each and the [devices] section "
+                       "it recommends.")
+    p.add_argument("--config", default="nodeserve.toml", help="its devices, scheduler limits, KV size and [slo] "
+                   "(default: %(default)s)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--profile", help="a saved GET /debug/profile answer of a server on these devices")
+    src.add_argument("--measure", action="store_true", help="load the model and measure the profile here")
+    p.add_argument("--budget", type=float, default=5.0, help="seconds of profiling with --measure "
+                   "(default: %(default)s)")
+    p.add_argument("--workload", help="a workload TOML (see nodeserve/adaptive/plan.py); default: bimodal chat")
+    p.add_argument("--json", help="also write the predictions to this file")
+    p.set_defaults(func=_cmd_plan)
     return parser
 
 

@@ -82,12 +82,29 @@ class SchedulerSection:
 
 
 @dataclass(frozen=True)
+class ProfileSection:
+    startup: bool = True                  # measure the cost model at start-up (nodeserve/adaptive/profiler.py)
+    budget_s: float = 2.0                 # about how long that profile may take (all devices at once)
+
+
+@dataclass(frozen=True)
+class SloSection:
+    ttft_s: float = 2.5                   # a request's TTFT target: ttft_s + ttft_per_token_s * prompt tokens
+    ttft_per_token_s: float = 0.0
+    tpot_s: float = 0.1                   # time per output token after the first
+    admission: str = "off"                # off | reject: 503 at once when the predicted TTFT misses the target
+    margin: float = 0.25                  # reject only past (1 + margin) x the TTFT target
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     server: ServerSection = field(default_factory=ServerSection)
     devices: DevicesSection = field(default_factory=DevicesSection)
     kv: KVSection = field(default_factory=KVSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
+    slo: SloSection = field(default_factory=SloSection)
 
     @property
     def prefill_devices(self) -> tuple[str, ...]:
@@ -135,7 +152,7 @@ class Config:
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 _SECTION_TYPES = {"model": ModelSection, "server": ServerSection, "devices": DevicesSection,
-                  "kv": KVSection, "scheduler": SchedulerSection}
+                  "kv": KVSection, "scheduler": SchedulerSection, "profile": ProfileSection, "slo": SloSection}
 
 
 def _type_name(v: Any) -> str:
@@ -202,7 +219,7 @@ def _env_value(text: str) -> Any:
 
 def env_overrides(environ: dict[str, str]) -> dict[str, dict[str, Any]]:
     """NODESERVE_<SECTION>_<KEY> variables as {section: {key: value}}, e.g. NODESERVE_SERVER_PORT=8080.
-    Variables outside the five sections (NODESERVE_API_KEY, NODESERVE_CACHE_DIR) are not config keys."""
+    Variables outside the sections (NODESERVE_API_KEY, NODESERVE_CACHE_DIR) are not config keys."""
     out: dict[str, dict[str, Any]] = {}
     for name, text in environ.items():
         if not name.startswith(ENV_PREFIX):
@@ -275,6 +292,7 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
                        ("server.stats_interval", s.stats_interval)):
         if value < 0:
             raise ConfigError(f"'{key}' must be 0 or more seconds, got {value}")
+    _validate_slo(cfg)
     if kv.memory_gib < 0:
         raise ConfigError(f"'kv.memory_gib' must be positive (or 0 on CUDA: fill free memory), got {kv.memory_gib}")
     if not 0 <= kv.memory_headroom < 1:
@@ -319,6 +337,22 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
     _validate_cuda_only(cfg, sorted(n for n in seen if n.startswith("cpu:")))
     if d.attention == "flashinfer" and m.dtype == "float32":  # decided here, before minutes of loading
         raise ConfigError(FLASHINFER_FLOAT32)
+
+
+def _validate_slo(cfg: Config) -> None:
+    slo, prof = cfg.slo, cfg.profile
+    for key, value in (("slo.ttft_s", slo.ttft_s), ("slo.tpot_s", slo.tpot_s)):
+        if not value > 0:
+            raise ConfigError(f"'{key}' must be more than 0 seconds, got {value}")
+    for key, value in (("slo.ttft_per_token_s", slo.ttft_per_token_s), ("slo.margin", slo.margin),
+                       ("profile.budget_s", prof.budget_s)):
+        if not value >= 0:  # NaN too
+            raise ConfigError(f"'{key}' must be 0 or more, got {value}")
+    if slo.admission not in ("off", "reject"):
+        raise ConfigError(f"'slo.admission' must be \"off\" or \"reject\", got {slo.admission!r}")
+    if slo.admission == "reject" and not prof.startup:
+        raise ConfigError("'slo.admission' = \"reject\" predicts TTFT from the start-up profile: set "
+                          "profile.startup = true, or slo.admission = \"off\"")
 
 
 def _validate_cuda_only(cfg: Config, cpu_devices: list[str]) -> None:

@@ -12,7 +12,8 @@ Exposed names (histograms add _bucket/_count/_sum, counters add _total):
               nodeserve:request_time_per_output_token_seconds, nodeserve:e2e_request_latency_seconds,
               nodeserve:request_queue_time_seconds, nodeserve:request_prefill_time_seconds,
               nodeserve:request_decode_time_seconds, nodeserve:kv_transfer_time_seconds,
-              nodeserve:kv_transfer_bytes                                           {model_name}
+              nodeserve:kv_transfer_bytes,
+              nodeserve:ttft_prediction_error_seconds (actual - predicted)         {model_name}
   counters    nodeserve:prompt_tokens_total, nodeserve:generation_tokens_total      {model_name}
               nodeserve:request_success_total                        {model_name, finished_reason}
               nodeserve:request_rejected_total                       {model_name, reason}
@@ -38,7 +39,7 @@ __all__ = ["Metrics", "DeviceState", "FINISH_REASONS", "REJECT_REASONS"]
 PREFIX = "nodeserve:"
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-REJECT_REASONS = ("queue_full", "too_large", "bad_request", "unauthorized", "draining")
+REJECT_REASONS = ("queue_full", "slo", "too_large", "bad_request", "unauthorized", "draining")
 
 # Latency buckets span ~1 ms (a GPU decode step) to ~60 s (a long CPU prefill); finer where token-level
 # latencies cluster (1-100 ms on GPU, 50 ms-1 s on CPU). Anything slower still lands in +Inf.
@@ -48,6 +49,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04,
 _REQUEST_BUCKETS = _LATENCY_BUCKETS + (120.0, 300.0, 600.0)
 # One KV copy (a layer, or a whole request) can take well under a millisecond on GPU.
 _TRANSFER_TIME_BUCKETS = (0.0001, 0.00025, 0.0005) + _LATENCY_BUCKETS
+# Actual minus predicted TTFT: either sign, 10 ms to a minute.
+_ERROR_BUCKETS = tuple(sorted({-b for b in _LATENCY_BUCKETS[4:]} | {0.0} | set(_LATENCY_BUCKETS[4:])))
 # 4 KiB .. 4 GiB in powers of 4: a few pages of one layer up to a long prompt's full KV.
 _BYTES_BUCKETS = tuple(float(4096 * 4**i) for i in range(11))
 
@@ -156,6 +159,8 @@ class Metrics:
         self.decode_time = hist("request_decode_time_seconds", "Time a request spent in decode.", _REQUEST_BUCKETS)
         self.kv_transfer_time = hist("kv_transfer_time_seconds", "Duration of one KV cache copy between devices.",
                                      _TRANSFER_TIME_BUCKETS)
+        self.ttft_prediction_error = hist("ttft_prediction_error_seconds", "Per request admitted with a "
+                                          "predicted TTFT: actual minus predicted TTFT.", _ERROR_BUCKETS)
         self.kv_transfer_bytes = hist("kv_transfer_bytes", "Bytes moved by one KV cache copy between devices.",
                                       _BYTES_BUCKETS)
 
@@ -183,10 +188,11 @@ class Metrics:
     def observe_request(self, *, prompt_tokens: int, completion_tokens: int, finish_reason: str,
                         arrival: float, first_token: float | None, finished: float, token_times: list[float],
                         queue_time: float | None = None, prefill_time: float | None = None,
-                        decode_time: float | None = None) -> None:
+                        decode_time: float | None = None, predicted_ttft: float | None = None) -> None:
         """Records one finished request. Times are time.monotonic(); token_times holds the emission time of
         each output token in order (the first being the first token), so its gaps are the inter-token
-        latencies. first_token None (no token produced) records no TTFT/TPOT."""
+        latencies. first_token None (no token produced) records no TTFT/TPOT. predicted_ttft: what SLO admission
+        predicted at arrival (adaptive/admission.py), if it did."""
         if first_token is None and token_times:
             first_token = token_times[0]
         e2e = finished - arrival
@@ -194,6 +200,8 @@ class Metrics:
         if first_token is not None:
             ttft = first_token - arrival
             self.time_to_first_token.observe(max(ttft, 0.0))
+            if predicted_ttft is not None:
+                self.ttft_prediction_error.observe(ttft - predicted_ttft)
             if completion_tokens > 1:
                 self.time_per_output_token.observe(max(e2e - ttft, 0.0) / (completion_tokens - 1))
         for prev, cur in zip(token_times, token_times[1:]):

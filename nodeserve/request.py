@@ -51,6 +51,7 @@ class Request:
     prefill_start: float | None = None  # monotonic times of the phases, for metrics and the timeline
     prefill_end: float | None = None    # the first token is sampled
     decode_start: float | None = None
+    predicted_ttft: float | None = None  # SLO admission's prediction, for the prediction-error metric
 
     @property
     def finished(self) -> bool:

@@ -227,3 +227,26 @@ def test_fp16_weights_compute_in_float32(monkeypatch):
     msg = _error({"model": {"quantization": "fp16"}, "devices": {"prefill": ["cuda:0"], "decode": ["cuda:1"]}},
                  check_devices=False)
     assert "'model.quantization'" in msg and "cuda" in msg
+
+
+def test_slo_and_profile_defaults():
+    cfg = config_from_dict({})
+    assert cfg.slo.admission == "off" and cfg.slo.ttft_s == 2.5 and cfg.slo.tpot_s == 0.1
+    assert cfg.profile.startup and cfg.profile.budget_s == 2.0
+    cfg = config_from_dict({"slo": {"admission": "reject", "ttft_s": 5, "ttft_per_token_s": 0.005, "margin": 0}})
+    assert cfg.slo.ttft_s == 5.0 and cfg.slo.margin == 0.0
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"slo": {"admission": "queue"}}, "slo.admission"),
+    ({"slo": {"ttft_s": 0}}, "slo.ttft_s"),
+    ({"slo": {"tpot_s": -1}}, "slo.tpot_s"),
+    ({"slo": {"margin": -0.5}}, "slo.margin"),
+    ({"slo": {"margin": float("nan")}}, "slo.margin"),
+    ({"slo": {"ttft_per_token_s": -1}}, "slo.ttft_per_token_s"),
+    ({"profile": {"budget_s": -1}}, "profile.budget_s"),
+    ({"slo": {"admission": "reject"}, "profile": {"startup": False}}, "slo.admission"),
+])
+def test_bad_slo_and_profile_values_name_the_key(raw, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_from_dict(raw)

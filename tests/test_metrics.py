@@ -154,3 +154,18 @@ def test_instances_do_not_collide():
     assert value(fb, c, c + "_total", reason="draining", model_name="b") == 0
     h = "nodeserve:kv_transfer_bytes"
     assert value(fb, h, h + "_count") == 0
+
+
+def test_ttft_prediction_error_and_slo_rejections():
+    m = Metrics(MODEL)
+    # Predicted 0.8 s, took 0.5 s: -0.3. Predicted 0.2 s, took 1.0 s: +0.8. No prediction: not observed.
+    for predicted, first in ((0.8, 100.5), (0.2, 101.0), (None, 100.1)):
+        m.observe_request(prompt_tokens=10, completion_tokens=2, finish_reason="stop", arrival=100.0,
+                          first_token=first, finished=102.0, token_times=[first, 102.0], predicted_ttft=predicted)
+    m.rejected("slo")
+    f = scrape(m)
+    h = "nodeserve:ttft_prediction_error_seconds"
+    assert value(f, h, h + "_count") == 2  # no _sum: prometheus_client leaves it out with negative buckets
+    assert value(f, h, h + "_bucket", le="-0.2") == 1 and value(f, h, h + "_bucket", le="0.0") == 1
+    r = "nodeserve:request_rejected"
+    assert value(f, r, r + "_total", reason="slo") == 1

@@ -94,6 +94,7 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.router: Router | None = None
         self.warnings: list[str] = []  # said at start and shown in /health: e.g. a CUDA host without FlashInfer
+        self.profiler = None  # the cost model (adaptive/profiler.py), measured at the end of warmup()
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -175,6 +176,8 @@ class Engine:
                      max(first.pool.k_scales), min(first.pool.v_scales), max(first.pool.v_scales))
         for w in self.workers:
             warmup_runner(w.runner)
+        from nodeserve.adaptive.admission import install
+        self.profiler = install(self)
 
     def stop(self) -> None:
         for w in self.workers:

@@ -8,6 +8,7 @@ for space and an abort has exactly one reservation to give back. The router's re
 from __future__ import annotations
 
 from collections import Counter, deque
+from typing import Callable
 
 from nodeserve.engine.scheduler import Handoff
 from nodeserve.engine.worker import Worker
@@ -24,6 +25,9 @@ class TooLarge(Exception):
 
 
 class Router:
+    # Called as admission(router, req) before a request queues; may raise QueueFull (adaptive/admission.py).
+    admission: Callable[[Router, Request], None] | None = None
+
     def __init__(self, prefill_workers: list[Worker], decode_workers: list[Worker],
                  local_prefill_threshold: int, max_waiting: int, max_queued_tokens: int):
         self.prefill_workers, self.decode_workers = prefill_workers, decode_workers
@@ -62,6 +66,8 @@ class Router:
         if self.num_queued_tokens + req.num_prompt_tokens > self.max_queued_tokens:
             raise QueueFull(f"{self.num_queued_tokens} prompt tokens are already queued")
         req.block_hashes = hash_blocks(req.prompt_ids, self.page_size)
+        if self.admission is not None:
+            self.admission(self, req)
         self.pending.append(req)
         self.dispatch()
 

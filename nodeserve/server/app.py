@@ -255,6 +255,16 @@ async def debug_steps(request: web.Request) -> web.Response:
     return web.json_response({"now": now, "devices": devices, "transfers": transfers})
 
 
+async def debug_profile(request: web.Request) -> web.Response:
+    """The cost model (adaptive/cost_model.py), refitted from the latest step records: per device the step-time
+    coefficients, the (features..., seconds) samples and the fit's error; KV copy bandwidth per device pair."""
+    state = _state(request)
+    if state.engine is None or state.engine.profiler is None:
+        raise P.APIError(503, "the server is loading the model")
+    state.engine.profiler.refine()
+    return web.json_response(state.engine.profiler.as_dict())
+
+
 async def models(request: web.Request) -> web.Response:
     state = _state(request)
     max_len = state.engine.max_model_len if state.engine else None
@@ -421,7 +431,8 @@ def _start(state: ServerState, engine: Engine, jobs: list[tuple[list[int], Any]]
                          reject_reason="too_large")
     except QueueFull as e:
         _abort_all(engine, gens)
-        raise P.APIError(503, f"the server is overloaded ({e}); retry later", reject_reason="queue_full")
+        raise P.APIError(503, f"the server is overloaded ({e}); retry later",
+                         reject_reason=getattr(e, "reject_reason", "queue_full"))
     return gens
 
 
@@ -538,6 +549,7 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/debug/kv", debug_kv)
     app.router.add_get("/debug/steps", debug_steps)
+    app.router.add_get("/debug/profile", debug_profile)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

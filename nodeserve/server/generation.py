@@ -61,7 +61,8 @@ class Generation:
             finished=time.monotonic(), token_times=self.token_times,
             queue_time=start - req.arrival_time if start is not None else None,
             prefill_time=end - start if start is not None and end is not None else None,
-            decode_time=time.monotonic() - first if first is not None else None)
+            decode_time=time.monotonic() - first if first is not None else None,
+            predicted_ttft=req.predicted_ttft)
 
     async def _pieces(self) -> AsyncIterator[Piece]:
         pending_lp: list[tuple[str, float, list[tuple[str, float]]]] = []

@@ -46,6 +46,7 @@ class FakeEngine:
         self.added: list[RequestStream] = []
         self.aborted: list[RequestStream] = []
         self.reject: Exception | None = None
+        self.profiler = None
 
     def pool_stats(self) -> list:
         return []
@@ -423,3 +424,42 @@ def test_transfer_records_are_a_ring():
     records = KVTransfer.__new__(KVTransfer)
     KVTransfer.__init__(records, SimpleNamespace(name="a"), None, SimpleNamespace(name="b"), None, lambda p, e: None)
     assert isinstance(records.records, deque) and records.records.maxlen == 100_000
+
+
+# ---- adaptive: /debug/profile and SLO rejections ------------------------------------------------------------
+
+def test_debug_profile(tokenizer):
+    from nodeserve.adaptive.cost_model import CostModel, StepModel
+
+    engine = FakeEngine(tokenizer)
+    refined = []
+    model = CostModel({"cpu:0": StepModel(coef=[0.1, 0.01, 0.0, 0.02, 0.0])}, {}, 46080, 30)
+    state = make_state(engine, api_key="k")
+
+    async def body(client):
+        out = []
+        for profiler in (None, SimpleNamespace(refine=lambda: refined.append(1), as_dict=model.as_dict)):
+            engine.profiler = profiler
+            async with client.get("/debug/profile", headers={"Authorization": "Bearer k"}) as r:
+                out.append((r.status, await r.json()))
+        async with client.get("/debug/profile") as r:
+            out.append((r.status, None))
+        return out
+    (loading, _), (status, body_), (no_key, _) = run(state, body)
+    assert loading == 503 and status == 200 and no_key == 401
+    assert body_["devices"]["cpu:0"]["coefficients"]["prefill_tokens"] == 0.01 and refined == [1]
+
+
+def test_an_slo_rejection_is_a_503_with_retry_after(tokenizer):
+    from nodeserve.adaptive.admission import SloMiss
+
+    engine = FakeEngine(tokenizer)
+    engine.reject = SloMiss("its predicted time to first token, 9.0s, misses the 2.5s target")
+    state = make_state(engine)
+
+    async def body(client):
+        async with client.post("/v1/completions", json=PROMPT) as r:
+            return r.status, r.headers.get("Retry-After"), await r.json()
+    status, retry, err = run(state, body)
+    assert status == 503 and retry == "1" and "misses the 2.5s target" in err["error"]["message"]
+    assert rejected(state)["slo"] == 1

@@ -1,0 +1,1 @@
+"""Adaptive serving: a measured cost model, per-request placement and SLO admission, and `nodeserve plan`."""

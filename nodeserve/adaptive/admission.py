@@ -1,0 +1,105 @@
+"""SLO admission: the router's hook that predicts a request's TTFT from live load and refuses it at once (503)
+when its placement would miss the TTFT SLO by more than the margin.
+
+Router.admit calls `SloAdmission(router, req)` before queueing a request. It snapshots the workers
+(`snapshot`), asks placement.choose_placement for the placement the devices' roles allow and the rule picks (in
+the static modes the one the router itself makes), records its predicted TTFT on the request
+(req.predicted_ttft, for the prediction-error histogram), and with `slo.admission = "reject"` raises
+SloMiss, a QueueFull, when that TTFT misses the target by more than the margin.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from nodeserve.adaptive.placement import DeviceLoad, Placement, SloTarget, StepLimits, choose_placement
+from nodeserve.engine.router import QueueFull
+
+if TYPE_CHECKING:
+    from nodeserve.adaptive.profiler import Profiler
+    from nodeserve.config import SloSection
+    from nodeserve.engine.engine import Engine
+    from nodeserve.engine.router import Router
+    from nodeserve.engine.worker import Worker
+    from nodeserve.request import Request
+
+REFINE_INTERVAL_S = 1.0  # refit the cost model from fresh step records at most this often
+PREFILL_WINDOW_S = 10.0  # a device's prefill share is measured over its steps of the last this many seconds
+
+
+class SloMiss(QueueFull):
+    """The request's predicted TTFT misses its SLO by more than the margin (503 + Retry-After)."""
+
+    reject_reason = "slo"
+
+
+def prefill_share(records, now: float, window: float = PREFILL_WINDOW_S) -> float:
+    """Share of the last `window` seconds spent in steps with prefill chunks, from a worker's step records
+    (read from the newest back by index: the worker thread may append meanwhile, which iterating would not allow)."""
+    busy, i = 0.0, 1
+    while i <= len(records):
+        try:
+            r = records[-i]
+        except IndexError:
+            break
+        if r.end < now - window:
+            break
+        if r.num_prefill_tokens:
+            busy += r.end - max(r.start, now - window)
+        i += 1
+    return min(busy / window, 1.0)
+
+
+def worker_load(w: Worker, now: float, num_seats_taken: int) -> DeviceLoad:
+    """A worker's live load. Read from the event loop while the worker runs: a slightly stale view is fine."""
+    running = list(w.scheduler.running)
+    return DeviceLoad(w.name, w.role, w.num_outstanding_prefill_tokens, len(running),
+                      sum(s.req.num_tokens for s in running), w.limits.max_num_seqs - num_seats_taken,
+                      prefill_share(w.records, now), w.kv.num_free * w.kv.page_size)
+
+
+def snapshot(router: Router, now: float) -> list[DeviceLoad]:
+    """What placement.choose_placement takes: every device's load, prefill devices first."""
+    return [worker_load(w, now, router.num_seats_taken[w]) for w in router.prefill_workers + router.decode_workers]
+
+
+class SloAdmission:
+    def __init__(self, slo: SloSection, profiler: Profiler, limits: StepLimits, local_prefill_threshold: int):
+        self.target = SloTarget(slo.ttft_s, slo.tpot_s, slo.ttft_per_token_s)
+        self.reject, self.margin = slo.admission == "reject", slo.margin
+        self.profiler, self.limits = profiler, limits
+        self.local_prefill_threshold = local_prefill_threshold
+        self._refined = 0.0
+
+    def best(self, router: Router, req: Request, now: float) -> Placement | None:
+        if now - self._refined > REFINE_INTERVAL_S:
+            self.profiler.refine()
+            self._refined = now
+        return choose_placement(self.profiler.model, self.limits, self.target, snapshot(router, now),
+                                req.num_prompt_tokens, req.params.max_tokens, self.local_prefill_threshold)
+
+    def __call__(self, router: Router, req: Request) -> None:
+        best = self.best(router, req, time.monotonic())
+        if best is None:  # every decode seat taken: the router's queue decides, as without admission
+            return
+        # Not counted: requests still waiting in the router (router.pending) ahead of this one.
+        req.predicted_ttft = best.ttft
+        limit = self.target.ttft_limit(req.num_prompt_tokens)
+        if self.reject and best.ttft > limit * (1 + self.margin):
+            raise SloMiss(f"its predicted time to first token, {best.ttft:.1f}s, misses the {limit:.1f}s target")
+
+
+def install(engine: Engine) -> Profiler:
+    """At the end of Engine.warmup: the cost model (measured unless profile.startup is false) and, with a
+    profile, the router's admission hook. Returns the profiler (GET /debug/profile reads it)."""
+    from nodeserve.adaptive.profiler import Profiler
+
+    cfg = engine.config
+    profiler = Profiler(engine.workers)
+    if cfg.profile.startup:
+        profiler.measure(cfg.profile.budget_s)
+        engine.router.admission = SloAdmission(
+            cfg.slo, profiler, StepLimits(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs),
+            cfg.devices.local_prefill_threshold)
+    return profiler

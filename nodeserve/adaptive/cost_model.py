@@ -1,0 +1,159 @@
+"""Cost model: how long one step takes on each device, and how long a request's KV takes to move between two.
+
+A step's time is linear in five features (`StepShape.features`):
+
+    t = c_step + c_tok * prefill_tokens + c_attn * prefill_pairs + c_dec * num_decodes + c_ctx * decode_context
+
+prefill_pairs counts the query-key pairs the prefill chunks attend (a chunk of n tokens after s cached ones
+attends n * (s + n / 2)), decode_context the tokens the decode rows attend. Weights and activations cost per
+token, attention per pair, so the model holds from a 16-token chunk to a 1,024-token one and from batch 1 to
+max_num_seqs. Fitted by least squares with non-negative coefficients (a noisy profile must not predict a
+negative time), each sample weighted by 1 / its time so short decode steps count as much as long prefills.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+FEATURES = ("step", "prefill_tokens", "prefill_pairs", "decodes", "decode_context")
+MAX_ONLINE_SAMPLES = 512  # per device: recent step records kept next to the start-up profile's samples
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computes: prefill chunks (tokens and attended pairs) and decode rows (count, context)."""
+
+    num_prefill_tokens: int = 0
+    prefill_pairs: float = 0.0
+    num_decodes: int = 0
+    decode_context: int = 0
+
+    @staticmethod
+    def of(chunks: Iterable[tuple[int, int]] = (), decode_contexts: Iterable[int] = ()) -> StepShape:
+        """chunks: (num_tokens, num_cached_tokens) per prefill chunk; decode_contexts: tokens each decode attends."""
+        chunks, ctx = list(chunks), list(decode_contexts)
+        return StepShape(sum(n for n, _ in chunks), sum(n * (s + n / 2) for n, s in chunks), len(ctx), sum(ctx))
+
+    @property
+    def empty(self) -> bool:
+        return self.num_prefill_tokens == 0 and self.num_decodes == 0
+
+    def features(self) -> list[float]:
+        return [1.0, float(self.num_prefill_tokens), float(self.prefill_pairs), float(self.num_decodes),
+                float(self.decode_context)]
+
+
+def fit_nonnegative(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """Least squares of ys ~ xs @ c with c >= 0 and relative weights (each row divided by its y).
+
+    Active set (Lawson-Hanson, simplified): solve, pin the most negative coefficient at 0, re-solve the rest;
+    five features need at most five rounds. Hand-written because it is ten lines; scipy is not a dependency.
+    """
+    x = torch.tensor(xs, dtype=torch.float64)                         # [N, F]
+    y = torch.tensor(ys, dtype=torch.float64)                         # [N]
+    w = 1.0 / y.clamp_min(1e-6)
+    x, y = x * w[:, None], y * w                                      # rows scaled to relative error
+    scale = x.abs().amax(0).clamp_min(1e-12)                          # [F]: columns to unit size, for conditioning
+    active = [j for j in range(x.shape[1]) if x[:, j].abs().sum() > 0]  # a feature never seen stays at 0
+    coef = torch.zeros(x.shape[1], dtype=torch.float64)
+    while active:
+        sol = torch.linalg.lstsq(x[:, active] / scale[active], y[:, None], driver="gelsd").solution[:, 0]
+        sol = sol / scale[active]
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(sol.argmin()))
+    return coef.tolist()
+
+
+@dataclass
+class StepModel:
+    """One device's step-time model and the samples it was fitted from."""
+
+    coef: list[float] = field(default_factory=lambda: [0.0] * len(FEATURES))
+    profile_samples: list[tuple[list[float], float]] = field(default_factory=list)   # (features, seconds)
+    online_samples: deque = field(default_factory=lambda: deque(maxlen=MAX_ONLINE_SAMPLES))
+    rel_error: float | None = None  # RMS relative error of the fit over its samples
+
+    @property
+    def samples(self) -> list[tuple[list[float], float]]:
+        return self.profile_samples + list(self.online_samples)
+
+    def add(self, shape: StepShape, seconds: float, online: bool = False) -> None:
+        if shape.empty or not seconds > 0:
+            return
+        (self.online_samples.append if online else self.profile_samples.append)((shape.features(), seconds))
+
+    def refit(self) -> None:
+        samples = self.samples
+        if len(samples) < 2:
+            return
+        self.coef = fit_nonnegative([f for f, _ in samples], [s for _, s in samples])
+        errs = [(self._dot(f) - s) / s for f, s in samples]
+        self.rel_error = math.sqrt(sum(e * e for e in errs) / len(errs))
+
+    def _dot(self, features: Sequence[float]) -> float:
+        return sum(c * f for c, f in zip(self.coef, features))
+
+    def step_time(self, shape: StepShape) -> float:
+        """Seconds one step of this shape takes; 0 for a step with nothing in it."""
+        return 0.0 if shape.empty else max(self._dot(shape.features()), 0.0)
+
+    def as_dict(self) -> dict:
+        return {"coefficients": dict(zip(FEATURES, self.coef)), "rel_error": self.rel_error,
+                "num_profile_samples": len(self.profile_samples), "num_online_samples": len(self.online_samples),
+                "samples": [[*f, s] for f, s in self.samples]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepModel:
+        coef = [float(d["coefficients"][k]) for k in FEATURES]
+        rows = [(list(map(float, r[:-1])), float(r[-1])) for r in d.get("samples", [])]
+        num_profile = int(d.get("num_profile_samples", len(rows)))
+        m = cls(coef, rows[:num_profile], deque(rows[num_profile:], maxlen=MAX_ONLINE_SAMPLES), d.get("rel_error"))
+        return m
+
+
+@dataclass
+class CostModel:
+    """Step models per device, KV copy bandwidth per ordered device pair, and the KV bytes a token takes."""
+
+    devices: dict[str, StepModel] = field(default_factory=dict)
+    copy_bandwidth: dict[tuple[str, str], float] = field(default_factory=dict)  # bytes/s
+    kv_bytes_per_token: int = 0
+    num_layers: int = 1
+
+    def step_time(self, device: str, shape: StepShape) -> float:
+        return self.devices[device].step_time(shape)
+
+    def transfer_time(self, src: str, dst: str, num_tokens: int) -> float:
+        """Seconds to copy num_tokens tokens of KV from src to dst (0 on the same device or without a measure)."""
+        bw = self.copy_bandwidth.get((src, dst))
+        return 0.0 if src == dst or not bw else num_tokens * self.kv_bytes_per_token / bw
+
+    def transfer_tail(self, src: str, dst: str, num_tokens: int, prefill_seconds: float) -> float:
+        """What the handoff adds after the prefill ends: layers are copied while later layers compute, so only
+        the last layer's copy, or whatever of the whole copy outlasts the prefill, is left."""
+        whole = self.transfer_time(src, dst, num_tokens)
+        return max(whole / self.num_layers, whole - prefill_seconds)
+
+    def as_dict(self) -> dict:
+        return {"features": list(FEATURES), "kv_bytes_per_token": self.kv_bytes_per_token,
+                "num_layers": self.num_layers,
+                "devices": {name: m.as_dict() for name, m in self.devices.items()},
+                "copy_bandwidth": [{"src": s, "dst": d, "bytes_per_s": bw}
+                                   for (s, d), bw in self.copy_bandwidth.items()]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        """The inverse of as_dict (a saved /debug/profile answer). Raises ValueError on a malformed one."""
+        try:
+            return cls({name: StepModel.from_dict(m) for name, m in d["devices"].items()},
+                       {(c["src"], c["dst"]): float(c["bytes_per_s"]) for c in d.get("copy_bandwidth", [])},
+                       int(d.get("kv_bytes_per_token", 0)), int(d.get("num_layers", 1)))
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise ValueError(f"not a nodeserve profile (GET /debug/profile): {e!r}") from None

@@ -1,0 +1,107 @@
+"""SLO admission on fake workers and a synthetic profile: reject on a predicted TTFT miss, admit otherwise, predict
+even when off, and read a device's prefill share from its step records."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from types import SimpleNamespace
+
+import pytest
+
+from nodeserve.adaptive.admission import SloAdmission, SloMiss, prefill_share, snapshot
+from nodeserve.adaptive.cost_model import CostModel, StepModel
+from nodeserve.adaptive.placement import StepLimits
+from nodeserve.config import SloSection
+from nodeserve.engine.router import QueueFull
+from nodeserve.engine.scheduler import Seq
+from nodeserve.engine.worker import StepRecord, WorkerLimits
+from nodeserve.request import Request
+from nodeserve.sampling_params import SamplingParams
+
+COEF = [0.02, 0.005, 1e-7, 0.004, 2e-6]  # ~5 ms per prompt token
+
+
+class FakeProfiler:
+    def __init__(self):
+        self.model = CostModel({n: StepModel(coef=list(COEF)) for n in ("cpu:0", "cpu:1")},
+                               {("cpu:0", "cpu:1"): 5e9}, 46080, 30)
+        self.refines = 0
+
+    def refine(self):
+        self.refines += 1
+
+
+class _Worker(SimpleNamespace):
+    __hash__ = object.__hash__  # the router counts seats per worker object
+
+
+def worker(name, role, queued=0, records=()):
+    return _Worker(name=name, role=role, num_outstanding_prefill_tokens=queued,
+                   scheduler=SimpleNamespace(running=[]), limits=WorkerLimits(64, 1024, 8192),
+                   records=deque(records), kv=SimpleNamespace(num_free=1000, page_size=16))
+
+
+def router(queued=0):
+    return SimpleNamespace(prefill_workers=[worker("cpu:0", "prefill", queued)],
+                           decode_workers=[worker("cpu:1", "decode")], num_seats_taken=Counter())
+
+
+def request(num_prompt_tokens, max_tokens=16):
+    return Request("r", [1000] * num_prompt_tokens, SamplingParams(max_tokens=max_tokens))
+
+
+def admission(**slo):
+    return SloAdmission(SloSection(**slo), FakeProfiler(), StepLimits(1024, 64), local_prefill_threshold=0)
+
+
+def test_rejects_when_the_predicted_ttft_misses_by_more_than_the_margin():
+    adm = admission(admission="reject", ttft_s=2.5, margin=0.25)
+    req = request(100)  # ~0.5 s on an idle prefill device: admitted
+    adm(router(), req)
+    assert 0.4 < req.predicted_ttft < 0.7
+    # 1,000 tokens queued ahead: ~5.5 s predicted > 2.5 x 1.25.
+    with pytest.raises(SloMiss, match="predicted time to first token") as e:
+        adm(router(queued=1000), request(100))
+    assert isinstance(e.value, QueueFull) and e.value.reject_reason == "slo"
+
+
+def test_margin_and_per_token_target_loosen_it():
+    adm = admission(admission="reject", ttft_s=2.5, margin=1.5)  # 6.25 s: 5.5 s fits
+    adm(router(queued=1000), request(100))
+    adm = admission(admission="reject", ttft_s=2.5, ttft_per_token_s=0.01, margin=0.0)  # 2.5 + 30 s for 3,000
+    adm(router(), request(3000))
+    with pytest.raises(SloMiss):
+        admission(admission="reject", ttft_s=2.5, margin=0.0)(router(), request(3000))
+
+
+def test_off_predicts_and_never_rejects():
+    adm = admission()
+    req = request(3000)
+    adm(router(queued=100_000), req)
+    assert req.predicted_ttft > 100
+
+
+def test_refits_at_most_once_a_second():
+    adm = admission()
+    for _ in range(5):
+        adm(router(), request(10))
+    assert adm.profiler.refines == 1
+
+
+def test_prefill_share_from_step_records():
+    now = 100.0
+    recs = [StepRecord(80.0, 85.0, 512, 0),    # before the 10 s window
+            StepRecord(89.0, 91.0, 512, 0),    # 1 s of it inside
+            StepRecord(91.0, 92.0, 0, 8),      # decode only
+            StepRecord(95.0, 98.0, 100, 8)]    # 3 s
+    assert prefill_share(deque(recs), now) == pytest.approx(0.4)
+    assert prefill_share(deque(), now) == 0
+
+
+def test_snapshot_reads_workers():
+    r = router(queued=700)
+    r.decode_workers[0].scheduler.running = [Seq(Request("a", [1] * 50, SamplingParams(max_tokens=8)), [])]
+    r.num_seats_taken[r.decode_workers[0]] = 1
+    p, d = snapshot(r, now=0.0)
+    assert (p.role, p.queued_prefill_tokens, p.num_decodes) == ("prefill", 700, 0)
+    assert (d.role, d.num_decodes, d.decode_context, d.free_seats, d.free_tokens) == ("decode", 1, 50, 63, 16000)
