@@ -86,3 +86,27 @@ def test_admission_refuses_what_can_never_fit_and_what_would_overflow_the_queue(
     with pytest.raises(QueueFull):
         router.admit(_req("full", 5))
     assert router.num_pending == 1 and not router.abort_pending(_req("other", 1))
+
+
+def test_a_request_goes_where_its_prefix_is_cached_and_shares_those_pages():
+    from nodeserve.kv.manager import hash_blocks
+
+    a, b = StubWorker("cpu:0", 40), StubWorker("cpu:1", 30)
+    for w in (a, b):
+        w.kv.prefix_cache = True
+    prompt = list(range(100))  # 6 full pages of 16, and 4 tokens
+    held = b.kv.allocate(7)
+    b.kv.publish(held[:6], hash_blocks(prompt, 16))
+    b.kv.free(held)
+    router = Router([], [a, b], local_prefill_threshold=0, max_waiting=8, max_queued_tokens=10_000)
+    req = Request("r", prompt + [7] * 20, SamplingParams(max_tokens=16))
+    router.admit(req)
+    # cpu:1 has fewer free pages but holds the first 6 pages of the prompt: they are its first 6 blocks.
+    assert b.prefills == [(req, held[:6] + b.prefills[0][1][6:], None)] and a.prefills == []
+    assert req.num_cached_tokens == req.num_computed_tokens == 96 and b.kv.num_hit_tokens == 96
+    # A prefill placed elsewhere carries the decode side's hit in its handoff, so only the rest is copied.
+    p = StubWorker("cpu:2", 40)
+    router2 = Router([p], [b], local_prefill_threshold=0, max_waiting=8, max_queued_tokens=10_000)
+    other = Request("o", prompt + [9] * 20, SamplingParams(max_tokens=16))
+    router2.admit(other)
+    assert p.prefills[0][2].num_cached_blocks == 6 and other.num_computed_tokens == 0

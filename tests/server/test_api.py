@@ -258,7 +258,8 @@ def test_64_concurrent_streams_with_bimodal_prompts(server, loaded_fp32):
 def test_decode_device_never_prefills_and_kv_moves_layer_by_layer(server, prompt_ids):
     since = json.load(urllib.request.urlopen(server.url + "/debug/steps"))["now"]
     client = _client(server)
-    long_prompt = (prompt_ids[6] * 200)[:1200]  # two prefill chunks of at most 1024 tokens
+    # Two prefill chunks of at most 1024 tokens, of ids no other test sends: nothing of it is in the prefix cache.
+    long_prompt = random.Random(1200).choices(range(1000, 20000), k=1200)
     r = client.completions.create(model="smollm2", prompt=long_prompt, max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
     with urllib.request.urlopen(f"{server.url}/debug/steps?since={since}") as resp:

@@ -421,7 +421,8 @@ def test_sse_framing():
 
 
 def test_usage():
-    assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage(3, 4, 2) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                              "prompt_tokens_details": {"cached_tokens": 2}}
 
 
 def test_completion_shapes():
