@@ -14,8 +14,9 @@ import torch
 
 from nodeserve.attention import auto_fallback, make_backend
 from nodeserve.attention.flashinfer_backend import FlashInferAttention
-from nodeserve.config import Config, ConfigError
+from nodeserve.config import Config
 from nodeserve.device import make_device
+from nodeserve.device.memory import check_fits, weight_bytes
 from nodeserve.engine.cuda_graphs import DecodeGraphs
 from nodeserve.engine.model_runner import ModelRunner
 from nodeserve.engine.router import QueueFull, Router, TooLarge
@@ -278,21 +279,3 @@ def build_runner(replica: LlamaModel, pool: KVPool, attention: str, cuda_graphs:
         replica.use_kernels(FlashInferOps(replica.rope, replica.cfg.max_position_embeddings, pool.device))
     graphs = DecodeGraphs(replica, backend, max_num_seqs) if cuda_graphs else None
     return ModelRunner(replica, backend, graphs)
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
-
-
-def check_fits(device_name: str, free_bytes: int, weight_bytes: int, kv_bytes: int) -> None:
-    """A clear error, before any copy, when a GPU cannot hold what it is given: a CUDA out-of-memory error half-way
-    through copying the weights names neither the model nor the fix."""
-    gib = 2**30
-    if weight_bytes > free_bytes:
-        raise ConfigError(f"the model's weights ({weight_bytes / gib:.1f} GiB) do not fit in {device_name}'s free "
-                          f"memory ({free_bytes / gib:.1f} GiB): every GPU holds a whole replica (there is no "
-                          "tensor parallelism); use a smaller model or dtype, or free the GPU")
-    if weight_bytes + kv_bytes > free_bytes:
-        raise ConfigError(f"'kv.memory_gib' = {kv_bytes / gib:g} does not fit in {device_name}: "
-                          f"{free_bytes / gib:.1f} GiB free, {weight_bytes / gib:.1f} GiB of it for the weights; "
-                          f"lower it, or set 0 to use what is free less 'kv.memory_headroom'")

@@ -158,7 +158,7 @@ class KVTransfer:
                         self._copy(job)
                     else:
                         self._finish(job)
-                except Exception as e:
+                except Exception:
                     log.exception("%s: %s failed", self.name, type(job).__name__.strip("_"))
                     error = f"KV transfer {self.name} failed (the error is in the server log)"
                     if isinstance(job, _CopyLayer):

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from nodeserve.config import ConfigError, config_from_dict
-from nodeserve.engine.engine import Engine, PromptTooLong, QueueFull, TooLarge, check_fits, weight_bytes
+from nodeserve.device.memory import check_fits, weight_bytes
+from nodeserve.engine.engine import Engine, PromptTooLong, QueueFull, TooLarge
 from nodeserve.engine.scheduler import FORWARD_FAILED
 from nodeserve.sampling_params import SamplingParams
 

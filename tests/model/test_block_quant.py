@@ -21,7 +21,7 @@ def loaded_auto(gguf_path):
 
 
 def test_auto_keeps_the_files_blocks(loaded_auto, loaded_fp32):
-    from nodeserve.engine.engine import weight_bytes
+    from nodeserve.device.memory import weight_bytes
     from nodeserve.model.native_ops import NativeOps
 
     model = loaded_auto.model
