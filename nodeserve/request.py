@@ -41,6 +41,7 @@ class Request:
     pages: list[int] = field(default_factory=list)          # decode pool pages, reserved at admission
     prefill_pages: list[int] = field(default_factory=list)  # prefill pool pages while prefilling elsewhere
     generator: Any = field(default=None, repr=False)
+    grammar: Any = field(default=None, repr=False)  # structured output: this choice's grammar matcher (the sampler's)
     aborted: bool = False
     finished: bool = False
     timings: dict[str, float] = field(default_factory=dict)

@@ -233,7 +233,7 @@ class Worker:
                 req.generator = self.sampler.request_generator(req.generator, req.params.seed, len(req.output_ids))
             out = self.sampler(torch.stack(sample_rows), [r.params for r in sample_reqs],
                                [r.prompt_ids for r in sample_reqs], [r.output_ids for r in sample_reqs],
-                               [r.generator for r in sample_reqs])
+                               [r.generator for r in sample_reqs], [r.grammar for r in sample_reqs])
             for k, req in enumerate(sample_reqs):
                 first = not req.output_ids
                 req.output_ids.append(out.token_ids[k])

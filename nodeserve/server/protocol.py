@@ -650,10 +650,12 @@ def completion_chunk(request_id: str, model: str, created: int, index: int, text
             "choices": [completion_choice(index, text, finish_reason, logprobs)]}
 
 
-def chat_choice(index: int, content: str, finish_reason: str | None,
-                logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": content},
-            "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_choice(index: int, content: str | None, finish_reason: str | None,
+                logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_response(request_id: str, model: str, created: int, choices: list[dict],
