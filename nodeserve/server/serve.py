@@ -151,7 +151,8 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     warm.result()  # a warm-up that raised stops the start-up here
     state.engine = engine
     state.metrics.set_state_source(lambda: [DeviceState(s.device, s.role, s.num_running, s.num_waiting,
-                                                        s.num_pages, s.num_free) for s in engine.pool_stats()])
+                                                        s.num_pages, s.num_free) for s in engine.pool_stats()],
+                                   pending=lambda: engine.num_pending)
     state.status = "ready"
     roles = ", ".join(f"{w.name}={w.role}" for w in engine.workers)
     url = f"http://{config.server.host}:{config.server.port}"
