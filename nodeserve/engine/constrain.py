@@ -29,7 +29,11 @@ def apply_grammar_masks(
     B, V = logits.shape
     bitmask = xgr.allocate_token_bitmask(B, V)                           # [B, ceil(V / 32)] int32, all allowed
     for i in rows:
-        grammars[i].fill_next_token_bitmask(bitmask, i)
+        try:
+            grammars[i].fill_next_token_bitmask(bitmask, i)
+        except Exception:  # one request's broken matcher must not fail the whole batch: that row goes unmasked
+            log.exception("grammar matcher failed; row %d is sampled unconstrained this step", i)
+            bitmask[i].fill_(-1)  # all allowed, whatever the failed fill wrote
     logits = logits.clone()
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
     return logits
