@@ -453,7 +453,8 @@ def _start(state: ServerState, engine: Engine, jobs: list[tuple[list[int], Any]]
             p = copy.deepcopy(params)
             if seed_offsets and p.seed is not None:
                 p.seed += i  # n > 1 with a seed: distinct but reproducible choices
-            stream = engine.add_request(ids, p, grammar=make_grammar() if make_grammar else None)
+            # grammar= only when there is one: an engine without structured output still serves the rest.
+            stream = engine.add_request(ids, p, grammar=make_grammar()) if make_grammar else engine.add_request(ids, p)
             gens.append(Generation(engine, engine.tokenizer, stream, p.stop, want_logprobs, state.metrics))
     except (PromptTooLong, TooLarge) as e:
         _abort_all(engine, gens)
