@@ -15,11 +15,15 @@ import uuid
 from dataclasses import dataclass, field
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass
 class ToolCall:
     name: str
     arguments: str  # JSON text of an object
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=new_call_id)
 
     def to_openai(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -130,15 +134,16 @@ def pick_format(name: str, template: str) -> ToolFormat | None:
 
 
 class ToolStreamer:
-    """Splits a streamed answer into OpenAI deltas: content streams as it comes, except text that may open a call,
-    which is held until a whole call has been seen; each call then goes out as a first delta with its id, type and
-    name, then one with its arguments."""
+    """Splits a streamed answer into OpenAI deltas. Content streams as it comes, except text that may open a call.
+    Each call goes out as a first delta with its index, id, type and name, then deltas of its arguments: Hermes
+    calls as their arguments arrive (once the name is known), Llama 3 calls whole, once each is complete."""
 
     def __init__(self, fmt: ToolFormat):
         self.fmt = fmt
         self.num_calls = 0
-        self._buf = ""     # text not sent yet: calls, or content that may be the start of one
+        self._buf = ""     # text not sent yet (content mode), or everything from the first call on (calls mode)
         self._mode = "undecided" if isinstance(fmt, Llama3Format) else "content"
+        self._calls: list[_OpenCall] = []  # Hermes: per <tool_call> block, what has been sent of it
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
         """Deltas (each a chat chunk's `delta`) for the next piece of text; final: the answer ended."""
@@ -159,16 +164,60 @@ class ToolStreamer:
             if self._buf[:at]:
                 deltas.append({"content": self._buf[:at]})
             self._buf, self._mode = self._buf[at:], "calls"
+        if isinstance(self.fmt, HermesFormat):
+            return deltas + self._hermes_calls(final)
         content, calls = self.fmt._split(self._buf)
-        for call in (calls if final else self._complete(calls))[self.num_calls:]:
-            deltas.append({"tool_calls": [{"index": self.num_calls, "id": call.id, "type": "function",
-                                           "function": {"name": call.name, "arguments": ""}}]})
-            deltas.append({"tool_calls": [{"index": self.num_calls, "function": {"arguments": call.arguments}}]})
-            self.num_calls += 1
+        for call in (calls if final else calls[:-1])[self.num_calls:]:  # a call is whole once text follows it
+            deltas += self._whole_call(call)
         if final:
             rest = self._buf if not calls else content
             if rest.strip():
                 deltas.append({"content": rest})  # text that opened like a call but never became one
+        return deltas
+
+    def _whole_call(self, call: ToolCall) -> list[dict]:
+        deltas = [self._header(call.id, call.name), self._arguments(self.num_calls, call.arguments)]
+        self.num_calls += 1
+        return deltas
+
+    def _header(self, call_id: str, name: str) -> dict:
+        return {"tool_calls": [{"index": self.num_calls, "id": call_id, "type": "function",
+                                "function": {"name": name, "arguments": ""}}]}
+
+    @staticmethod
+    def _arguments(index: int, text: str) -> dict:
+        return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
+
+    def _hermes_calls(self, final: bool) -> list[dict]:
+        deltas: list[dict] = []
+        blocks = self._buf.split("<tool_call>")[1:]  # the buffer starts with the first <tool_call>
+        for k, block in enumerate(blocks):
+            if k == len(self._calls):
+                self._calls.append(_OpenCall())
+            call = self._calls[k]
+            body, closed = block.partition("</tool_call>")[0], "</tool_call>" in block
+            if call.index is None and (m := _HERMES_HEAD.match(body)) is not None:
+                call.index, call.args_start = self.num_calls, m.end()
+                deltas.append(self._header(new_call_id(), json.loads(f'"{m.group(1)}"')))
+                self.num_calls += 1
+            if call.index is not None:
+                args = call.scan(body)  # the arguments' text so far (all of it once their JSON closes)
+                if len(args) > call.sent:
+                    deltas.append(self._arguments(call.index, args[call.sent:]))
+                    call.sent = len(args)
+            elif closed or final:  # keys in another order: parse the whole block
+                try:
+                    whole = _call_from_json(json.loads(body), "arguments")
+                except ValueError:
+                    whole = None
+                if whole is not None and not call.whole:
+                    call.whole = True
+                    deltas += self._whole_call(whole)
+        if final:
+            rest = "".join(b.partition("</tool_call>")[2] if c.index is not None or c.whole else "<tool_call>" + b
+                           for b, c in zip(blocks, self._calls))
+            if rest.strip():
+                deltas.append({"content": rest})  # text between calls, or a block that never became a call
         return deltas
 
     def _partial_start_len(self) -> int:
@@ -179,9 +228,43 @@ class ToolStreamer:
                 return n
         return 0
 
-    def _complete(self, calls: list[ToolCall]) -> list[ToolCall]:
-        """The calls whose text is closed, so no later text can change them."""
-        if isinstance(self.fmt, HermesFormat):
-            return calls[:self._buf.count("</tool_call>")]
-        # Llama 3: a call is closed once more text follows its JSON (a ";" or the next call); the last one at the end.
-        return calls[:-1]
+
+# A Hermes call's JSON up to its arguments' object: {"name": "...", "arguments": (followed by "{")
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
+class _OpenCall:
+    """One streamed <tool_call> block: its call index once its name is known, and a resumable scan of its arguments'
+    JSON (string- and escape-aware bracket depth) that finds where the arguments end without re-reading them."""
+
+    def __init__(self):
+        self.index: int | None = None
+        self.whole = False     # sent whole, parsed at its end (its keys came in another order)
+        self.args_start = 0    # where the arguments' value starts in the block
+        self.sent = 0          # characters of the arguments already sent
+        self._pos = 0          # scan position, relative to args_start
+        self._depth = 0
+        self._in_string = self._escaped = False
+        self._end: int | None = None  # length of the arguments' text once it is closed
+
+    def scan(self, body: str) -> str:
+        text = body[self.args_start:]
+        while self._end is None and self._pos < len(text):
+            c = text[self._pos]
+            self._pos += 1
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth <= 0:
+                    self._end = self._pos
+        return text[:self._end] if self._end is not None else text

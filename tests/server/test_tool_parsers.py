@@ -108,14 +108,23 @@ def test_stream_without_calls_is_all_content(step):
         assert (content, calls) == (text, [])
 
 
-def test_hermes_stream_sends_a_call_as_soon_as_it_closes():
+def test_hermes_stream_sends_the_name_then_the_arguments_as_they_come():
     s = HERMES.streamer()
     assert s.feed("<tool_call>\n") == []
-    assert s.feed('{"name": "f", "arguments": {"x": 1}}') == []  # not closed yet
-    first, args = s.feed("\n</tool_call>")
-    assert first["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
-    assert json.loads(args["tool_calls"][0]["function"]["arguments"]) == {"x": 1}
+    assert s.feed('{"name": "f", "argu') == []  # the name is not known for sure yet
+    header, args = s.feed('ments": {"x": "a}b')
+    assert header["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
+    assert header["tool_calls"][0]["index"] == 0 and header["tool_calls"][0]["id"].startswith("call_")
+    assert args == {"tool_calls": [{"index": 0, "function": {"arguments": '{"x": "a}b'}}]}
+    # A brace inside a string does not end the arguments; the outer object's brace is not theirs.
+    assert s.feed('\\"", "y": [1]}}\n</tool_call>') == [{"tool_calls": [{"index": 0, "function": {
+        "arguments": '\\"", "y": [1]}'}}]}]
     assert s.feed("", final=True) == []
+
+
+def test_hermes_stream_with_arguments_before_the_name_sends_the_call_whole():
+    deltas = _stream(HERMES, '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>', 4)
+    assert _assemble(deltas)[1] == [{"id": deltas[0]["tool_calls"][0]["id"], "name": "f", "arguments": '{"x": 1}'}]
 
 
 def test_hermes_stream_broken_call_comes_back_as_content():
