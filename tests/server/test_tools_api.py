@@ -33,6 +33,19 @@ def _client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
+def _assert_pools_whole(server, timeout=20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(server.url + "/debug/kv") as r:
+            pools = json.load(r)["pools"]
+        if all(p["num_free"] == p["num_pages"] for p in pools):
+            return
+        assert time.monotonic() < deadline, f"KV pages leaked: {pools}"
+        time.sleep(0.1)
+
+
 def _collect_stream(stream) -> dict[int, dict]:
     """Per choice: its content, finish reason, and tool calls assembled from the deltas as OpenAI streams them."""
     out: dict[int, dict] = {}
@@ -76,6 +89,7 @@ def test_named_tool_choice_always_returns_a_valid_call(which, stream, request):
             assert finish == "tool_calls" and len(calls) == 1
             assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
             jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMS)
+    _assert_pools_whole(server)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -105,6 +119,7 @@ def test_json_schema_output_always_validates(which, stream, request):
         for finish, text in texts:
             assert finish == "stop"
             jsonschema.validate(json.loads(text), SCHEMA)
+    _assert_pools_whole(request.getfixturevalue(which))
 
 
 @pytest.mark.parametrize("which", MODES)
