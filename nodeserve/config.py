@@ -31,6 +31,7 @@ class ModelSection:
     # auto | none | int8 | int4 | fp16: CPU weight formats, float32 compute (model/block_quant.py, model/quant.py)
     quantization: str = "auto"
     aliases: tuple[str, ...] = ()         # more model ids clients may send (and /v1/models lists)
+    tool_parser: str = "auto"             # auto | hermes | llama3 | none: how the model writes tool calls
 
 
 @dataclass(frozen=True)
@@ -284,6 +285,8 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
                             ("devices.local_prefill_threshold", d.local_prefill_threshold, 0)):
         if value < low:
             raise ConfigError(f"'{key}' must be at least {low}, got {value}")
+    if m.tool_parser not in ("auto", "hermes", "llama3", "none"):
+        raise ConfigError(f"'model.tool_parser' must be one of auto, hermes, llama3, none, got {m.tool_parser!r}")
     if any(not a.strip() for a in m.aliases):
         raise ConfigError("'model.aliases' has an empty name")
     if s.port > 65535:

@@ -18,6 +18,8 @@ Exposed names (histograms add _bucket/_count/_sum, counters add _total):
               nodeserve:request_success_total                        {model_name, finished_reason}
               nodeserve:request_rejected_total                       {model_name, reason}
   gauges      nodeserve:num_requests_running, nodeserve:num_requests_waiting   {model_name, device, role}
+              (num_requests_waiting also has device="router", role="admission": requests the router holds
+              until a decode device has pages and a batch seat for them, so its sum is every waiting request)
               nodeserve:kv_pages_used, nodeserve:kv_pages_free,
               nodeserve:kv_cache_usage_perc (a fraction 0..1, as in vLLM)      {model_name, device}
 """
@@ -77,6 +79,7 @@ class _StateCollector(Collector):
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.source: Callable[[], Sequence[Any]] | None = None
+        self.pending: Callable[[], int] | None = None
 
     def _families(self) -> tuple[GaugeMetricFamily | CounterMetricFamily, ...]:
         dr = ["model_name", "device", "role"]
@@ -84,8 +87,8 @@ class _StateCollector(Collector):
         return (
             GaugeMetricFamily(PREFIX + "num_requests_running", "Requests running on a device (in its batch).",
                               labels=dr),
-            GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting on a device for a batch slot.",
-                              labels=dr),
+            GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting on a device for a batch slot, or "
+                              "(device \"router\", role \"admission\") for KV pages in the router's queue.", labels=dr),
             GaugeMetricFamily(PREFIX + "kv_pages_used", "KV cache pages in use on a device.", labels=d),
             GaugeMetricFamily(PREFIX + "kv_pages_free", "KV cache pages free on a device.", labels=d),
             GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV cache usage on a device (1 means 100 percent).",
@@ -103,11 +106,15 @@ class _StateCollector(Collector):
     def collect(self) -> Iterable[GaugeMetricFamily]:
         running, waiting, used, free, usage, queries, hits = fams = self._families()
         states: Sequence[Any] = ()
+        num_pending = None
         if self.source is not None:
             try:
                 states = list(self.source())
+                num_pending = self.pending() if self.pending is not None else None
             except Exception:  # a failing source must not break the whole scrape
                 log.exception("metrics: state source failed")
+        if num_pending is not None:
+            waiting.add_metric([self.model_name, "router", "admission"], num_pending)
         # Sum by label set: one sample per series even if a device ever hosts two workers.
         by_role: dict[tuple[str, str], list[int]] = {}
         by_dev: dict[str, list[int]] = {}  # pages, free, queried tokens, hit tokens
@@ -229,10 +236,12 @@ class Metrics:
         self._rejected_by.get(reason, self._rejected_by["bad_request"]).inc()
 
     # ---- pulled ------------------------------------------------------------------------------------------
-    def set_state_source(self, fn: Callable[[], Sequence[Any]]) -> None:
-        """fn returns DeviceState-like objects (e.g. engine.pool_stats); called from the scraping thread,
-        so it should only read (a slightly torn read across workers is fine for gauges)."""
+    def set_state_source(self, fn: Callable[[], Sequence[Any]], pending: Callable[[], int] | None = None) -> None:
+        """fn returns DeviceState-like objects (e.g. engine.pool_stats); pending, the number of requests in the
+        router's admission queue. Called from the scraping thread, so they should only read (a slightly torn
+        read across workers is fine for gauges)."""
         self._state.source = fn
+        self._state.pending = pending
 
     # ---- exposition --------------------------------------------------------------------------------------
     def handler(self):

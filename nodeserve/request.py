@@ -46,6 +46,7 @@ class Request:
     num_cached_tokens: int = 0         # prompt tokens whose KV was found in the prefix cache where it prefilled
     block_hashes: list[bytes] = field(default_factory=list, repr=False)  # per full page of its tokens, chained
     state: RequestState = RequestState.WAITING
+    grammar: Any = field(default=None, repr=False)  # structured output: its grammar matcher (the sampler's)
     aborted: bool = False
     generator: Any = field(default=None, repr=False)  # the sampler's per-request RNG, when seeded
     prefill_start: float | None = None  # monotonic times of the phases, for metrics and the timeline

@@ -164,6 +164,11 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         return self._backend.token_text(token_id)
 
+    def token_bytes(self) -> list[bytes]:
+        """Each token's bytes as it writes them into text, by id (what a grammar matcher checks tokens against);
+        b"" for special tokens, which never appear inside text."""
+        return self._backend.token_bytes()
+
     @functools.cached_property
     def max_token_chars(self) -> int:
         """The most characters one token's text has: a text of n characters is at least n / this many tokens,
@@ -172,12 +177,25 @@ class Tokenizer:
 
     # ---- chat ----
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_source(self) -> str:
+        return self.chat_template or CHATML_TEMPLATE
+
+    @property
+    def template_has_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list itself (else the caller describes the tools)."""
+        return "tools" in self.template_source
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, extra: dict[str, Any] | None = None) -> str:
+        """Renders like transformers' apply_chat_template: `tools` (OpenAI-style function dicts) and `extra`
+        (chat_template_kwargs) become template variables; `extra` may not replace messages or tools."""
         template = self._compiled_template()
         messages = [_flatten_message(m) for m in messages]
         try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self._bos_token, eos_token=self._eos_token)
+            return template.render(**{**(extra or {}), "messages": messages, "tools": tools,
+                                      "add_generation_prompt": add_generation_prompt,
+                                      "bos_token": self._bos_token, "eos_token": self._eos_token})
         except TemplateError:
             raise
         except jinja2.TemplateError as e:
@@ -188,7 +206,7 @@ class Tokenizer:
     def _compiled_template(self) -> jinja2.Template:
         if self._template is None:
             try:
-                self._template = _jinja_env().from_string(self.chat_template or CHATML_TEMPLATE)
+                self._template = _jinja_env().from_string(self.template_source)
             except jinja2.TemplateSyntaxError as e:
                 raise TemplateError(f"invalid chat template (line {e.lineno}): {e.message}") from e
         return self._template
@@ -260,6 +278,23 @@ class _TokenizersBackend:
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self.tk.token_to_id(token)
+
+    def token_bytes(self) -> list[bytes]:
+        special = {i for i, t in self.tk.get_added_tokens_decoder().items() if t.special}
+        byte_level = "ByteLevel" in repr(json.loads(self.tk.to_str()).get("decoder"))
+        to_byte = _byte_level_chars() if byte_level else {}
+        out = []
+        for i in range(self.vocab_size):
+            piece = self.tk.id_to_token(i)
+            if piece is None or i in special:
+                out.append(b"")
+            elif byte_level:
+                out.append(bytes(to_byte[c] for c in piece) if all(c in to_byte for c in piece) else piece.encode())
+            elif _BYTE_PIECE.fullmatch(piece):  # SentencePiece-style byte fallback, <0xE2>
+                out.append(bytes([int(piece[3:5], 16)]))
+            else:
+                out.append(piece.replace("▁", " ").encode())
+        return out
 
     def special_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.tk.id_to_token(token_id) or "")
@@ -338,6 +373,19 @@ class _SentencePieceBackend:
             return bytes([int(piece[3:5], 16)]).decode("utf-8", errors="replace")
         return piece.replace("▁", " ")
 
+    def token_bytes(self) -> list[bytes]:
+        out = []
+        for i in range(self.vocab_size):
+            if i in self._added_text:
+                out.append(b"" if i in self._special_ids else self._added_text[i].encode())
+            elif i >= self._piece_count or self.sp.is_control(i) or self.sp.is_unknown(i):
+                out.append(b"")
+            elif self.sp.is_byte(i):
+                out.append(bytes([int(self.sp.id_to_piece(i)[3:5], 16)]))
+            else:
+                out.append(self.sp.id_to_piece(i).replace("▁", " ").encode())
+        return out
+
     def token_to_id(self, token: str | None) -> int | None:
         if token is None:
             return None
@@ -359,6 +407,17 @@ class _SentencePieceBackend:
 
     def adds_bos_by_default(self, bos_id: int | None) -> bool:
         return bos_id is not None  # HF's LlamaTokenizer default
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+@functools.cache
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each byte in a vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
 
 
 # ---- building backends ----

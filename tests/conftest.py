@@ -130,3 +130,20 @@ class FP8Check:
 @pytest.fixture(scope="session")
 def fp8_check() -> type[FP8Check]:
     return FP8Check
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(gguf_path):
+    """The bundled model's tokenizer alone (no weights), from its GGUF metadata."""
+    import gguf
+
+    from nodeserve.tokenizer import Tokenizer
+
+    meta = {}
+    for key, field in gguf.GGUFReader(gguf_path).fields.items():
+        if key.startswith("tokenizer."):
+            try:
+                meta[key] = field.contents()
+            except Exception:  # some array fields don't decode; the tokenizer doesn't need them
+                pass
+    return Tokenizer.from_gguf_metadata(meta)

@@ -115,6 +115,17 @@ def test_gauges_read_at_scrape_time():
     f = scrape(m)
     assert value(f, "nodeserve:kv_cache_usage_perc", "nodeserve:kv_cache_usage_perc", device="cpu:1") == 0.75
 
+    # The router's admission queue is a waiting series of its own, so sum(num_requests_waiting) counts it.
+    pending = [4]
+    m.set_state_source(lambda: states, pending=lambda: pending[0])
+    f = scrape(m)
+    assert value(f, "nodeserve:num_requests_waiting", "nodeserve:num_requests_waiting",
+                 device="router", role="admission") == 4
+    pending[0] = 0
+    assert value(scrape(m), "nodeserve:num_requests_waiting", "nodeserve:num_requests_waiting",
+                 device="router", role="admission") == 0
+    assert "router" not in {s.labels["device"] for s in f["nodeserve:kv_pages_used"]}
+
     # A failing source leaves the gauges empty instead of failing the scrape.
     m.set_state_source(lambda: 1 / 0)
     f = scrape(m)

@@ -8,7 +8,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import torch
 
@@ -191,8 +191,10 @@ class Engine:
         return self.prefill_workers + self.decode_workers
 
     # ---- requests ------------------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
-        """Admits a request. Raises PromptTooLong, TooLarge (both 400) or QueueFull (503)."""
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    grammar: Any = None) -> RequestStream:
+        """Admits a request (grammar: its structured-output matcher, or None). Raises PromptTooLong, TooLarge (both
+        400) or QueueFull (503)."""
         if not prompt_ids:
             raise PromptTooLong("the prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
@@ -204,7 +206,7 @@ class Engine:
         # Generation stops with "length" at the context limit, or at what a decode pool can ever hold.
         room = min(self.max_model_len, self.router.max_seq_tokens + 1) - len(prompt_ids)
         params.max_tokens = max(1, min(params.max_tokens, room))
-        req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params)
+        req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, grammar=grammar)
         stream = RequestStream(req)
         req.emit = stream.put
         self.streams[req.request_id] = stream

@@ -1,17 +1,20 @@
 """Sampler: turn one step's batch of next-token logits into one token per row.
 
-Per row, with vLLM's semantics: logit_bias and min_tokens' masking, penalties, then either greedy argmax or
-temperature -> top-k -> top-p -> min-p -> random draw, plus optional logprobs.
+Per row, with vLLM's semantics: the grammar's token mask (structured output, engine/constrain.py), logit_bias and
+min_tokens' masking, penalties, then either greedy argmax or temperature -> top-k -> top-p -> min-p -> random draw,
+plus optional logprobs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from nodeserve.device import upload
+from nodeserve.engine.constrain import accept_tokens, apply_grammar_masks
 from nodeserve.sampling_params import SamplingParams
 
 
@@ -175,7 +178,15 @@ class Sampler:
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None],
+        grammars: Sequence[Any | None] | None = None,  # per row: its grammar matcher (structured output) or None
     ) -> SamplerOutput:
+        if grammars is None or not any(g is not None for g in grammars):
+            return self._sample_rows(logits, params, prompt_ids, output_ids, generators)
+        out = self._sample_rows(apply_grammar_masks(logits, grammars), params, prompt_ids, output_ids, generators)
+        accept_tokens(grammars, out.token_ids)
+        return out
+
+    def _sample_rows(self, logits, params, prompt_ids, output_ids, generators) -> SamplerOutput:
         B, V = logits.shape
         want_logprobs = any(p.logprobs is not None for p in params)
         logits = apply_logit_bias_and_min_tokens(logits, params, output_ids, self.eos_token_ids)

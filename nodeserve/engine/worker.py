@@ -232,7 +232,8 @@ class Worker:
         for req in reqs:
             req.generator = self.sampler.request_generator(req.generator, req.params.seed, len(req.output_ids))
         out = self.sampler(torch.stack([results[i] for i in rows]), [r.params for r in reqs],
-                           [r.prompt_ids for r in reqs], [r.output_ids for r in reqs], [r.generator for r in reqs])
+                           [r.prompt_ids for r in reqs], [r.output_ids for r in reqs], [r.generator for r in reqs],
+                           [r.grammar for r in reqs])
         outcomes: list[TokenEvent | Exception | None] = list(results)
         for k, i in enumerate(rows):
             outcomes[i] = TokenEvent(out.token_ids[k], out.logprobs[k] if out.logprobs is not None else None,

@@ -22,7 +22,10 @@ from nodeserve.config import Config
 from nodeserve.metrics import Metrics
 from nodeserve.engine.engine import Engine, PromptTooLong, QueueFull, TooLarge
 from nodeserve.server import protocol as P
+from nodeserve.server.chat_prompt import render_chat
 from nodeserve.server.generation import Generation, GenerationError, Piece
+from nodeserve.server.structured import Grammars, grammar_spec
+from nodeserve.server.tool_parsers import ToolFormat, pick_format
 from nodeserve.tokenizer import TemplateError
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,15 @@ class ServerState:
                                max_tokens=s.max_tokens_limit)
         self.metrics = Metrics(self.model_name)
         self.api_key = config.api_key.encode()
+        self._chat_tools: tuple[ToolFormat | None, Grammars] | None = None
+
+    def chat_tools(self, engine: Engine) -> tuple[ToolFormat | None, Grammars]:
+        """The model's tool-call format (model.tool_parser) and its grammar compiler, made on first use."""
+        if self._chat_tools is None:
+            tok = engine.tokenizer
+            self._chat_tools = (pick_format(self.config.model.tool_parser, tok.template_source),
+                                Grammars(tok, engine.loaded.config.vocab_size))
+        return self._chat_tools
 
 
 STATE = web.AppKey("state", ServerState)
@@ -318,31 +330,57 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = _ready_engine(state, req.model)
     _check_logit_bias(engine, req.params)
     tok = engine.tokenizer
+    fmt, grammars = state.chat_tools(engine)
+    tools = req.tools if req.tool_choice != "none" else []
+    spec = grammar_spec(req, fmt)
+    parse_calls = fmt is not None and bool(tools)
 
-    def encode() -> list[int]:
+    def encode() -> tuple[list[int], Any]:
         _check_text_length(engine, [m["content"] for m in req.messages if m["content"]], "messages")
         try:
-            return tok.encode(tok.apply_chat_template(req.messages, add_generation_prompt=True))
+            prompt = tok.encode(render_chat(tok, req.messages, tools, fmt, req.chat_template_kwargs))
         except TemplateError as e:
             raise P.APIError(400, f"chat template error: {e}", param="messages")
-    prompt = await _off_loop(encode)
+        return prompt, grammars.compile(spec) if spec is not None else None
+    prompt, compiled = await _off_loop(encode)
     if not req.max_tokens_given:
         req.params.max_tokens = state.config.server.default_max_tokens
-    gens = _start(state, engine, [(prompt, req.params)] * req.n, seed_offsets=True, want_logprobs=req.logprobs)
+    make_grammar = (lambda: grammars.matcher(compiled)) if compiled is not None else None
+    gens = _start(state, engine, [(prompt, req.params)] * req.n, seed_offsets=True, want_logprobs=req.logprobs,
+                  make_grammar=make_grammar)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
     if req.stream:
-        def chunk(i: int, piece: Piece, first: bool) -> dict:
+        streamers = [fmt.streamer() for _ in gens] if parse_calls else None
+
+        def chunk(i: int, piece: Piece, first: bool) -> list[dict]:
             lp = P.chat_logprobs(piece.logprobs) if req.logprobs else None
-            delta = {"content": piece.text} if piece.text else {}
-            return P.chat_chunk(rid, model, created, i, delta, piece.finish_reason, lp)
+            final = piece.finish_reason is not None
+            if streamers is None:
+                deltas = [{"content": piece.text}] if piece.text else []
+            else:
+                deltas = streamers[i].feed(piece.text, final)
+            finish = piece.finish_reason
+            if finish == "stop" and streamers is not None and streamers[i].num_calls:
+                finish = "tool_calls"
+            if not deltas and not final and lp is None:
+                return []  # text held back (it may open a tool call): nothing to send yet
+            deltas = deltas or [{}]  # a finish reason, or logprobs of tokens whose text is held back, alone
+            last = len(deltas) - 1
+            return [P.chat_chunk(rid, model, created, i, d, finish if k == last else None, lp if k == 0 else None)
+                    for k, d in enumerate(deltas)]
 
         def role_chunk(i: int) -> dict:
             return P.chat_chunk(rid, model, created, i, {"role": "assistant", "content": ""})
         return await _stream(request, engine, gens, chunk, role_chunk, "chat.completion.chunk", rid, model,
                              created, req.include_usage, req.n)
     results = await _collect(state, engine, gens)
-    choices = [P.chat_choice(i, text, finish, P.chat_logprobs(lps) if req.logprobs else None)
-               for i, (text, finish, lps) in enumerate(results)]
+    choices = []
+    for i, (text, finish, lps) in enumerate(results):
+        content, calls = fmt.parse(text) if parse_calls else (text, [])
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        choices.append(P.chat_choice(i, content, finish, P.chat_logprobs(lps) if req.logprobs else None,
+                                     [c.to_openai() for c in calls]))
     return web.json_response(P.chat_response(rid, model, created, choices, _usage(gens, req.n)), dumps=P.to_json)
 
 
@@ -360,7 +398,8 @@ async def tokenize(request: web.Request) -> web.Response:
             return tok.encode(req.prompt, add_bos=None if req.add_special_tokens else False)
         _check_text_length(engine, [m["content"] for m in req.messages if m["content"]], "messages")
         try:
-            return tok.encode(tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt))
+            fmt = state.chat_tools(engine)[0]
+            return tok.encode(render_chat(tok, req.messages, [], fmt, {}, req.add_generation_prompt))
         except TemplateError as e:
             raise P.APIError(400, f"chat template error: {e}", param="messages")
     ids = await _off_loop(encode)
@@ -415,15 +454,17 @@ def _check_text_length(engine: Engine, texts: list[str], param: str) -> None:
 
 
 def _start(state: ServerState, engine: Engine, jobs: list[tuple[list[int], Any]], seed_offsets: bool,
-           want_logprobs: bool, prompt_param: str = "messages") -> list[Generation]:
-    """Admits every choice, or none: if one is refused, the ones already admitted are aborted."""
+           want_logprobs: bool, prompt_param: str = "messages", make_grammar=None) -> list[Generation]:
+    """Admits every choice, or none: if one is refused, the ones already admitted are aborted. make_grammar():
+    a new grammar matcher per choice (structured output), or None."""
     gens: list[Generation] = []
     try:
         for i, (ids, params) in enumerate(jobs):
             p = copy.deepcopy(params)
             if seed_offsets and p.seed is not None:
                 p.seed += i  # n > 1 with a seed: distinct but reproducible choices
-            stream = engine.add_request(ids, p)
+            # grammar= only when there is one: an engine without structured output still serves the rest.
+            stream = engine.add_request(ids, p, grammar=make_grammar()) if make_grammar else engine.add_request(ids, p)
             gens.append(Generation(engine, engine.tokenizer, stream, p.stop, want_logprobs, state.metrics))
     except (PromptTooLong, TooLarge) as e:
         _abort_all(engine, gens)
@@ -532,7 +573,9 @@ async def _write_stream(resp, gens, queue, chunk, role_chunk, obj, rid, model, c
             await resp.write(P.sse("[DONE]"))
             return
         elif item.text or item.finish_reason is not None or item.logprobs:
-            await resp.write(P.sse(chunk(i, item, first[i])))
+            out = chunk(i, item, first[i])
+            for c in out if isinstance(out, list) else [out]:
+                await resp.write(P.sse(c))
             first[i] = False
     if include_usage:
         await resp.write(P.sse(P.usage_chunk(rid, model, created, obj, _usage(gens, n))))

@@ -8,8 +8,8 @@ already has, and gives OpenAI-shaped 400s whose message and `param` name the off
 
 Rules shared by both routes:
   - A field sent as JSON null counts as absent (SDK-generated clients send nulls for unset fields).
-  - Unknown fields are accepted and ignored; known OpenAI fields nodeserve does not implement (tools,
-    response_format, best_of, suffix) are a 400 naming them.
+  - Unknown fields are accepted and ignored; known OpenAI fields nodeserve does not implement (best_of, suffix,
+    functions, audio, prediction, ...; see CHAT_FIELDS) are a 400 naming them.
   - Integers must be JSON integers (5.0 is accepted as 5; true, 5.5 and "5" are not).
   - Floats accept integers; NaN and infinities are rejected (Python's json parser accepts them).
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nodeserve.sampling_params import SamplingParams
 
@@ -211,6 +211,19 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     logprobs: bool                    # when true, params.logprobs = top_logprobs (default 0)
+    tools: list[dict] = field(default_factory=list)  # [{"type": "function", "function": {name, parameters, ...}}]
+    tool_choice: str | dict = "auto"  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool = True
+    response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}
+    chat_template_kwargs: dict = field(default_factory=dict)  # vLLM's: extra variables for the chat template
+
+    @property
+    def named_tool(self) -> dict | None:
+        """The tool a named tool_choice forces, else None."""
+        if not isinstance(self.tool_choice, dict):
+            return None
+        name = self.tool_choice["function"]["name"]
+        return next(t["function"] for t in self.tools if t["function"]["name"] == name)
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -276,24 +289,132 @@ def _parse_logit_bias(value: object, param: str) -> dict[int, float]:
 
 def _reject_unsupported(body: dict, fields: tuple[str, ...]) -> None:
     """Fields nodeserve does not implement are a 400 naming them, never silently ignored. The values that mean
-    "nothing asked" (no tools, text output, best_of 1) are accepted."""
+    "nothing asked" (best_of 1, modalities ["text"], store false) are accepted."""
     if "response_format" in fields and body.get("response_format") is not None:
         fmt = _as_object(body["response_format"], "response_format")
         if fmt.get("type") != "text":
-            raise _bad("response_format", "'response_format' other than {\"type\": \"text\"} is not supported "
-                                          "(no structured output)")
-    if "tools" in fields and body.get("tools") is not None:
-        if _as_list(body["tools"], "tools"):
-            raise _bad("tools", "'tools' is not supported (no tool calling); send no tools")
-    if "tool_choice" in fields and body.get("tool_choice") is not None:
-        if body["tool_choice"] not in ("none", "auto"):
-            raise _bad("tool_choice", "'tool_choice' is not supported (no tool calling); only \"none\" or "
-                                      "\"auto\" without tools")
+            raise _bad("response_format", "'response_format' other than {\"type\": \"text\"} is only supported on "
+                                          "/v1/chat/completions")
     if "best_of" in fields and body.get("best_of") is not None:
         if _as_int(body["best_of"], "best_of") != 1:
             raise _bad("best_of", "'best_of' other than 1 is not supported; use 'n'")
     if "suffix" in fields and body.get("suffix") is not None:
         raise _bad("suffix", "'suffix' is not supported (no fill-in-the-middle)")
+    for name in fields:
+        why = _REFUSED.get(name)
+        if why is not None and body.get(name) is not None:
+            raise _bad(name, f"'{name}' is not supported: {why}")
+    if "modalities" in fields and body.get("modalities") is not None:
+        if body["modalities"] != ["text"]:
+            raise _bad("modalities", "'modalities' other than [\"text\"] is not supported (text output only)")
+    if "store" in fields and body.get("store") is not None:
+        if _as_bool(body["store"], "store"):
+            raise _bad("store", "'store' true is not supported: nodeserve keeps no completions")
+
+
+# Chat fields refused whenever they are not null, and why.
+_REFUSED = {
+    "functions": "it is deprecated; send 'tools'",
+    "function_call": "it is deprecated; send 'tool_choice'",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "this server runs no reasoning models",
+    "verbosity": "this server does not support it",
+    "moderation": "this server does not moderate",
+}
+
+# Every field of the openai SDK's ChatCompletionCreateParams / CompletionCreateParams, and what nodeserve does
+# with it: "implemented", "ignored" (an identifier or a billing hint that changes no output), or "refused" (a
+# 400 naming it unless null or the value that asks for nothing). tests/server/test_protocol.py checks the SDK's
+# keys against these tables.
+CHAT_FIELDS = {
+    **dict.fromkeys(("messages", "model", "n", "temperature", "top_p", "seed", "stop", "presence_penalty",
+                     "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "max_tokens",
+                     "max_completion_tokens", "stream", "stream_options", "tools", "tool_choice",
+                     "parallel_tool_calls", "response_format"), "implemented"),
+    **dict.fromkeys(("user", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+                     "prompt_cache_retention", "prompt_cache_options"), "ignored"),
+    **dict.fromkeys((*_REFUSED, "modalities", "store"), "refused"),
+}
+COMPLETION_FIELDS = {
+    **dict.fromkeys(("prompt", "model", "n", "temperature", "top_p", "seed", "stop", "presence_penalty",
+                     "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "stream", "stream_options",
+                     "echo"), "implemented"),
+    "user": "ignored",
+    **dict.fromkeys(("best_of", "suffix"), "refused"),
+}
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MAX_TOOLS = 128  # as OpenAI allows
+
+
+def _parse_tools(value: object, param: str = "tools") -> list[dict]:
+    tools = _as_list(value, param)
+    if len(tools) > MAX_TOOLS:
+        raise _bad(param, f"'{param}' may have at most {MAX_TOOLS} entries, got {len(tools)}")
+    names = set()
+    for i, tool in enumerate(tools):
+        at = f"{param}[{i}]"
+        tool = _as_object(tool, at)
+        if tool.get("type") != "function":
+            raise _bad(f"{at}.type", f"'{at}.type' must be \"function\", got {_show(tool.get('type'))}")
+        if tool.get("function") is None:
+            raise _bad(f"{at}.function", f"'{at}.function' is required")
+        fn = _as_object(tool["function"], f"{at}.function")
+        name = fn.get("name")
+        if type(name) is not str or not _TOOL_NAME.fullmatch(name):
+            raise _bad(f"{at}.function.name", f"'{at}.function.name' must be 1 to 64 letters, digits, '_', '.' or "
+                                              f"'-', got {_show(name)}")
+        if name in names:
+            raise _bad(f"{at}.function.name", f"'{at}.function.name' {name!r} is given twice")
+        names.add(name)
+        for key, reader in (("description", _as_str), ("parameters", _as_object), ("strict", _as_bool)):
+            if fn.get(key) is not None:
+                reader(fn[key], f"{at}.function.{key}")
+    return tools
+
+
+def _parse_tool_choice(value: object, tools: list[dict]) -> str | dict:
+    if type(value) is str:
+        if value not in ("none", "auto", "required"):
+            raise _bad("tool_choice", f"'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                                      f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {_show(value)}")
+        if value == "required" and not tools:
+            raise _bad("tool_choice", "'tool_choice' \"required\" needs a non-empty 'tools'")
+        return value
+    choice = _as_object(value, "tool_choice")
+    fn = choice.get("function")
+    if choice.get("type") != "function" or type(fn) is not dict or type(fn.get("name")) is not str:
+        raise _bad("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    if all(t["function"]["name"] != fn["name"] for t in tools):
+        raise _bad("tool_choice", f"'tool_choice' names function {_show(fn['name'])}, which is not in 'tools'")
+    return choice
+
+
+def _parse_response_format(value: object) -> dict | None:
+    """None for plain text, else {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}."""
+    fmt = _as_object(value, "response_format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return fmt
+    if kind != "json_schema":
+        raise _bad("response_format.type", "'response_format.type' must be \"text\", \"json_object\" or "
+                                           f"\"json_schema\", got {_show(kind)}")
+    if fmt.get("json_schema") is None:
+        raise _bad("response_format.json_schema", "'response_format.json_schema' is required with type json_schema")
+    spec = _as_object(fmt["json_schema"], "response_format.json_schema")
+    name = spec.get("name")
+    if type(name) is not str or not _TOOL_NAME.fullmatch(name):
+        raise _bad("response_format.json_schema.name", "'response_format.json_schema.name' must be 1 to 64 letters, "
+                                                       f"digits, '_', '.' or '-', got {_show(name)}")
+    for key, reader in (("schema", _as_object), ("description", _as_str), ("strict", _as_bool)):
+        if spec.get(key) is not None:
+            reader(spec[key], f"response_format.json_schema.{key}")
+    return fmt
 
 
 def _check_body(body: object) -> dict:
@@ -409,6 +530,16 @@ def _parse_content(value: object, param: str, role: str) -> str | None:
     return "\n".join(texts)
 
 
+def _parse_history_tool_calls(value: object, param: str) -> None:
+    """An assistant turn's tool calls, as OpenAI returned them: the template renders them back."""
+    for j, call in enumerate(_as_list(value, param)):
+        call = _as_object(call, f"{param}[{j}]")
+        fn = call.get("function")
+        if type(fn) is not dict or type(fn.get("name")) is not str or type(fn.get("arguments")) is not str:
+            raise _bad(f"{param}[{j}].function", f"'{param}[{j}].function' must be an object with string 'name' "
+                                                  "and 'arguments'")
+
+
 def _parse_messages(value: object) -> list[dict]:
     if value is None:
         raise _bad("messages", "'messages' is required")
@@ -425,6 +556,8 @@ def _parse_messages(value: object) -> list[dict]:
                        f"'messages[{i}].role' must be one of {roles}, got {_show(role)}")
         # Keep other keys (name, tool_calls, tool_call_id): chat templates may read them.
         content = _parse_content(m.get("content"), f"messages[{i}].content", role)
+        if m.get("tool_calls") is not None:
+            _parse_history_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
         out.append({**m, "content": content})
     return out
 
@@ -433,8 +566,14 @@ def parse_chat_request(body: object, limits: Limits) -> ChatRequest:
     """Validate a /v1/chat/completions body. Raises APIError(400) naming the first bad field."""
     body = _check_body(body)
     model, n, params = _parse_common(body, limits)
-    _reject_unsupported(body, ("response_format", "tools", "tool_choice"))
+    _reject_unsupported(body, tuple(f for f, what in CHAT_FIELDS.items() if what == "refused"))
     messages = _parse_messages(body.get("messages"))
+    tools = _get(body, "tools", _parse_tools, default=[])
+    tool_choice = "auto" if body.get("tool_choice") is None else _parse_tool_choice(body["tool_choice"], tools)
+    response_format = _get(body, "response_format", lambda v, _: _parse_response_format(v))
+    if response_format is not None and (tool_choice == "required" or isinstance(tool_choice, dict)):
+        raise _bad("response_format", "'response_format' json_object/json_schema cannot be combined with "
+                                      "'tool_choice' \"required\" or a named function: both constrain the output")
     # max_completion_tokens replaced max_tokens in OpenAI's API (LangChain sends it); it wins.
     max_tokens = _parse_max_tokens(body, "max_tokens", limits)
     max_completion_tokens = _parse_max_tokens(body, "max_completion_tokens", limits)
@@ -448,7 +587,10 @@ def parse_chat_request(body: object, limits: Limits) -> ChatRequest:
     stream, include_usage = _parse_stream(body)
     return ChatRequest(model=model, messages=messages, params=params,
                        max_tokens_given=max_tokens is not None, n=n, stream=stream,
-                       include_usage=include_usage, logprobs=logprobs)
+                       include_usage=include_usage, logprobs=logprobs, tools=tools, tool_choice=tool_choice,
+                       parallel_tool_calls=_get(body, "parallel_tool_calls", _as_bool, default=True),
+                       response_format=response_format,
+                       chat_template_kwargs=_get(body, "chat_template_kwargs", _as_object, default={}))
 
 
 @dataclass
@@ -510,10 +652,12 @@ def completion_chunk(request_id: str, model: str, created: int, index: int, text
             "choices": [completion_choice(index, text, finish_reason, logprobs)]}
 
 
-def chat_choice(index: int, content: str, finish_reason: str | None,
-                logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": content},
-            "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_choice(index: int, content: str | None, finish_reason: str | None,
+                logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_response(request_id: str, model: str, created: int, choices: list[dict],

@@ -79,6 +79,21 @@ def in_daemon_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any], nam
     return future
 
 
+# While the model loads and warms up (a cold FlashInfer JIT takes many minutes), systemd's TimeoutStartSec is
+# pushed back a step at a time, so only a start-up that stalls for good (over MAX_START_EXTENSION_S) times out.
+EXTEND_STEP_S = 30.0
+MAX_START_EXTENSION_S = 3600.0
+
+
+async def _extend_start_timeout(notifier: Notifier) -> None:
+    """Until cancelled (at READY=1 or a stop): EXTEND_TIMEOUT_USEC every EXTEND_STEP_S, each asking for two steps
+    from now, for at most MAX_START_EXTENSION_S."""
+    deadline = time.monotonic() + MAX_START_EXTENSION_S
+    while time.monotonic() < deadline:
+        notifier.extend_timeout(2 * EXTEND_STEP_S)
+        await asyncio.sleep(EXTEND_STEP_S)
+
+
 async def _unless_stopped(future: asyncio.Future, stop: asyncio.Event) -> bool:
     """Waits for future or for a stop signal; True if the future finished and no signal came."""
     waiter = asyncio.ensure_future(stop.wait())
@@ -130,9 +145,11 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
         loop.add_signal_handler(sig, on_signal)
 
     start = time.monotonic()
+    keep_alive = asyncio.create_task(_extend_start_timeout(notifier))
     load = in_daemon_thread(loop, lambda: load_model(config.model.path, parse_dtype(config.dtype),
                                                      _Progress(notifier), config.quantization), "load")
     if not await _unless_stopped(load, stop):  # the load thread is left to die with the process
+        keep_alive.cancel()
         notifier.stopping()
         await runner.cleanup()
         return 0
@@ -144,15 +161,18 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     # stops here: READY=1 must never follow a SIGTERM.
     warm = in_daemon_thread(loop, engine.warmup, "warmup")
     if not await _unless_stopped(warm, stop):
+        keep_alive.cancel()
         notifier.stopping()
         await runner.cleanup()
         engine.stop()
         return 0
+    keep_alive.cancel()
     warm.result()  # a warm-up that raised stops the start-up here
     state.engine = engine
     state.metrics.set_state_source(lambda: [DeviceState(s.device, s.role, s.num_running, s.num_waiting,
                                                         s.num_pages, s.num_free, s.num_prefix_queried_tokens,
-                                                        s.num_prefix_hit_tokens) for s in engine.pool_stats()])
+                                                        s.num_prefix_hit_tokens) for s in engine.pool_stats()],
+                                   pending=lambda: engine.num_pending)
     state.status = "ready"
     roles = ", ".join(f"{w.name}={w.role}" for w in engine.workers)
     url = f"http://{config.server.host}:{config.server.port}"

@@ -68,7 +68,8 @@ def test_chat_messages_normalized():
         {"role": "developer",
          "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "user", "content": "", "name": "bob"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "assistant"},
         {"role": "tool", "content": "42", "tool_call_id": "1"},
     ]
@@ -278,14 +279,39 @@ def test_completion_rejects(fields, param):
 
 
 # Fields nodeserve does not implement: a 400 naming the field, never a 200 that ignores them.
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 UNSUPPORTED_CHAT = [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
     ({"response_format": "json"}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "tools": [TOOL], "tool_choice": "required"}, "response_format"),
     ({"tools": "f"}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [TOOL, TOOL]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+     "tools[0].function.parameters"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "any"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"chat_template_kwargs": []}, "chat_template_kwargs"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+     "messages[0].tool_calls[0].function"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"store": True}, "store"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"verbosity": "low"}, "verbosity"),
+    ({"web_search_options": {}}, "web_search_options"),
 ]
 UNSUPPORTED_COMPLETION = [
     ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -323,7 +349,8 @@ def test_completion_rejects_what_it_does_not_implement(fields, param):
 
 def test_the_values_that_ask_for_nothing_are_accepted():
     for fields in ({"response_format": {"type": "text"}}, {"tools": []}, {"tool_choice": "none"},
-                   {"tool_choice": "auto"}, {"tools": None, "tool_choice": None, "response_format": None}):
+                   {"tool_choice": "auto"}, {"tools": None, "tool_choice": None, "response_format": None},
+                   {"modalities": ["text"]}, {"store": False}, {"functions": None}, {"metadata": {"a": "b"}}):
         chat(**fields)
     for fields in ({"best_of": 1}, {"suffix": None}, {"response_format": {"type": "text"}}):
         completion(**fields)
@@ -503,3 +530,32 @@ def test_shapes_validate_with_openai_sdk():
         "chatcmpl-1", "m", 1, 0, {"content": "a"}, "stop", chat_logprobs(lp)))
     chat_types.ChatCompletionChunk.model_validate(usage_chunk(
         "chatcmpl-1", "m", 1, "chat.completion.chunk", usage(1, 1)))
+
+
+# A value for each refused field that asks for something nodeserve does not do.
+_REFUSED_VALUES = {"functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "alloy"},
+                   "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
+                   "reasoning_effort": "low", "verbosity": "low", "moderation": {"x": 1},
+                   "modalities": ["audio"], "store": True, "best_of": 2, "suffix": "x"}
+
+
+@pytest.mark.parametrize("typed_dict, table, parse, base", [
+    ("openai.types.chat.completion_create_params", "CHAT_FIELDS", parse_chat_request, {"messages": USER}),
+    ("openai.types.completion_create_params", "COMPLETION_FIELDS", parse_completion_request, {"prompt": "hi"}),
+])
+def test_every_openai_sdk_field_is_implemented_ignored_or_refused(typed_dict, table, parse, base):
+    """Each key of the installed openai SDK's create params is in protocol's table; each refused one is a 400
+    naming it. A new SDK field fails here until someone decides what nodeserve does with it."""
+    import importlib
+    import typing
+
+    from nodeserve.server import protocol
+    module = importlib.import_module(typed_dict)
+    keys = set(typing.get_type_hints(module.CompletionCreateParamsBase))
+    fields = getattr(protocol, table)
+    assert keys - set(fields) == set(), f"SDK fields {table} does not cover"
+    for key in sorted(keys):
+        if fields[key] == "refused":
+            _expect_400(parse, {**base, key: _REFUSED_VALUES[key]}, key)
+        elif fields[key] == "ignored":
+            parse({**base, key: "anything"}, LIMITS)

@@ -54,9 +54,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve_until_signalled(tmp_path, monkeypatch, status: str, host: str = "127.0.0.1") -> tuple[int, float, list]:
-    """Runs serve() with NOTIFY_SOCKET, sends SIGTERM once STATUS=<status> arrives; returns (exit code, seconds
-    from the signal until asyncio.run returned, the notify messages)."""
+def _serve_until_signalled(tmp_path, monkeypatch, status: str, host: str = "127.0.0.1",
+                           then: str | None = None) -> tuple[int, float, list]:
+    """Runs serve() with NOTIFY_SOCKET, sends SIGTERM once STATUS=<status> arrives (and, if given, a message
+    starting with `then` after it); returns (exit code, seconds from the signal until asyncio.run returned, the
+    notify messages)."""
     notify = NotifySocket(str(tmp_path / "notify.sock"))
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify.sock"))
     monkeypatch.delenv("WATCHDOG_USEC", raising=False)
@@ -67,7 +69,11 @@ def _serve_until_signalled(tmp_path, monkeypatch, status: str, host: str = "127.
     async def scenario():
         server = asyncio.create_task(serve_module.serve(config))
         deadline = time.monotonic() + 120
-        while not any(m.startswith(f"STATUS={status}") for _, m in notify.messages):
+        def arrived() -> bool:
+            seen = [m for _, m in notify.messages]
+            at = next((i for i, m in enumerate(seen) if m.startswith(f"STATUS={status}")), None)
+            return at is not None and (then is None or any(m.startswith(then) for m in seen[at:]))
+        while not arrived():
             assert time.monotonic() < deadline and not server.done(), notify.messages
             await asyncio.sleep(0.05)
         signalled.append(time.monotonic())
@@ -103,12 +109,18 @@ def test_a_signal_during_warmup_is_not_overwritten_by_ready(tmp_path, monkeypatc
     release = threading.Event()
     monkeypatch.setattr(serve_module, "load_model", lambda *args, **kwargs: loaded_fp32)
     monkeypatch.setattr(Engine, "warmup", lambda self: release.wait(HOLD_S))
+    monkeypatch.setattr(serve_module, "EXTEND_STEP_S", 0.2)
     try:
-        code, seconds, messages = _serve_until_signalled(tmp_path, monkeypatch, "warming up")
+        code, seconds, messages = _serve_until_signalled(tmp_path, monkeypatch, "warming up",
+                                                         then="EXTEND_TIMEOUT_USEC=400000")
     finally:
         release.set()
     assert code == 0 and seconds < 5.0, seconds
     assert "STOPPING=1" in messages and "READY=1" not in messages, messages
+    # The start timeout was pushed back while the warm-up ran, and not after the stop.
+    warming = messages.index("STATUS=warming up")
+    assert "EXTEND_TIMEOUT_USEC=400000" in messages[warming:], messages
+    assert not any(m.startswith("EXTEND_TIMEOUT_USEC") for m in messages[messages.index("STOPPING=1"):])
 
 
 @pytest.mark.parametrize("server, warns", [

@@ -1,0 +1,111 @@
+"""Structured output: the grammar a chat request's output must follow, compiled with xgrammar for this model's
+vocabulary, and a fresh matcher per choice (the sampler masks and advances it: engine/constrain.py).
+
+What is constrained:
+  response_format json_object  -> a JSON object
+  response_format json_schema  -> JSON valid against the schema
+  tool_choice "required"       -> exactly one call, in the tool format, to one of the tools with valid arguments
+  tool_choice named            -> exactly one call to that tool, its arguments valid against its parameters
+JSON is generated compactly (no free whitespace): a small model allowed free whitespace can fill max_tokens
+with newlines. Compiling is blocking (milliseconds; seconds for the first request: xgrammar's import and the
+vocabulary); call it off the event loop. Compiled grammars are cached per (kind, schema).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from nodeserve.server.protocol import APIError, ChatRequest
+from nodeserve.server.tool_parsers import ToolFormat
+from nodeserve.tokenizer import Tokenizer
+
+MAX_CACHED_GRAMMARS = 256
+
+
+def grammar_spec(req: ChatRequest, fmt: ToolFormat | None) -> tuple[str, str, Any] | None:
+    """(kind, param to blame, payload) of the grammar `req` asks for, or None. Raises APIError(400) when a tool
+    call is forced but the server has no tool format (model.tool_parser = "none")."""
+    if req.response_format is not None:
+        if req.response_format["type"] == "json_object":
+            return "json", "response_format", {"type": "object"}
+        schema = req.response_format["json_schema"].get("schema") or {"type": "object"}
+        return "json", "response_format.json_schema.schema", schema
+    if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
+        if fmt is None:
+            raise APIError(400, "'tool_choice' \"required\" or a named function needs a tool format; this server "
+                                "has model.tool_parser = \"none\"", param="tool_choice")
+        named = req.named_tool
+        fns = [named] if named is not None else [t["function"] for t in req.tools]
+        schemas = [fmt.call_schema(f["name"], f.get("parameters")) for f in fns]
+        param = "tools" if named is None else f"tools[{[t['function'] for t in req.tools].index(named)}].function.parameters"
+        return "tool", param, (fmt.prefix, schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, fmt.suffix)
+    return None
+
+
+class Grammars:
+    """Compiles grammars for one model's vocabulary (once each: an LRU cache) and makes matchers."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._compiler = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+
+    def compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr  # seconds (it imports transformers): only when a request first needs it
+
+                info = xgr.TokenizerInfo(self.tokenizer.token_bytes(), xgr.VocabType.RAW, vocab_size=self.vocab_size,
+                                         stop_token_ids=sorted(self.tokenizer.eos_token_ids))
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+    def compile(self, spec: tuple[str, str, Any]) -> Any:
+        """The compiled grammar for spec (see grammar_spec). An invalid schema is a 400 naming its field."""
+        kind, param, payload = spec
+        key = json.dumps([kind, payload], sort_keys=True)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        compiler = self.compiler()
+        import xgrammar as xgr
+
+        try:
+            if kind == "json":
+                grammar = xgr.Grammar.from_json_schema(payload, any_whitespace=False)
+            else:
+                prefix, schema, suffix = payload
+                parts = [xgr.Grammar.from_json_schema(schema, any_whitespace=False)]
+                if prefix:
+                    parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(prefix)}"))
+                if suffix:
+                    parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(suffix)}"))
+                grammar = xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]
+            compiled = compiler.compile_grammar(grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise APIError(400, f"'{param}' is not a JSON schema nodeserve can enforce: {_reason(e)}",
+                           param=param) from None
+        with self._lock:
+            self._cache[key] = compiled
+            if len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return compiled
+
+    @staticmethod
+    def matcher(compiled: Any) -> Any:
+        """A new matcher (per choice: it holds that choice's position in the grammar)."""
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled)
+
+
+def _reason(e: Exception) -> str:
+    # xgrammar's messages start with "[12:00:00] /project/cpp/file.cc:123: "; keep what follows.
+    text = re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", str(e).strip()).strip()
+    return text[:200] or type(e).__name__

@@ -1,0 +1,60 @@
+"""server/structured.py: which requests get which grammar, the compile cache, invalid schemas as 400s."""
+
+from __future__ import annotations
+
+import pytest
+
+from nodeserve.server.protocol import APIError, Limits, parse_chat_request
+from nodeserve.server.structured import Grammars, grammar_spec
+from nodeserve.server.tool_parsers import HermesFormat
+
+USER = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                    "properties": {"x": {"type": "integer"}}}}}
+
+
+def _chat(**fields):
+    return parse_chat_request({"messages": USER, **fields}, Limits())
+
+
+def test_grammar_spec():
+    fmt = HermesFormat()
+    assert grammar_spec(_chat(), fmt) is None
+    assert grammar_spec(_chat(tools=[TOOL]), fmt) is None  # auto: the model decides
+    assert grammar_spec(_chat(response_format={"type": "json_object"}), fmt) == ("json", "response_format",
+                                                                                {"type": "object"})
+    kind, param, schema = grammar_spec(_chat(response_format={"type": "json_schema",
+                                                              "json_schema": {"name": "n", "schema": {"type": "array"}}}), fmt)
+    assert (kind, param, schema) == ("json", "response_format.json_schema.schema", {"type": "array"})
+    kind, param, (prefix, schema, suffix) = grammar_spec(
+        _chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"}}), fmt)
+    assert (kind, param, prefix, suffix) == ("tool", "tools[0].function.parameters", "<tool_call>\n", "\n</tool_call>")
+    assert schema == fmt.call_schema("f", TOOL["function"]["parameters"])
+    g = {"type": "function", "function": {"name": "g"}}
+    _, _, (_, schema, _) = grammar_spec(_chat(tools=[TOOL, g], tool_choice="required"), fmt)
+    assert schema == {"anyOf": [fmt.call_schema("f", TOOL["function"]["parameters"]), fmt.call_schema("g", None)]}
+    with pytest.raises(APIError) as info:
+        grammar_spec(_chat(tools=[TOOL], tool_choice="required"), None)
+    assert info.value.param == "tool_choice"
+
+
+def test_compile_caches_and_names_the_bad_field(smollm2_tokenizer):
+    grammars = Grammars(smollm2_tokenizer, 49152)
+    spec = ("json", "response_format", {"type": "object"})
+    assert grammars.compile(spec) is grammars.compile(("json", "response_format", {"type": "object"}))
+    for bad in ({"type": "strang"}, {"properties": {"a": {"$ref": "#/nope"}}}):
+        with pytest.raises(APIError) as info:
+            grammars.compile(("json", "response_format.json_schema.schema", bad))
+        assert info.value.status == 400 and info.value.param == "response_format.json_schema.schema"
+        assert "'response_format.json_schema.schema'" in info.value.message and "/project/" not in info.value.message
+
+
+def test_forced_call_grammar_accepts_exactly_the_call(smollm2_tokenizer):
+    grammars = Grammars(smollm2_tokenizer, 49152)
+    fmt = HermesFormat()
+    spec = grammar_spec(_chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"}}), fmt)
+    m = grammars.matcher(grammars.compile(spec))
+    assert m.accept_string(fmt.render_call("f", {"x": 3}))  # '<tool_call>\n{"name": "f", "arguments": {"x": 3}}\n</tool_call>'
+    assert m.is_completed()
+    for bad in ('<tool_call>\n{"name": "g", ', '{"name"', '<tool_call>\n{"name": "f", "arguments": {"x": "3"'):
+        assert not grammars.matcher(grammars.compile(spec)).accept_string(bad)
