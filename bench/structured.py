@@ -25,7 +25,7 @@ import time
 import torch
 
 from nodeserve.config import config_from_dict
-from nodeserve.engine.constrain import accept_tokens, apply_grammar_masks
+from nodeserve.sampling.constrain import accept_tokens, apply_grammar_masks
 from nodeserve.engine.engine import Engine
 from nodeserve.model.loader import load_model
 from nodeserve.sampling_params import SamplingParams

@@ -20,9 +20,9 @@ from nodeserve.device.memory import check_fits, weight_bytes
 from nodeserve.engine.cuda_graphs import DecodeGraphs
 from nodeserve.engine.model_runner import ModelRunner
 from nodeserve.engine.router import QueueFull, Router, TooLarge
-from nodeserve.engine.sampler import Sampler
+from nodeserve.sampling.sampler import Sampler
 from nodeserve.engine.transfer import KVTransfer
-from nodeserve.engine.worker import Role, Worker, WorkerLimits
+from nodeserve.engine.worker import FreePages, Role, Worker, WorkerLimits
 from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
 from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
 from nodeserve.model.llama import LlamaModel
@@ -143,7 +143,8 @@ class Engine:
         self.decode_workers = [make_worker(n, role) for n in cfg.decode_devices]
         for p in self.prefill_workers:
             for d in self.decode_workers:
-                t = KVTransfer(p.device, p.pool, d.device, d.pool, p.release_pages, self.on_transfer)
+                t = KVTransfer(p.device, p.pool, d.device, d.pool,
+                               lambda blocks, read, p=p: p.send(FreePages(blocks, read)), self.on_transfer)
                 p.transfers[d] = t
                 self.transfers.append(t)
         self.router = Router(self.prefill_workers, self.decode_workers,
@@ -234,7 +235,7 @@ class Engine:
         if self.router.abort_pending(req):
             return
         for w in self.workers:
-            w.wake()
+            w.send(None)
 
     # ---- from worker threads ---------------------------------------------------------------------------
     def _emit_batch_threadsafe(self, events: list[tuple[Request, TokenEvent]]) -> None:

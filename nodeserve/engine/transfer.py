@@ -95,7 +95,7 @@ class KVTransfer:
                  free_src_pages: Callable[[list[int], Any], None],
                  on_transfer: Callable[[float, int, int], None] | None = None):
         """free_src_pages(pages, event): frees prefill pages once the prefill stream has waited on `event`
-        (the prefill worker's release_pages, run in its own thread)."""
+        (a FreePages message to the prefill worker, run in its own thread)."""
         self.src_device, self.src_pool = src_device, src_pool
         self.dst_device, self.dst_pool = dst_device, dst_pool
         self.name = f"kv {src_device.name}->{dst_device.name}"

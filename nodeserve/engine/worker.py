@@ -24,7 +24,7 @@ import torch
 
 from nodeserve.device import Device
 from nodeserve.engine.model_runner import ModelRunner
-from nodeserve.engine.sampler import Sampler
+from nodeserve.sampling.sampler import Sampler
 from nodeserve.engine.scheduler import Batch, Handoff, Scheduler, Seq, StepOutput, WorkerLimits
 from nodeserve.request import Request, RequestState, TokenEvent
 
@@ -32,9 +32,6 @@ if TYPE_CHECKING:
     from nodeserve.engine.transfer import KVTransfer
 
 log = logging.getLogger(__name__)
-
-__all__ = ["Role", "Worker", "WorkerLimits", "StepRecord"]
-
 
 class Role(enum.StrEnum):
     PREFILL = "prefill"
@@ -131,15 +128,9 @@ class Worker:
         req.state = RequestState.PREFILLING
         self._inbox.put(Prefill(Seq(req, blocks, handoff)))
 
-    def arrive(self, msg: Arrival) -> None:
-        """Called by a transfer thread when the KV of a request bound here has landed (or failed)."""
+    def send(self, msg: Arrival | FreePages | None) -> None:
+        """From a transfer thread: an Arrival or FreePages; None only wakes the loop (e.g. to see an abort)."""
         self._inbox.put(msg)
-
-    def release_pages(self, blocks: list[int], read: Any) -> None:
-        self._inbox.put(FreePages(blocks, read))
-
-    def wake(self) -> None:
-        self._inbox.put(None)
 
     # ---- the worker thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -288,5 +279,5 @@ class Worker:
         h, req = seq.handoff, seq.req
         src, seq.block_table = seq.block_table, []
         self.transfers[h.target].finish(
-            req.request_id, src, lambda landed, error: h.target.arrive(
+            req.request_id, src, lambda landed, error: h.target.send(
                 Arrival(req, h.blocks, h.num_cached_blocks, landed, error)), h.num_copied_blocks, h.num_cached_blocks)

@@ -1,5 +1,5 @@
 """Structured output: the grammar a chat request's output must follow, compiled with xgrammar for this model's
-vocabulary, and a fresh matcher per choice (the sampler masks and advances it: engine/constrain.py).
+vocabulary, and a fresh matcher per choice (the sampler masks and advances it: sampling/constrain.py).
 
 What is constrained:
   response_format json_object  -> a JSON object

@@ -103,7 +103,7 @@ class Harness:
         self.transfer.finish(rid, self.src_pages[rid], lambda landed, error: self.on_done(rid, landed, error))
 
     def _free_src(self, pages: list[int], event) -> None:
-        """What the prefill worker's release_pages does, minus the hop through its inbox."""
+        """What the prefill worker does with a FreePages message, minus the hop through its inbox."""
         self.log.append((threading.current_thread().name, "free", event))
         self.src_pool.manager.free(pages)
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from nodeserve.device import make_device
-from nodeserve.engine.sampler import Sampler
+from nodeserve.sampling.sampler import Sampler
 from nodeserve.engine.scheduler import FORWARD_FAILED
 from nodeserve.engine.worker import Arrival, Role, Worker, WorkerLimits
 from nodeserve.kv.manager import KVManager
@@ -110,7 +110,7 @@ def test_an_arrival_decodes_after_its_copies_or_if_it_ended_meanwhile_frees_its_
                                 for rid in ("ok", "gone", "bad"))
     aborted.aborted = True
     for req, event, error in ((arrived, "e1", None), (aborted, "e2", None), (failed, "e3", "copy failed")):
-        worker.arrive(Arrival(req, worker.kv.allocate(1), 0, event, error))
+        worker.send(Arrival(req, worker.kv.allocate(1), 0, event, error))
     worker._drain_inbox(block=False)
     # The request that is still wanted decodes once its stream waited on the copies (no host wait); the two
     # others give their pages back only after the host waited on theirs: they may be reserved again at once.

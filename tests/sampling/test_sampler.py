@@ -1,11 +1,11 @@
-"""Tests for nodeserve.engine.sampler: greedy, filters, distribution, seeding, penalties, logprobs."""
+"""Tests for nodeserve.sampling.sampler: greedy, filters, distribution, seeding, penalties, logprobs."""
 
 import math
 
 import pytest
 import torch
 
-from nodeserve.engine.sampler import Sampler, apply_penalties
+from nodeserve.sampling.sampler import Sampler, apply_penalties
 from nodeserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""engine/constrain.py and the sampler with grammars: one batched mask, only constrained rows change, and random
+"""sampling/constrain.py and the sampler with grammars: one batched mask, only constrained rows change, and random
 logits under a JSON-schema grammar still give schema-valid JSON."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 import torch
 
-from nodeserve.engine.constrain import apply_grammar_masks
-from nodeserve.engine.sampler import Sampler
+from nodeserve.sampling.constrain import apply_grammar_masks
+from nodeserve.sampling.sampler import Sampler
 from nodeserve.sampling_params import SamplingParams
 from nodeserve.server.structured import Grammars
 

@@ -1,6 +1,6 @@
 """Sampler: turn one step's batch of next-token logits into one token per row.
 
-Per row, with vLLM's semantics: the grammar's token mask (structured output, engine/constrain.py), logit_bias and
+Per row, with vLLM's semantics: the grammar's token mask (structured output, sampling/constrain.py), logit_bias and
 min_tokens' masking, penalties, then either greedy argmax or temperature -> top-k -> top-p -> min-p -> random draw,
 plus optional logprobs.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from nodeserve.device import upload
-from nodeserve.engine.constrain import accept_tokens, apply_grammar_masks
+from nodeserve.sampling.constrain import accept_tokens, apply_grammar_masks
 from nodeserve.sampling_params import SamplingParams
 
 

@@ -1,0 +1,1 @@
+"""nodeserve.sampling: turning a step's logits into tokens (penalties, filters, draws, grammar masks)."""
