@@ -33,8 +33,11 @@ class Handoff:
     target: Any  # the decode Worker
     blocks: list[int]
     num_cached_blocks: int = 0
-    num_sent_blocks: int = -1  # pages below this are copied whole (-1: num_cached_blocks)
+    num_sent_blocks: int = field(init=False)  # pages below this are there whole, cached or copied
     num_copied_blocks: int = 0  # pages copied so far, counting a partly written page each time it is sent
+
+    def __post_init__(self) -> None:
+        self.num_sent_blocks = self.num_cached_blocks
 
 
 @dataclass(eq=False)

@@ -254,8 +254,8 @@ class Worker:
             # From the first page not yet sent whole (on the first chunk, that can be a page this device had
             # cached and the decode device has not) to the last this chunk writes; none the decode device holds.
             h, c = seq.handoff, seq.req.num_computed_tokens
-            first = h.num_cached_blocks if h.num_sent_blocks < 0 else h.num_sent_blocks
-            last, h.num_sent_blocks = (c + n - 1) // page_size, (c + n) // page_size
+            first, last = h.num_sent_blocks, (c + n - 1) // page_size
+            h.num_sent_blocks = max(first, (c + n) // page_size)
             if first > last:
                 continue
             h.num_copied_blocks += last + 1 - first

@@ -8,7 +8,7 @@ import torch
 
 from nodeserve.device import make_device
 from nodeserve.sampling.sampler import Sampler
-from nodeserve.engine.scheduler import FORWARD_FAILED
+from nodeserve.engine.scheduler import FORWARD_FAILED, Batch, Handoff, Seq, chunk_of
 from nodeserve.engine.worker import Arrival, Role, Worker, WorkerLimits
 from nodeserve.kv.manager import KVManager
 from nodeserve.request import Request, TokenEvent
@@ -120,3 +120,28 @@ def test_an_arrival_decodes_after_its_copies_or_if_it_ended_meanwhile_frees_its_
     assert [(r, ev.finish_reason, ev.error) for r, ev in events] == [(failed, "error", "copy failed")]
     _turn(worker)
     assert runner.steps[-1] == [(3, 1)] and [ev.token_id for r, ev in events if r is arrived] == [5]
+
+
+def test_a_remote_prefill_copies_each_page_the_decode_device_lacks_once_and_never_one_it_has_cached():
+    """The decode device holds the first 6 pages (its prefix cache), this device none: every chunk is computed
+    here, but only pages 6 and 7 are copied, the partly written one again with the chunk that fills it."""
+    worker, runner, events, released = _worker(max_num_batched_tokens=40)
+    copies: list[tuple[list[int], list[int]]] = []
+
+    class Transfer:
+        def page_indices(self, src, dst, ids):
+            copies.append((list(src), list(dst)))
+
+    target = object()
+    worker.transfers[target] = Transfer()
+    req = Request("r", list(range(1, 121)), SamplingParams(max_tokens=4))  # 7 full pages of 16 and 8 tokens
+    seq = Seq(req, list(range(8)), Handoff(target, list(range(100, 108)), num_cached_blocks=6))
+    chunks = []
+    while req.num_computed_tokens < 120:
+        n = min(40, 120 - req.num_computed_tokens)
+        worker._layer_hook(Batch([seq], [chunk_of(seq, n)], 0), [0])
+        chunks.append(n)
+        req.num_computed_tokens += n
+    assert chunks == [40, 40, 40]
+    # tokens 80..119 write pages 5 (cached there), 6 and 7: only 6 and 7 go.
+    assert copies == [([6, 7], [106, 107])] and seq.handoff.num_copied_blocks == 2
