@@ -388,6 +388,8 @@ def main() -> int:
     ap.add_argument("--mode", choices=sorted(MODES), default="disaggregated")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--disconnect-prob", type=float, default=0.2)
+    ap.add_argument("--kv-memory-gib", type=float, default=2.0,
+                    help="KV pool per device; small values put the prefix cache under eviction pressure")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rss-interval", type=float, default=3.0)
     ap.add_argument("--idle-timeout", type=float, default=120.0, help="seconds to wait for the server to go idle")
@@ -403,7 +405,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         log_path = os.path.join(tmp, "server.log")
         t_start = time.perf_counter()
-        proc, url = start_server(args.mode, args.dtype, tmp, log_path)
+        proc, url = start_server(args.mode, args.dtype, tmp, log_path, kv_memory_gib=args.kv_memory_gib)
         print(f"server up in {time.perf_counter() - t_start:.1f} s ({args.mode}, dtype {args.dtype}), pid {proc.pid}",
               flush=True)
         try:
