@@ -60,10 +60,12 @@ def profile_runner(worker: Worker, budget_s: float, steps=PROFILE_STEPS) -> list
         if len(chunks) + len(decodes) > limits.max_num_seqs or num_tokens > limits.max_num_batched_tokens:
             continue
         lengths = [c + 1 for c in decodes] + [s + n for n, s in chunks]
-        if max(lengths) > limits.max_model_len or not kv.can_allocate(sum(kv.blocks_for(n) for n in lengths)):
+        sizes = [kv.blocks_for(n) for n in lengths]
+        if max(lengths) > limits.max_model_len or not kv.can_allocate(sum(sizes)):
             continue
-        tables = [kv.allocate(kv.blocks_for(n)) for n in lengths]
-        try:
+        with kv.borrow(sum(sizes)) as pages:
+            starts = [sum(sizes[:k]) for k in range(len(sizes))]
+            tables = [pages[a:a + n] for a, n in zip(starts, sizes)]
             seqs = [SeqChunk([0], c, t) for c, t in zip(decodes, tables)]
             seqs += [SeqChunk([0] * n, s, t) for (n, s), t in zip(chunks, tables[len(decodes):])]
             t0 = time.perf_counter()
@@ -71,9 +73,6 @@ def profile_runner(worker: Worker, budget_s: float, steps=PROFILE_STEPS) -> list
             worker.device.synchronize_event(worker.device.record_event())
             if i > 0:
                 out.append((StepShape.of(chunks, decodes), time.perf_counter() - t0))
-        finally:
-            for t in tables:
-                kv.free(t)
     return out
 
 

@@ -54,8 +54,9 @@ def measure_kv_amax(model: LlamaModel, token_ids: Sequence[int],
     """(K amax per layer, V amax per layer) over one prefill of `token_ids`, in the model's dtype on `device`."""
     ids = list(token_ids)[:model.cfg.max_position_embeddings]
     scratch = KVPool(model.cfg, pages_for(len(ids), CALIBRATION_PAGE_SIZE), CALIBRATION_PAGE_SIZE, model.dtype, device)
-    recorder, pages = _AmaxRecorder(scratch, model), scratch.manager.allocate(scratch.num_pages)
-    ModelRunner(model, recorder).run([SeqChunk(ids, 0, pages, want_logits=False)])
+    recorder = _AmaxRecorder(scratch, model)
+    with scratch.manager.borrow(scratch.num_pages) as pages:
+        ModelRunner(model, recorder).run([SeqChunk(ids, 0, pages, want_logits=False)])
     k_amax, v_amax = recorder.amax.t().tolist()
     return k_amax, v_amax
 

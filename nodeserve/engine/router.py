@@ -82,27 +82,24 @@ class Router:
         """Places waiting requests, oldest first, while their decode pages can be reserved."""
         while self.pending:
             req = self.pending[0]
-            # Never the whole prompt from the cache: its last token runs again, for the first token's logits.
-            hashes = req.block_hashes[:(req.num_prompt_tokens - 1) // self.page_size]
+            hashes, n = req.block_hashes, req.num_prompt_tokens
             # Decode: a device with a free seat in its batch (so its own short prefills always find one and
             # nothing it holds waits behind the batch), then the longest cached prefix, then the most free pages.
             seats = self.num_seats_taken
             worker = max((w for w in self.decode_workers if seats[w] < w.limits.max_num_seqs),
-                         key=lambda w: (len(w.kv.lookup(hashes)), w.kv.num_free, -seats[w]), default=None)
+                         key=lambda w: (w.kv.num_cached_tokens(hashes, n), w.kv.num_free, -seats[w]), default=None)
             num_blocks = worker.kv.blocks_for(req.max_total_tokens) if worker else 0
             if worker is None or not worker.kv.can_allocate(num_blocks):  # as if nothing were cached: a bound
                 return
-            cached = worker.kv.acquire(hashes, req.num_prompt_tokens)
-            blocks = cached + worker.kv.allocate(num_blocks - len(cached))
+            blocks, num_cached_tokens = worker.kv.allocate_prompt(hashes, n, num_blocks)
             self.pending.popleft()
             self.placements[req.request_id] = worker
             seats[worker] += 1
-            num_cached_tokens = len(cached) * self.page_size
-            if self.prefill_workers and req.num_prompt_tokens - num_cached_tokens >= self.local_prefill_threshold:
+            if self.prefill_workers and n - num_cached_tokens >= self.local_prefill_threshold:
                 # Prefill: the least work ahead, counting what its own cache saves.
                 prefill = min(self.prefill_workers, key=lambda w: w.num_outstanding_prefill_tokens
-                              - len(w.kv.lookup(hashes)) * self.page_size)
-                prefill.add_prefill(req, [], Handoff(worker, blocks, len(cached)))
+                              - w.kv.num_cached_tokens(hashes, n))
+                prefill.add_prefill(req, [], Handoff(worker, blocks, num_cached_tokens // self.page_size))
             else:
                 req.num_computed_tokens = req.num_cached_tokens = num_cached_tokens
                 worker.add_prefill(req, blocks)

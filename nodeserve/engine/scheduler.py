@@ -93,10 +93,9 @@ class Scheduler:
                 if not self.kv.can_allocate(num_blocks):  # only this thread allocates here: the check holds
                     break  # FIFO: later prompts wait for pages behind this one
                 req = seq.req
-                cached = self.kv.acquire(req.block_hashes[:(req.num_prompt_tokens - 1) // self.kv.page_size],
-                                         req.num_prompt_tokens)
-                seq.block_table = cached + self.kv.allocate(num_blocks - len(cached))
-                req.num_computed_tokens = req.num_cached_tokens = len(cached) * self.kv.page_size
+                seq.block_table, req.num_cached_tokens = self.kv.allocate_prompt(
+                    req.block_hashes, req.num_prompt_tokens, num_blocks)
+                req.num_computed_tokens = req.num_cached_tokens
             n = min(seq.req.num_prompt_tokens - seq.req.num_computed_tokens, budget)
             prefills.append(seq)
             sizes.append(n)

@@ -25,14 +25,11 @@ def warmup_runner(runner: ModelRunner) -> None:
         return
     start = time.monotonic()
     num_tokens = WARMUP_PROMPT_TOKENS
-    pages = runner.pool.manager.allocate(runner.pool.manager.blocks_for(num_tokens + 1))
-    try:
-        with torch.cuda.device(runner.device):
-            runner.run([SeqChunk([0] * num_tokens, 0, pages)])      # prefill kernels
-            runner.run([SeqChunk([0], num_tokens, pages)])          # decode kernels (eager)
-            if runner.graphs is not None:
-                runner.graphs.capture()
-            torch.cuda.synchronize(runner.device)
-    finally:
-        runner.pool.manager.free(pages)
+    kv = runner.pool.manager
+    with kv.borrow(kv.blocks_for(num_tokens + 1)) as pages, torch.cuda.device(runner.device):
+        runner.run([SeqChunk([0] * num_tokens, 0, pages)])      # prefill kernels
+        runner.run([SeqChunk([0], num_tokens, pages)])          # decode kernels (eager)
+        if runner.graphs is not None:
+            runner.graphs.capture()
+        torch.cuda.synchronize(runner.device)
     log.info("%s: warmed up in %.1fs", runner.device, time.monotonic() - start)

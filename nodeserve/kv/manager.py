@@ -14,7 +14,8 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict, deque
-from typing import Iterable, Sequence
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Sequence
 
 
 class OutOfPages(Exception):
@@ -79,12 +80,24 @@ class KVManager:
     def allocate(self, num_blocks: int) -> list[int]:
         """num_blocks page ids, each with one holder; raises OutOfPages (allocating nothing) if too few are free."""
         with self._lock:
-            if num_blocks > self.num_free:
-                raise OutOfPages(f"need {num_blocks} pages, {self.num_free} free")
-            blocks = [self._free.popleft() if self._free else self._evict() for _ in range(num_blocks)]
-            for b in blocks:
-                self._refcount[b] = 1
-            return blocks
+            return self._allocate(num_blocks)
+
+    def _allocate(self, num_blocks: int) -> list[int]:
+        if num_blocks > self.num_free:
+            raise OutOfPages(f"need {num_blocks} pages, {self.num_free} free")
+        blocks = [self._free.popleft() if self._free else self._evict() for _ in range(num_blocks)]
+        for b in blocks:
+            self._refcount[b] = 1
+        return blocks
+
+    @contextmanager
+    def borrow(self, num_blocks: int) -> Iterator[list[int]]:
+        """Pages for a throwaway sequence (warm-up, profiling, calibration), given back on exit."""
+        blocks = self.allocate(num_blocks)
+        try:
+            yield blocks
+        finally:
+            self.free(blocks)
 
     def _evict(self) -> int:
         block, _ = self._evictable.popitem(last=False)
@@ -126,20 +139,33 @@ class KVManager:
         with self._lock:
             return self._match(hashes)
 
-    def acquire(self, hashes: Sequence[bytes], num_prompt_tokens: int) -> list[int]:
-        """lookup() and a holder added to each page found, in one step, so no eviction comes between them.
-        Counts num_prompt_tokens as queried (the hit rate's denominator, in tokens as vLLM counts it)."""
+    def num_cached_tokens(self, hashes: Sequence[bytes], num_prompt_tokens: int) -> int:
+        """Prompt tokens allocate_prompt() would find cached here now."""
         with self._lock:
-            blocks = self._match(hashes)
-            for b in blocks:
+            return len(self._match(hashes, num_prompt_tokens)) * self.page_size
+
+    def allocate_prompt(self, hashes: Sequence[bytes], num_prompt_tokens: int, num_blocks: int) -> tuple[list[int], int]:
+        """num_blocks pages for a request whose prompt has these page hashes: the first ones hold the longest prefix
+        cached here (shared: a holder added to each), the rest are fresh. Returns (blocks, cached prompt tokens).
+        Needs num_blocks free, as if nothing were cached; raises OutOfPages otherwise. Counts the prompt as
+        queried and the cached part as hits (in tokens, as vLLM counts them)."""
+        with self._lock:  # one step: no eviction between finding the prefix and holding it
+            if num_blocks > self.num_free:
+                raise OutOfPages(f"need {num_blocks} pages, {self.num_free} free")
+            cached = self._match(hashes, num_prompt_tokens)
+            for b in cached:
                 self._evictable.pop(b, None)
                 self._refcount[b] += 1
             if self.prefix_cache:
                 self.num_queried_tokens += num_prompt_tokens
-                self.num_hit_tokens += len(blocks) * self.page_size
-            return blocks
+                self.num_hit_tokens += len(cached) * self.page_size
+            return cached + self._allocate(num_blocks - len(cached)), len(cached) * self.page_size
 
-    def _match(self, hashes: Sequence[bytes]) -> list[int]:
+    def _match(self, hashes: Sequence[bytes], num_prompt_tokens: int | None = None) -> list[int]:
+        """The pages of the longest cached prefix of `hashes`; with num_prompt_tokens, never the page holding the
+        prompt's last token, which runs again for the first token's logits."""
+        if num_prompt_tokens is not None:
+            hashes = hashes[:(num_prompt_tokens - 1) // self.page_size]
         blocks: list[int] = []
         for h in hashes if self.prefix_cache else ():
             if (b := self._page_of.get(h)) is None:

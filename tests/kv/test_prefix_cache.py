@@ -34,10 +34,15 @@ def test_a_published_prefix_is_found_and_shared_and_the_longest_match_stops_at_t
     assert kv.num_free == 8 and kv.num_used == 0 and kv.num_cached == 3  # cached pages count as free
     other = hash_blocks(list(range(8)) + [99, 98, 97, 96], PAGE)
     assert kv.lookup(other) == blocks[:2]
-    got = kv.acquire(other, num_prompt_tokens=13)
-    assert got == blocks[:2] and kv.num_used == 2 and kv.num_free == 6
+    got, cached = kv.allocate_prompt(other, 13, 4)
+    assert got[:2] == blocks[:2] and cached == 8 and kv.num_used == 4 and kv.num_free == 4
+    assert set(got[2:]).isdisjoint(blocks)  # the cached third page is a different prefix: not reused
     assert (kv.num_queried_tokens, kv.num_hit_tokens) == (13, 8)
     kv.free(got)
+    # A prompt that ends on a page boundary never gets its last page from the cache: its last token runs again.
+    whole, cached = kv.allocate_prompt(hashes, 12, 3)
+    assert whole[:2] == blocks[:2] and whole[2] != blocks[2] and cached == 8 and kv.num_cached_tokens(hashes, 12) == 8
+    kv.free(whole)
     assert kv.num_used == 0 and kv.lookup(hashes) == blocks
 
 
@@ -48,7 +53,9 @@ def test_unpublished_pages_are_never_found_and_a_disabled_cache_finds_nothing():
     assert kv.lookup(hash_blocks(list(range(8)), PAGE)) == [] and kv.num_cached == 0
     off = KVManager(8, PAGE, prefix_cache=False)
     _, hashes = _published(off, list(range(8)))
-    assert off.lookup(hashes) == [] and off.acquire(hashes, 8) == [] and off.num_queried_tokens == 0
+    got, cached = off.allocate_prompt(hashes, 9, 3)
+    assert off.lookup(hashes) == [] and cached == 0 and off.num_queried_tokens == 0
+    off.free(got)
 
 
 def test_eviction_takes_free_pages_first_then_the_least_recently_used_cached_leaf():
@@ -66,7 +73,8 @@ def test_eviction_takes_free_pages_first_then_the_least_recently_used_cached_lea
 def test_a_held_cached_page_is_never_evicted_and_admission_counts_stay_exact():
     kv = KVManager(4, PAGE, prefix_cache=True)
     blocks, hashes = _published(kv, list(range(16)))  # the whole pool is cached, none held
-    held = kv.acquire(hashes[:2], 16)
+    held, cached = kv.allocate_prompt(hashes, 9, 2)  # 9 tokens: its first 2 pages can come from the cache
+    assert held == blocks[:2] and cached == 8
     assert kv.num_free == 2 and kv.can_allocate(2) and not kv.can_allocate(3)
     fresh = kv.allocate(2)
     assert set(fresh) == set(blocks[2:]) and kv.lookup(hashes) == held  # evicted the unheld ones only
