@@ -1,12 +1,14 @@
-"""Request: one generation as plain data (tokens, params, counts, state), and TokenEvent: what its stream receives
-after each step. Where a request runs and which pages hold its KV live in the engine's records, not here."""
+"""Request: one generation as plain data (tokens, params, counts, state); TokenEvent: what its stream receives
+after each step; RequestStream: those events as the event loop reads them. Where a request runs and which pages
+hold its KV live in the engine's records, not here."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from nodeserve.sampling_params import SamplingParams
 
@@ -70,3 +72,29 @@ class Request:
     def max_total_tokens(self) -> int:
         """Tokens whose KV may ever be needed: the last sampled token is never fed back."""
         return len(self.prompt_ids) + self.params.max_tokens - 1
+
+
+class RequestStream:
+    """The tokens of one request as they are produced; iterate with `async for`. Ends after the event
+    that carries a finish_reason: the stream closes when that event is queued, so whatever ends a request
+    (its last token, an error, an abort) reaches the reader, and later events are dropped."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.done = False  # the final event is queued
+
+    def put(self, event: TokenEvent) -> None:
+        if not self.done:
+            self.done = event.finish_reason is not None
+            self._queue.put_nowait(event)
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[TokenEvent]:
+        while True:
+            event = await self._queue.get()
+            yield event
+            if event.finish_reason is not None:
+                return

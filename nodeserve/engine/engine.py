@@ -8,7 +8,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 import torch
 
@@ -27,7 +27,7 @@ from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
 from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
 from nodeserve.model.llama import LlamaModel
 from nodeserve.model.loader import LoadedModel
-from nodeserve.request import Request, TokenEvent
+from nodeserve.request import Request, RequestStream, TokenEvent
 from nodeserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -37,32 +37,6 @@ __all__ = ["Engine", "RequestStream", "QueueFull", "TooLarge", "PromptTooLong"]
 
 class PromptTooLong(Exception):
     """The prompt does not fit in the model's context (400)."""
-
-
-class RequestStream:
-    """The tokens of one request as they are produced; iterate with `async for`. Ends after the event
-    that carries a finish_reason: the stream closes when that event is queued, so whatever ends a request
-    (its last token, an error, an abort) reaches the reader, and later events are dropped."""
-
-    def __init__(self, request: Request):
-        self.request = request
-        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self.done = False  # the final event is queued
-
-    def put(self, event: TokenEvent) -> None:
-        if not self.done:
-            self.done = event.finish_reason is not None
-            self._queue.put_nowait(event)
-
-    def __aiter__(self) -> AsyncIterator[TokenEvent]:
-        return self._iter()
-
-    async def _iter(self) -> AsyncIterator[TokenEvent]:
-        while True:
-            event = await self._queue.get()
-            yield event
-            if event.finish_reason is not None:
-                return
 
 
 @dataclass

@@ -87,7 +87,7 @@ class Router:
             # nothing it holds waits behind the batch), then the longest cached prefix, then the most free pages.
             seats = self.num_seats_taken
             worker = max((w for w in self.decode_workers if seats[w] < w.limits.max_num_seqs),
-                         key=lambda w: (w.kv.num_cached_tokens(hashes, n), w.kv.num_free, -seats[w]), default=None)
+                         key=lambda w: (len(w.kv.lookup(hashes, n)), w.kv.num_free, -seats[w]), default=None)
             num_blocks = worker.kv.blocks_for(req.max_total_tokens) if worker else 0
             if worker is None or not worker.kv.can_allocate(num_blocks):  # as if nothing were cached: a bound
                 return
@@ -98,7 +98,7 @@ class Router:
             if self.prefill_workers and n - num_cached_tokens >= self.local_prefill_threshold:
                 # Prefill: the least work ahead, counting what its own cache saves.
                 prefill = min(self.prefill_workers, key=lambda w: w.num_outstanding_prefill_tokens
-                              - w.kv.num_cached_tokens(hashes, n))
+                              - len(w.kv.lookup(hashes, n)) * self.page_size)
                 prefill.add_prefill(req, [], Handoff(worker, blocks, num_cached_tokens // self.page_size))
             else:
                 req.num_computed_tokens = req.num_cached_tokens = num_cached_tokens

@@ -3,8 +3,8 @@
 Interface in block ids: allocate / free / reserve / can_allocate / num_free, reference-counted so that a page
 can have several holders. The prefix cache sits behind the same calls, as in vLLM v1: a full page whose KV is
 written can be published under the hash of its tokens (chained over every earlier page, so a hash names the
-whole prefix); lookup() finds the longest run of a request's page hashes held here and acquire() shares those
-pages. A published page whose last holder frees it stays cached, evictable: allocate() takes free pages first,
+whole prefix); allocate_prompt() shares the longest run of a prompt's page hashes held here and allocates the
+rest. A published page whose last holder frees it stays cached, evictable: allocate() takes free pages first,
 then evicts the least recently used cached ones, and num_free counts both, so admission keeps its guarantees.
 """
 
@@ -107,11 +107,14 @@ class KVManager:
     def share(self, blocks: Iterable[int]) -> None:
         """Adds a holder to pages that are allocated or cached."""
         with self._lock:
-            for b in blocks:
-                if self._refcount[b] == 0 and b not in self._evictable:
-                    raise ValueError(f"page {b} is not allocated")
-                self._evictable.pop(b, None)
-                self._refcount[b] += 1
+            self._hold(blocks)
+
+    def _hold(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            if self._refcount[b] == 0 and b not in self._evictable:
+                raise ValueError(f"page {b} is not allocated")
+            self._evictable.pop(b, None)
+            self._refcount[b] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
         """Drops one holder of each page; a page with none left is free again, or, if published, cached.
@@ -134,15 +137,11 @@ class KVManager:
         return block
 
     # ---- the prefix cache ----------------------------------------------------------------------------------
-    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
-        """The pages holding the longest prefix of `hashes` here (no holder is added: see acquire)."""
+    def lookup(self, hashes: Sequence[bytes], num_prompt_tokens: int | None = None) -> list[int]:
+        """The pages holding the longest prefix of `hashes` here, as allocate_prompt() would share them when given
+        num_prompt_tokens (no holder is added)."""
         with self._lock:
-            return self._match(hashes)
-
-    def num_cached_tokens(self, hashes: Sequence[bytes], num_prompt_tokens: int) -> int:
-        """Prompt tokens allocate_prompt() would find cached here now."""
-        with self._lock:
-            return len(self._match(hashes, num_prompt_tokens)) * self.page_size
+            return self._match(hashes, num_prompt_tokens)
 
     def allocate_prompt(self, hashes: Sequence[bytes], num_prompt_tokens: int, num_blocks: int) -> tuple[list[int], int]:
         """num_blocks pages for a request whose prompt has these page hashes: the first ones hold the longest prefix
@@ -153,9 +152,7 @@ class KVManager:
             if num_blocks > self.num_free:
                 raise OutOfPages(f"need {num_blocks} pages, {self.num_free} free")
             cached = self._match(hashes, num_prompt_tokens)
-            for b in cached:
-                self._evictable.pop(b, None)
-                self._refcount[b] += 1
+            self._hold(cached)
             if self.prefix_cache:
                 self.num_queried_tokens += num_prompt_tokens
                 self.num_hit_tokens += len(cached) * self.page_size
