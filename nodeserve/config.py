@@ -57,10 +57,10 @@ class ServerSection:
 
 @dataclass(frozen=True)
 class DevicesSection:
-    mode: str = "disaggregated"           # disaggregated | colocated
+    mode: str = "disaggregated"           # disaggregated | colocated | adaptive
     prefill: tuple[str, ...] = ("cpu:0",)
     decode: tuple[str, ...] = ("cpu:1",)
-    devices: tuple[str, ...] = ()         # colocated mode only
+    devices: tuple[str, ...] = ()         # colocated and adaptive modes
     local_prefill_threshold: int = 0      # disaggregated: prompts shorter than this prefill on the decode device
     attention: str = "auto"               # auto | torch | flashinfer (auto: flashinfer on CUDA when it imports)
     cuda_graphs: bool = True              # CUDA + flashinfer: replay decode steps from captured graphs; false: eager
@@ -316,12 +316,18 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
             raise ConfigError(f"'{both[0]}' is listed in both 'devices.prefill' and 'devices.decode'; a device has "
                               "one role: remove it from one list, or use mode = \"colocated\"")
         names = [("devices.prefill", x) for x in d.prefill] + [("devices.decode", x) for x in d.decode]
-    elif d.mode == "colocated":
+    elif d.mode in ("colocated", "adaptive"):
         if not d.devices:
-            raise ConfigError("colocated mode needs 'devices.devices', e.g. devices = [\"cpu:0\", \"cpu:1\"]")
+            raise ConfigError(f"{d.mode} mode needs 'devices.devices', e.g. devices = [\"cpu:0\", \"cpu:1\"]")
+        if d.mode == "adaptive" and len(d.devices) < 2:
+            raise ConfigError("adaptive mode places each request on a pair of devices: list at least two in "
+                              "'devices.devices' (one device is colocated mode)")
+        if d.mode == "adaptive" and not cfg.profile.startup:
+            raise ConfigError("adaptive mode places requests with the cost model measured at start-up: "
+                              "set [profile] startup = true")
         names = [("devices.devices", x) for x in d.devices]
     else:
-        raise ConfigError(f"'devices.mode' must be \"disaggregated\" or \"colocated\", got {d.mode!r}")
+        raise ConfigError(f"'devices.mode' must be \"disaggregated\", \"colocated\" or \"adaptive\", got {d.mode!r}")
     seen = set()
     for key, name in names:
         try:

@@ -22,6 +22,8 @@ Exposed names (histograms add _bucket/_count/_sum, counters add _total):
               until a decode device has pages and a batch seat for them, so its sum is every waiting request)
               nodeserve:kv_pages_used, nodeserve:kv_pages_free,
               nodeserve:kv_cache_usage_perc (a fraction 0..1, as in vLLM)      {model_name, device}
+  counters    nodeserve:prefix_cache_queries_total, nodeserve:prefix_cache_hits_total (tokens),
+              nodeserve:device_role_changes_total (adaptive mode)               {model_name, device}
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class DeviceState:
     num_free: int
     num_prefix_queried_tokens: int = 0  # cumulative, per device: prompt tokens looked up in its prefix cache
     num_prefix_hit_tokens: int = 0      # ... and found there
+    num_role_changes: int = 0           # cumulative: role changes (adaptive mode)
 
 
 class _StateCollector(Collector):
@@ -97,6 +100,8 @@ class _StateCollector(Collector):
                                 labels=d),
             CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in a device's prefix cache.",
                                 labels=d),
+            CounterMetricFamily(PREFIX + "device_role_changes", "Role changes of a device (adaptive mode).",
+                                labels=d),
         )
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
@@ -104,7 +109,7 @@ class _StateCollector(Collector):
         return self._families()
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        running, waiting, used, free, usage, queries, hits = fams = self._families()
+        running, waiting, used, free, usage, queries, hits, role_changes = fams = self._families()
         states: Sequence[Any] = ()
         num_pending = None
         if self.source is not None:
@@ -117,22 +122,24 @@ class _StateCollector(Collector):
             waiting.add_metric([self.model_name, "router", "admission"], num_pending)
         # Sum by label set: one sample per series even if a device ever hosts two workers.
         by_role: dict[tuple[str, str], list[int]] = {}
-        by_dev: dict[str, list[int]] = {}  # pages, free, queried tokens, hit tokens
+        by_dev: dict[str, list[int]] = {}  # pages, free, queried tokens, hit tokens, role changes
         for s in states:
             r = by_role.setdefault((s.device, s.role), [0, 0])
             r[0] += s.num_running
             r[1] += s.num_waiting
-            p = by_dev.setdefault(s.device, [0, 0, 0, 0])
+            p = by_dev.setdefault(s.device, [0, 0, 0, 0, 0])
             p[0] += s.num_pages
             p[1] += s.num_free
             p[2] += getattr(s, "num_prefix_queried_tokens", 0)
             p[3] += getattr(s, "num_prefix_hit_tokens", 0)
+            p[4] += getattr(s, "num_role_changes", 0)
         for (dev, role), (n_run, n_wait) in by_role.items():
             running.add_metric([self.model_name, dev, role], n_run)
             waiting.add_metric([self.model_name, dev, role], n_wait)
-        for dev, (n_pages, n_free, n_queried, n_hit) in by_dev.items():
+        for dev, (n_pages, n_free, n_queried, n_hit, n_roles) in by_dev.items():
             queries.add_metric([self.model_name, dev], n_queried)
             hits.add_metric([self.model_name, dev], n_hit)
+            role_changes.add_metric([self.model_name, dev], n_roles)
             used.add_metric([self.model_name, dev], n_pages - n_free)
             free.add_metric([self.model_name, dev], n_free)
             usage.add_metric([self.model_name, dev], (n_pages - n_free) / n_pages if n_pages else 0.0)

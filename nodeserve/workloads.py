@@ -14,6 +14,7 @@ Workloads (lengths are inclusive ranges, drawn uniformly):
   round(long_share * n) requests are long, at seeded random positions.
 - ``summarization``: prompts 1,500–3,000 tokens, outputs 32–96.
 - ``agent``: an agent loop's many small calls: prompts 50–300 tokens, outputs 16–64.
+- ``short``: uniform short chat, bimodal's short requests alone: prompts 50–200 tokens, outputs 32–256.
 - ``multiturn``: chat conversations (`multi_turn`) for prefix-cache work: 2–6 turns each; turn 0's prompt is
   100–400 tokens (system prompt and first user message), and turn t's prompt is turn t-1's prompt + turn t-1's
   answer + a new user message of 20–150 tokens; answers (max_tokens) 32–256. The answer inside the next
@@ -59,6 +60,7 @@ WORKLOADS: dict[str, Spec] = {
     "bimodal": Spec(prompt=(50, 200), output=(32, 256), long_prompt=(1500, 3000), long_share=0.2),
     "summarization": Spec(prompt=(1500, 3000), output=(32, 96)),
     "agent": Spec(prompt=(50, 300), output=(16, 64)),
+    "short": Spec(prompt=(50, 200), output=(32, 256)),
 }
 
 

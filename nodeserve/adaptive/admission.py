@@ -17,6 +17,7 @@ from nodeserve.adaptive.placement import DeviceLoad, Placement, SloTarget, StepL
 from nodeserve.engine.router import QueueFull
 
 if TYPE_CHECKING:
+    from nodeserve.adaptive.placer import AdaptivePlacer
     from nodeserve.adaptive.profiler import Profiler
     from nodeserve.config import SloSection
     from nodeserve.engine.engine import Engine
@@ -65,18 +66,21 @@ def snapshot(router: Router, now: float) -> list[DeviceLoad]:
 
 
 class SloAdmission:
-    def __init__(self, slo: SloSection, profiler: Profiler, limits: StepLimits, local_prefill_threshold: int):
+    def __init__(self, slo: SloSection, profiler: Profiler, limits: StepLimits, local_prefill_threshold: int,
+                 placer: AdaptivePlacer | None = None):
         self.target = SloTarget(slo.ttft_s, slo.tpot_s, slo.ttft_per_token_s)
         self.reject, self.margin = slo.admission == "reject", slo.margin
         self.profiler, self.limits = profiler, limits
         self.local_prefill_threshold = local_prefill_threshold
+        self.placer = placer  # adaptive mode: predict on the roles its placement will see
         self._refined = 0.0
 
     def best(self, router: Router, req: Request, now: float) -> Placement | None:
         if now - self._refined > REFINE_INTERVAL_S:
             self.profiler.refine()
             self._refined = now
-        return choose_placement(self.profiler.model, self.limits, self.target, snapshot(router, now),
+        loads = self.placer.loads(router, req, now) if self.placer is not None else snapshot(router, now)
+        return choose_placement(self.profiler.model, self.limits, self.target, loads,
                                 req.num_prompt_tokens, req.params.max_tokens, self.local_prefill_threshold)
 
     def __call__(self, router: Router, req: Request) -> None:
@@ -92,14 +96,21 @@ class SloAdmission:
 
 def install(engine: Engine) -> Profiler:
     """At the end of Engine.warmup: the cost model (measured unless profile.startup is false) and, with a
-    profile, the router's admission hook. Returns the profiler (GET /debug/profile reads it)."""
+    profile, the router's admission hook and, in adaptive mode, its placer. Returns the profiler (GET
+    /debug/profile reads it)."""
     from nodeserve.adaptive.profiler import Profiler
+
+    from nodeserve.adaptive.placer import AdaptivePlacer
 
     cfg = engine.config
     profiler = Profiler(engine.workers)
     if cfg.profile.startup:
         profiler.measure(cfg.profile.budget_s)
-        engine.router.admission = SloAdmission(
-            cfg.slo, profiler, StepLimits(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs),
-            cfg.devices.local_prefill_threshold)
+        limits = StepLimits(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
+        if cfg.devices.mode == "adaptive":
+            engine.router.placer = AdaptivePlacer(profiler, limits, SloTarget(cfg.slo.ttft_s, cfg.slo.tpot_s,
+                                                                               cfg.slo.ttft_per_token_s),
+                                                  engine.workers)
+        engine.router.admission = SloAdmission(cfg.slo, profiler, limits, cfg.devices.local_prefill_threshold,
+                                               engine.router.placer)
     return profiler

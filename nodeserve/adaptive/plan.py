@@ -133,15 +133,6 @@ def config_devices(config: Config) -> list[str]:
     return list(config.prefill_devices + config.decode_devices)
 
 
-def mode_supported(mode: Mode) -> bool:
-    """Whether this build's config accepts the mode's [devices] section."""
-    try:
-        config_from_dict({"devices": mode.devices_section()}, check_devices=False)
-        return True
-    except ConfigError:
-        return False
-
-
 def plan(config: Config, cost: CostModel, wl: WorkloadPlan) -> dict:
     """Predicted goodput of every candidate mode, attainment at the asked rates, and the recommendation."""
     devices = config_devices(config)
@@ -160,13 +151,11 @@ def plan(config: Config, cost: CostModel, wl: WorkloadPlan) -> dict:
         at = {r: attainment(cost, mode, limits, wl.slo, reqs,
                             workloads.arrival_times("poisson", len(reqs), r, wl.seed), **kw) for r in wl.rates}
         rows.append({"mode": mode.name, "roles": mode.roles, "goodput": g.goodput or 0.0, "status": g.status,
-                     "attainment": at, "config": mode.config_lines(), "supported": mode_supported(mode)})
+                     "attainment": at, "config": mode.config_lines()})
     best = max(rows, key=lambda r: r["goodput"])
-    best_static = max((r for r in rows if r["supported"]), key=lambda r: r["goodput"], default=None)
     return {"workload": wl.describe(), "slo": {"ttft_s": wl.slo.ttft_s, "ttft_per_token_s": wl.slo.ttft_per_token_s,
                                                "tpot_s": wl.slo.tpot_s, "target": wl.target},
-            "modes": rows, "recommended": best["mode"],
-            "recommended_supported": best_static["mode"] if best_static else None}
+            "modes": rows, "recommended": best["mode"]}
 
 
 def format_report(result: dict, cost: CostModel) -> list[str]:
@@ -185,13 +174,8 @@ def format_report(result: dict, cost: CostModel) -> list[str]:
     lines += [head, "-" * len(head)]
     for row in result["modes"]:
         g = {"below_min": "< 0.001", "at_max": f">= {row['goodput']:.3f}"}.get(row["status"], f"{row['goodput']:.3f}")
-        lines.append(f"{row['mode']:<12} {g:>16}" + "".join(f" {row['attainment'][r]:>12.0%}" for r in rates)
-                     + ("" if row["supported"] else "  (not in this build)"))
+        lines.append(f"{row['mode']:<12} {g:>16}" + "".join(f" {row['attainment'][r]:>12.0%}" for r in rates))
     by = {row["mode"]: row for row in result["modes"]}
     rec = by[result["recommended"]]
     lines += ["", f"recommended: {rec['mode']}", "[devices]", *rec["config"]]
-    sup = result["recommended_supported"]
-    if not rec["supported"] and sup is not None:
-        lines += [f"this build's engine does not run {rec['mode']} yet; its best mode is {sup} "
-                  f"({by[sup]['goodput']:.3f} req/s):", "[devices]", *by[sup]["config"]]
     return lines

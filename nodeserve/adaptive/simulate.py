@@ -4,7 +4,7 @@ It replays what engine/router.py and engine/worker.py do, with step times from t
 the router reserves a decode seat and `prompt + max_tokens - 1` tokens of KV (the device with the most free,
 then the fewest requests; FIFO when none has room), sends the prompt to the prefill device with the fewest
 queued prompt tokens (or prefills it on the decode device: colocated, or under the conditional threshold), or,
-in adaptive mode, places it with placement.choose_placement. Each device runs steps back to back while it has
+in adaptive mode, places it as adaptive/placer.py does: placement.choose_placement on the roles.RolePolicy roles. Each device runs steps back to back while it has
 work: every running decode (up to max_num_seqs) plus prefill chunks FIFO within max_num_batched_tokens. A
 prefill's last chunk gives the first token at the step's end; its KV then lands on the decode device after the
 transfer's tail. Requests produce exactly max_tokens tokens (the benchmark sends ignore_eos). Scored with
@@ -24,6 +24,7 @@ from typing import Sequence
 from nodeserve import goodput
 from nodeserve.adaptive.cost_model import CostModel, StepShape
 from nodeserve.adaptive.placement import DeviceLoad, SloTarget, StepLimits, choose_placement
+from nodeserve.adaptive.roles import RoleChange, RolePolicy
 
 PREFILL_WINDOW_S = 10.0  # as admission.PREFILL_WINDOW_S: the adaptive rule sees the same prefill share
 
@@ -107,6 +108,9 @@ class Simulation:
         self.cost, self.mode, self.limits, self.slo = cost, mode, limits, slo
         self.threshold = local_prefill_threshold
         self.devices = {d: SimDevice(d, r, capacity_tokens) for d, r in mode.roles.items()}
+        adaptive = [d for d, r in mode.roles.items() if r == "adaptive"]
+        self.policy = RolePolicy(cost, limits, slo, adaptive) if adaptive else None
+        self.role_changes: list[RoleChange] = []
         self.pending: deque[SimRequest] = deque()
         self._events: list = []
         self._seq = itertools.count()
@@ -125,6 +129,8 @@ class Simulation:
 
     # ---- router ------------------------------------------------------------------------------------------
     def _arrive(self, r: SimRequest) -> None:
+        if self.policy is not None:
+            self.policy.observe(self.now, r.prompt_len)
         self.pending.append(r)
         self._dispatch()
 
@@ -134,14 +140,20 @@ class Simulation:
 
     def _place(self, r: SimRequest) -> tuple[str, str] | None:
         devs = list(self.devices.values())
-        if self.mode.roles and "adaptive" in self.mode.roles.values():
-            loads = [DeviceLoad(d.name, d.role, d.queued_prefill_tokens, len(d.running),
-                                sum(x.context for x in d.running),
-                                self.limits.max_num_seqs - d.num_assigned if self._fits(d, r) else 0,
-                                d.prefill_share(self.now), d.capacity_tokens - d.reserved_tokens) for d in devs]
-            pl = choose_placement(self.cost, self.limits, self.slo, loads, r.prompt_len, r.max_tokens,
-                                  self.threshold)
-            return None if pl is None else (pl.prefill, pl.decode)
+        if self.policy is not None:  # as adaptive/placer.py places
+            def loads() -> list[DeviceLoad]:
+                return [DeviceLoad(d.name, d.role, d.queued_prefill_tokens, len(d.running),
+                                   sum(x.context for x in d.running),
+                                   self.limits.max_num_seqs - d.num_assigned if self._fits(d, r) else 0,
+                                   d.prefill_share(self.now), d.capacity_tokens - d.reserved_tokens) for d in devs]
+            self._apply(self.policy.update(self.now, loads()))
+            while True:
+                pl = choose_placement(self.cost, self.limits, self.slo,
+                                      self.policy.request_loads(loads(), self.policy.is_long(r.prompt_len)),
+                                      r.prompt_len, r.max_tokens)
+                if pl is not None or not self.policy.prefill:
+                    return None if pl is None else (pl.prefill, pl.decode)
+                self._apply([self.policy.give_back(self.now, loads(), "no decode seat")])
         decoders = [d for d in devs if d.role in ("decode", "colocated") and self._fits(d, r)]
         if not decoders:
             return None
@@ -150,6 +162,11 @@ class Simulation:
         if prefillers and r.prompt_len >= self.threshold:
             return min(prefillers, key=lambda d: d.queued_prefill_tokens).name, dec.name
         return dec.name, dec.name
+
+    def _apply(self, changes: list[RoleChange]) -> None:
+        for c in changes:
+            self.devices[c.device].role = c.role
+            self.role_changes.append(c)
 
     def _dispatch(self) -> None:
         while self.pending:

@@ -49,6 +49,7 @@ class PoolStats:
     num_waiting: int
     num_prefix_queried_tokens: int
     num_prefix_hit_tokens: int
+    num_role_changes: int
 
 
 class Engine:
@@ -113,14 +114,17 @@ class Engine:
                           self._emit_batch_threadsafe, self._released_threadsafe)
 
         self.prefill_workers = [make_worker(n, Role.PREFILL) for n in cfg.prefill_devices]
-        role = Role.DECODE if self.prefill_workers else Role.COLOCATED
+        adaptive = cfg.devices.mode == "adaptive"
+        role = Role.DECODE if self.prefill_workers else Role.ADAPTIVE if adaptive else Role.COLOCATED
         self.decode_workers = [make_worker(n, role) for n in cfg.decode_devices]
-        for p in self.prefill_workers:
-            for d in self.decode_workers:
-                t = KVTransfer(p.device, p.pool, d.device, d.pool,
-                               lambda blocks, read, p=p: p.send(FreePages(blocks, read)), self.on_transfer)
-                p.transfers[d] = t
-                self.transfers.append(t)
+        # Adaptive mode: any device may prefill for any other.
+        pairs = [(p, d) for p in (self.decode_workers if adaptive else self.prefill_workers)
+                 for d in self.decode_workers if p is not d]
+        for p, d in pairs:
+            t = KVTransfer(p.device, p.pool, d.device, d.pool,
+                           lambda blocks, read, p=p: p.send(FreePages(blocks, read)), self.on_transfer)
+            p.transfers[d] = t
+            self.transfers.append(t)
         self.router = Router(self.prefill_workers, self.decode_workers,
                              cfg.devices.local_prefill_threshold, cfg.server.max_waiting,
                              cfg.server.max_queued_tokens)
@@ -232,8 +236,15 @@ class Engine:
 
     # ---- introspection -------------------------------------------------------------------------------
     def pool_stats(self) -> list[PoolStats]:
+        placer = self.router.placer if self.router else None
         return [PoolStats(w.name, w.role, w.kv.num_usable, w.kv.num_free, len(w.scheduler.running),
-                          len(w.scheduler.waiting), w.kv.num_queried_tokens, w.kv.num_hit_tokens) for w in self.workers]
+                          len(w.scheduler.waiting), w.kv.num_queried_tokens, w.kv.num_hit_tokens,
+                          placer.num_changes[w.name] if placer else 0) for w in self.workers]
+
+    def role_changes(self, since: float = 0.0) -> list[list]:
+        """Adaptive mode's role changes at or after `since`: [time, device, new role, reason] (server clock)."""
+        placer = self.router.placer if self.router else None
+        return [[c.time, c.device, c.role, c.reason] for c in (placer.changes if placer else ()) if c.time >= since]
 
     def dead_threads(self) -> list[str]:
         """Workers and transfers whose thread died: what they hold never moves again (/health answers 503)."""

@@ -8,7 +8,7 @@ for space and an abort has exactly one reservation to give back. The router's re
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Callable
+from typing import Any, Callable
 
 from nodeserve.engine.scheduler import Handoff
 from nodeserve.engine.worker import Worker
@@ -27,6 +27,8 @@ class TooLarge(Exception):
 class Router:
     # Called as admission(router, req) before a request queues; may raise QueueFull (adaptive/admission.py).
     admission: Callable[[Router, Request], None] | None = None
+    # adaptive mode: observe(req) at admission, place(router, req) -> (prefill, decode) or None (adaptive/placer.py).
+    placer: Any = None
 
     def __init__(self, prefill_workers: list[Worker], decode_workers: list[Worker],
                  local_prefill_threshold: int, max_waiting: int, max_queued_tokens: int):
@@ -66,6 +68,8 @@ class Router:
         if self.num_queued_tokens + req.num_prompt_tokens > self.max_queued_tokens:
             raise QueueFull(f"{self.num_queued_tokens} prompt tokens are already queued")
         req.block_hashes = hash_blocks(req.prompt_ids, self.page_size)
+        if self.placer is not None:
+            self.placer.observe(req)
         if self.admission is not None:
             self.admission(self, req)
         self.pending.append(req)
@@ -83,22 +87,28 @@ class Router:
         while self.pending:
             req = self.pending[0]
             hashes, n = req.block_hashes, req.num_prompt_tokens
-            # Decode: a device with a free seat in its batch (so its own short prefills always find one and
-            # nothing it holds waits behind the batch), then the longest cached prefix, then the most free pages.
-            seats = self.num_seats_taken
-            worker = max((w for w in self.decode_workers if seats[w] < w.limits.max_num_seqs),
-                         key=lambda w: (len(w.kv.lookup(hashes, n)), w.kv.num_free, -seats[w]), default=None)
+            if self.placer is not None:
+                placed = self.placer.place(self, req)
+                prefill, worker = placed if placed is not None else (None, None)
+            else:
+                # Decode: a device with a free seat in its batch (so its own short prefills always find one and
+                # nothing it holds waits behind the batch), then the longest cached prefix, then the most free pages.
+                seats = self.num_seats_taken
+                prefill, worker = None, max((w for w in self.decode_workers if seats[w] < w.limits.max_num_seqs),
+                                            key=lambda w: (len(w.kv.lookup(hashes, n)), w.kv.num_free, -seats[w]),
+                                            default=None)
             num_blocks = worker.kv.blocks_for(req.max_total_tokens) if worker else 0
             if worker is None or not worker.kv.can_allocate(num_blocks):  # as if nothing were cached: a bound
                 return
             blocks, num_cached_tokens = worker.kv.allocate_prompt(hashes, n, num_blocks)
             self.pending.popleft()
             self.placements[req.request_id] = worker
-            seats[worker] += 1
-            if self.prefill_workers and n - num_cached_tokens >= self.local_prefill_threshold:
+            self.num_seats_taken[worker] += 1
+            if prefill is None and self.prefill_workers and n - num_cached_tokens >= self.local_prefill_threshold:
                 # Prefill: the least work ahead, counting what its own cache saves.
                 prefill = min(self.prefill_workers, key=lambda w: w.num_outstanding_prefill_tokens
                               - len(w.kv.lookup(hashes, n)) * self.page_size)
+            if prefill is not None and prefill is not worker:
                 prefill.add_prefill(req, [], Handoff(worker, blocks, num_cached_tokens // self.page_size))
             else:
                 req.num_computed_tokens = req.num_cached_tokens = num_cached_tokens

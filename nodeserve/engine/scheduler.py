@@ -84,14 +84,17 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         decodes = self.running[:self.limits.max_num_seqs]
         budget = self.limits.max_num_batched_tokens - len(decodes)
-        prefills, sizes = [], []
+        prefills, sizes, starved = [], [], False
         for seq in self.waiting:
             if budget <= 0 or len(decodes) + len(prefills) >= self.limits.max_num_seqs:
                 break
             if not seq.block_table:  # prefilled here for another device: its prompt's pages, taken when it starts
                 num_blocks = self.kv.blocks_for(seq.req.num_prompt_tokens)
-                if not self.kv.can_allocate(num_blocks):  # only this thread allocates here: the check holds
-                    break  # FIFO: later prompts wait for pages behind this one
+                # Only this thread allocates here: the check holds. FIFO among these prompts: later ones wait
+                # behind this one; prompts with their pages (decoding here, adaptive mode) still go ahead.
+                if starved or not self.kv.can_allocate(num_blocks):
+                    starved = True
+                    continue
                 req = seq.req
                 seq.block_table, req.num_cached_tokens = self.kv.allocate_prompt(
                     req.block_hashes, req.num_prompt_tokens, num_blocks)

@@ -4,7 +4,9 @@ A worker can prefill, decode, or both:
   - a prefill worker (disaggregated) runs prompts in chunks on its own pool, samples the first token,
     and streams the KV layer by layer to the decode device through a KVTransfer;
   - a decode worker runs the continuous decode batch; it prefills only prompts the router sends it
-    (colocated mode, or prompts under the conditional threshold), with chunks mixed into decode steps.
+    (colocated mode, or prompts under the conditional threshold), with chunks mixed into decode steps;
+  - an adaptive worker does both, each request as the router placed it. Its role (which the router reads and
+    changes) never enters its step loop.
 One turn: inbox -> drop aborted -> schedule -> forward -> sample -> postprocess -> emit and hand off.
 """
 
@@ -37,6 +39,7 @@ class Role(enum.StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     COLOCATED = "colocated"
+    ADAPTIVE = "adaptive"  # decodes, prefills what it decodes, and may prefill for another device
 
 
 @dataclass
@@ -87,7 +90,7 @@ class Worker:
         self.limits = limits
         self.scheduler = Scheduler(self.kv, limits, eos_token_ids)
         self._emit_batch, self._on_released = emit_batch, on_released
-        self.transfers: dict[Worker, KVTransfer] = {}  # decode worker -> transfer, on prefill workers
+        self.transfers: dict[Worker, KVTransfer] = {}  # decode worker -> transfer, on workers that prefill for others
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.num_outstanding_prefill_tokens = 0        # router's load signal for prefill placement

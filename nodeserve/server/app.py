@@ -233,8 +233,9 @@ async def debug_kv(request: web.Request) -> web.Response:
 
 
 async def debug_steps(request: web.Request) -> web.Response:
-    """Every device's recent steps, [start, end, prefill tokens, decodes] in the server's monotonic clock, and
-    every transfer's copies, [start, end, bytes]: the raw material of a per-device timeline."""
+    """Every device's recent steps, [start, end, prefill tokens, decodes] in the server's monotonic clock, every
+    transfer's copies, [start, end, bytes], and adaptive mode's role changes, [time, device, role, reason]: the
+    raw material of a per-device timeline."""
     state = _state(request)
     if state.engine is None or state.engine.router is None:
         raise P.APIError(503, "the server is loading the model")
@@ -264,7 +265,8 @@ async def debug_steps(request: web.Request) -> web.Response:
         first = bisect.bisect_left(records, since, key=lambda c: c[1])
         transfers.append({"name": t.name, "truncated": first + limit < len(records),
                           "copies": [list(c) for c in records[first:first + limit]]})
-    return web.json_response({"now": now, "devices": devices, "transfers": transfers})
+    return web.json_response({"now": now, "devices": devices, "transfers": transfers,
+                              "role_changes": engine.role_changes(since)[-limit:]})
 
 
 async def debug_profile(request: web.Request) -> web.Response:

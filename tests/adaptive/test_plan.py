@@ -56,16 +56,16 @@ def test_bad_workload_files_name_the_key(raw, match):
         workload_from_dict(raw, config())
 
 
-def test_plan_report_recommends_and_says_what_this_build_runs():
+def test_plan_report_recommends_the_best_mode_with_its_config():
     wl = workload_from_dict({"name": "agent", "num_requests": 40, "rates": [0.5]}, config())
     result = plan(config(), profile(), wl)
     assert [r["mode"] for r in result["modes"]] == ["colocated", "1P:1D", "adaptive"]
     by = {r["mode"]: r for r in result["modes"]}
     assert by["colocated"]["goodput"] > by["1P:1D"]["goodput"] > 0
-    assert not by["adaptive"]["supported"] and by["colocated"]["supported"]  # no adaptive engine yet
-    assert result["recommended"] == max(result["modes"], key=lambda r: r["goodput"])["mode"]
+    best = max(result["modes"], key=lambda r: r["goodput"])
+    assert result["recommended"] == best["mode"]
     text = "\n".join(format_report(result, profile()))
-    assert "recommended:" in text and 'mode = "colocated"' in text
+    assert f"recommended: {best['mode']}" in text and f'mode = "{best["mode"]}"'.replace('"1P:1D"', '"disaggregated"') in text
 
 
 def test_plan_needs_every_device_in_the_profile():

@@ -97,3 +97,19 @@ def test_short_uniform_chat_prefers_colocated_to_a_split():
     by = {m.name: predict_goodput(cost(CPU), m, LIMITS, SLO, work).goodput for m in candidate_modes(["a", "b"])}
     assert by["colocated"] > by["1P:1D"]
     assert by["adaptive"] >= 0.95 * by["colocated"]
+
+
+def _run(work, mode, rate, coef=CPU):
+    from nodeserve.adaptive.simulate import SimRequest, Simulation
+
+    sim = Simulation(cost(coef), mode, LIMITS, SLO)
+    sim.run([SimRequest(t, p, m) for (p, m), t in zip(work, workloads.arrival_times("poisson", len(work), rate))])
+    return sim
+
+
+def test_adaptive_dedicates_a_device_to_long_prompts_and_never_for_short_ones():
+    adaptive = candidate_modes(["a", "b"])[-1]
+    bimodal = _run(_work("bimodal"), adaptive, 0.2)
+    assert bimodal.role_changes and bimodal.role_changes[0].role == "prefill"
+    short = _run(_work("short"), adaptive, 0.5)
+    assert short.role_changes == []
