@@ -12,26 +12,28 @@ import urllib.request
 MODES = {
     "disaggregated": 'mode = "disaggregated"\nprefill = ["cpu:0"]\ndecode = ["cpu:1"]',
     "colocated": 'mode = "colocated"\ndevices = ["cpu:0", "cpu:1"]',
+    "adaptive": 'mode = "adaptive"\ndevices = ["cpu:0", "cpu:1"]',
 }
 
 
 def start_server(mode: str, dtype: str, tmp: str, log_path: str | None = None,
                  model_name: str = "m", model_extra: str = "", kv_memory_gib: float = 2.0,
-                 kv_extra: str = "") -> tuple[subprocess.Popen, str]:
+                 kv_extra: str = "", extra: str = "") -> tuple[subprocess.Popen, str]:
     """Writes a config for `mode` into `tmp`, starts the server and returns (process, base url).
 
     model_extra, kv_extra: more TOML lines for the [model] and [kv] tables, e.g. 'quantization = "int8"'.
     kv_memory_gib: each device's KV pool (float32 KV: 2 GiB a device holds ~46k tokens of SmolLM2).
+    extra: more TOML after the [kv] table, e.g. an [slo] table.
     """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    path = os.path.join(tmp, f"{mode}-{abs(hash(model_extra + kv_extra))}.toml")
+    path = os.path.join(tmp, f"{mode}-{abs(hash(model_extra + kv_extra + extra))}.toml")
     with open(path, "w") as f:
         f.write(f'[model]\npath = "smollm2-135m-instruct"\nname = "{model_name}"\ndtype = "{dtype}"\n'
                 + (model_extra.strip() + "\n" if model_extra.strip() else "") +
                 f'[server]\nport = {port}\n[devices]\n{MODES[mode]}\n[kv]\nmemory_gib = {kv_memory_gib}\n'
-                f'{kv_extra.strip()}\n')
+                f'{kv_extra.strip()}\n{extra}')
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, "-m", "nodeserve", "run", "--config", path],
                             stdout=out, stderr=subprocess.STDOUT)

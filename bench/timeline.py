@@ -8,7 +8,8 @@ labelled intervals on a common axis (seconds since the run started, in the serve
   ``decode`` (a step with neither cannot happen; it would count as ``idle``);
 - the gaps between a device's steps, and before its first and after its last step inside the window, are
   ``idle``;
-- each transfer gets its own row of ``transfer`` intervals.
+- each transfer gets its own row of ``transfer`` intervals;
+- in adaptive mode, a strip over each device's row shows its role (``role_spans``, from the role changes).
 
 The busy share of a row is the time covered by its non-idle intervals over the window length, also split by
 kind. The parsing, classification and shares are pure (tested on synthetic records in
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 KINDS = ("prefill", "decode", "mixed", "transfer", "idle")
 COLORS = {"prefill": "tab:orange", "decode": "tab:blue", "mixed": "tab:purple", "transfer": "tab:green",
           "idle": "#eeeeee"}
+ROLE_COLORS = {"adaptive": "tab:gray", "prefill": "tab:red"}
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,25 @@ def parse(snapshot: dict, t0: float, t1: float | None = None) -> list[Row]:
     return rows
 
 
+def role_spans(snapshot: dict, t0: float, t1: float) -> dict[str, list[tuple[float, float, str]]]:
+    """Adaptive mode: each device's roles over [t0, t1] as (start, end, role), seconds since t0, from the
+    snapshot's role changes ([time, device, role, reason]). A device alternates between "adaptive" and
+    "prefill", so its role before its first change in the window is the other one; a device with no change
+    keeps the role the snapshot gives it."""
+    out = {}
+    for dev in snapshot.get("devices", ()):
+        changes = [(t, r) for t, d, r, _ in snapshot.get("role_changes", ()) if d == dev["device"] and t <= t1]
+        role = ({"prefill": "adaptive", "adaptive": "prefill"}[changes[0][1]] if changes else dev["role"])
+        spans, cursor = [], t0
+        for t, r in changes:
+            if t > cursor:
+                spans.append((cursor - t0, t - t0, role))
+            cursor, role = max(cursor, t), r
+        spans.append((cursor - t0, t1 - t0, role))
+        out[dev["device"]] = spans
+    return out
+
+
 def _union_length(intervals: list[Interval]) -> float:
     total, cursor = 0.0, float("-inf")
     for iv in sorted(intervals, key=lambda i: i.start):
@@ -143,8 +164,9 @@ def server_now(url: str) -> float:
     return fetch(url, since=1e18)["now"]
 
 
-def plot(rows: list[Row], path: str, title: str = "") -> str:
-    """One broken_barh row per device / transfer, coloured by kind, x = seconds since the window start."""
+def plot(rows: list[Row], path: str, title: str = "", roles: dict | None = None) -> str:
+    """One broken_barh row per device / transfer, coloured by kind, x = seconds since the window start; with
+    `roles` (role_spans), a strip over each device's row shows its role (adaptive mode)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,7 +179,11 @@ def plot(rows: list[Row], path: str, title: str = "") -> str:
         for kind in KINDS:
             bars = [(i.start, i.end - i.start) for i in row.intervals if i.kind == kind]
             if bars:
-                ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=COLORS[kind], linewidth=0)
+                ax.broken_barh(bars, (y - 0.35, 0.55), facecolors=COLORS[kind], linewidth=0)
+        for role, color in ROLE_COLORS.items():
+            spans = [(s, e - s) for s, e, r in (roles or {}).get(row.label.split(" ")[0], ()) if r == role]
+            if spans:
+                ax.broken_barh(spans, (y + 0.24, 0.14), facecolors=color, linewidth=0)
     labels = []
     for row in reversed(rows):
         sh = busy_shares(row)
@@ -167,14 +193,22 @@ def plot(rows: list[Row], path: str, title: str = "") -> str:
     ax.set_xlim(0, end)
     ax.set_xlabel("seconds since run start (server clock)")
     # the legend sits in its own strip under the axis label
-    fig.legend(handles=[Patch(color=COLORS[k], label=k) for k in KINDS], loc="lower center", ncol=len(KINDS),
-               frameon=False)
+    handles = [Patch(color=COLORS[k], label=k) for k in KINDS]
+    if roles:
+        handles += [Patch(color=c, label=f"role: {r}") for r, c in ROLE_COLORS.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
     if title:
         ax.set_title(title)
     fig.tight_layout(rect=(0, 0.4 / height, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_snapshot(snapshot: dict, path: str, title: str = "") -> str:
+    """The whole snapshot (from its first step to its "now"), with the devices' roles."""
+    t0 = min((s[0] for d in snapshot["devices"] for s in d["steps"]), default=snapshot["now"])
+    return plot(parse(snapshot, t0), path, title, role_spans(snapshot, t0, snapshot["now"]))
 
 
 def main() -> int:
@@ -186,9 +220,10 @@ def main() -> int:
     snap = fetch(args.url, args.since)
     t0 = args.since or min((s[0] for d in snap["devices"] for s in d["steps"]), default=snap["now"])
     rows = parse(snap, t0)
+    roles = role_spans(snap, t0, snap["now"]) if snap.get("role_changes") else None
     for label, sh in summary(rows).items():
         print(f"{label:<28} " + "  ".join(f"{k} {v * 100:5.1f} %" for k, v in sh.items()))
-    print(f"-> {plot(rows, args.out)}")
+    print(f"-> {plot(rows, args.out, roles=roles)}")
     return 0
 
 

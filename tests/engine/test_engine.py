@@ -102,7 +102,9 @@ def test_aborts_free_pages_on_both_devices_at_every_stage(loaded_fp32, prompt_id
     async def body(engine):
         streams = []
         for i in range(12):
-            streams.append(engine.add_request(long_prompt if i % 2 else prompt_ids[i % 8], _greedy(max_tokens=200)))
+            # The aborted ones run long enough to be aborted mid-decode; the two that finish need not.
+            streams.append(engine.add_request(long_prompt if i % 2 else prompt_ids[i % 8],
+                                              _greedy(max_tokens=200 if i < 10 else 24)))
         # Abort some immediately (pending or mid-prefill), some after a few tokens (decoding).
         for s in streams[:4]:
             engine.abort(s)

@@ -19,7 +19,8 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp_dir, devices: str, extra: str = "", quantization: str = "none"):
+    def __init__(self, tmp_dir, devices: str, extra: str = "", quantization: str = "none", profile: bool = False):
+        profile = profile or "adaptive" in devices  # adaptive mode places requests with the profile
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = os.path.join(tmp_dir, "nodeserve.toml")
@@ -38,7 +39,7 @@ port = {self.port}
 {devices}
 [kv]
 memory_gib = 1.0
-""")
+""" + ("" if "[profile]" in extra + devices else f"[profile]\nstartup = {str(profile).lower()}\n"))
         self.log = open(os.path.join(tmp_dir, "server.log"), "w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "nodeserve", "run", "--config", self.config],
                                      stdout=self.log, stderr=subprocess.STDOUT)
@@ -72,7 +73,10 @@ memory_gib = 1.0
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("disagg"), 'mode = "disaggregated"\nprefill = ["cpu:0"]\ndecode = ["cpu:1"]')
+    # The one server with the start-up profile (GET /debug/profile, SLO admission's predictions); the others skip
+    # its ~2 s.
+    s = Server(tmp_path_factory.mktemp("disagg"), 'mode = "disaggregated"\nprefill = ["cpu:0"]\ndecode = ["cpu:1"]',
+               profile=True)
     yield s
     s.stop()
 
@@ -90,13 +94,13 @@ def make_server(tmp_path):
     started = []
 
     def make(extra: str = "", devices: str = 'mode = "disaggregated"\nprefill = ["cpu:0"]\ndecode = ["cpu:1"]',
-             env: dict | None = None, quantization: str = "none") -> Server:
+             env: dict | None = None, quantization: str = "none", profile: bool = False) -> Server:
         sub = tmp_path / f"server{len(started)}"
         sub.mkdir()
         old = dict(os.environ)
         os.environ.update(env or {})
         try:
-            s = Server(sub, devices, extra, quantization)
+            s = Server(sub, devices, extra, quantization, profile)
         finally:
             os.environ.clear()
             os.environ.update(old)

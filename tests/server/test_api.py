@@ -233,7 +233,8 @@ def test_disconnects_aborts_and_failures_leave_no_pages(server, prompt_ids):
 def test_64_concurrent_streams_with_bimodal_prompts(server, loaded_fp32):
     rng = random.Random(0)
     vocab = range(300, 40000)
-    lengths = [rng.randint(50, 200) for _ in range(60)] + [rng.randint(1900, 2100) for _ in range(4)]
+    # 60 short prompts and 4 of two prefill chunks (max_num_batched_tokens = 1024)
+    lengths = [rng.randint(30, 120) for _ in range(60)] + [rng.randint(1100, 1300) for _ in range(4)]
     rng.shuffle(lengths)
     prompts = [[rng.choice(vocab) for _ in range(n)] for n in lengths]
     max_tokens = [rng.randint(8, 24) for _ in range(64)]
@@ -298,3 +299,25 @@ def test_a_repeated_prefix_is_served_from_the_cache_and_reported_as_openai_and_v
     # The prefill device counted the same tokens as hits (vLLM's metric names, in tokens).
     assert _counter(server, "prefix_cache_hits_total", "cpu:0") - hits == cached
     _assert_pools_whole(server)
+
+
+def test_adaptive_mode_matches_transformers_and_reports_its_role_changes(make_server, loaded_fp32, chat_prompts,
+                                                                        hf_greedy):
+    # A TPOT target of 2 ms makes every prompt here "long" (its prefill outlasts 32 TPOTs): one device is
+    # dedicated to prefill at the first request, and every answer's KV crosses to the other.
+    server = make_server('[slo]\ntpot_s = 0.002\n', devices='mode = "adaptive"\ndevices = ["cpu:0", "cpu:1"]')
+    client = _client(server)
+    for i, text in enumerate(chat_prompts):
+        r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": text}],
+                                           extra_body={"ignore_eos": True}, **GREEDY)
+        assert r.choices[0].message.content == loaded_fp32.tokenizer.decode(hf_greedy[i])
+    _assert_pools_whole(server)
+    with urllib.request.urlopen(server.url + "/debug/steps") as r:
+        steps = json.load(r)
+    assert [c[2] for c in steps["role_changes"]] == ["prefill"]
+    assert {d["role"] for d in steps["devices"]} == {"prefill", "adaptive"}
+    assert sum(len(t["copies"]) for t in steps["transfers"]) > 0
+    with urllib.request.urlopen(server.url + "/metrics") as r:
+        metrics = r.read().decode()
+    device = steps["role_changes"][0][1]
+    assert f'nodeserve:device_role_changes_total{{device="{device}",model_name="smollm2"}} 1.0' in metrics

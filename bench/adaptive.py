@@ -1,0 +1,180 @@
+"""Adaptive serving against the static modes on the real server: goodput per mode and workload, `nodeserve plan`'s
+prediction of each, SLO admission under overload, and the timeline of role changes.
+
+1. For each mode (colocated, disaggregated 1P:1D, adaptive) it starts a server (bench/local_server.py), warms it,
+   reads its cost model (GET /debug/profile) and, per workload (default: bimodal chat and uniform short chat):
+   predicts the goodput with the simulator behind `nodeserve plan` (adaptive/simulate.py), then measures it with
+   a goodput search (goodput.goodput_search: from the prediction, brackets by `--growth`, bisects; at most
+   `--max-probes` probes), each probe `--requests` requests of the seeded workload at Poisson arrivals
+   (bench/serve.py). The adaptive server's steps and role changes during its highest-rate bimodal probe are kept
+   for the timeline plot (`--plot`).
+2. With `--admission`, an adaptive server with `[slo] admission = "reject"` takes bimodal at the adaptive
+   goodput found in 1 (the sustainable rate) and at twice it: the attainment of the requests it admitted, how
+   many it refused (503 + Retry-After) and the SLO-meeting requests per second, at both rates.
+
+    python bench/adaptive.py                             # ~40 min on the 2-core CPU machine
+    python bench/adaptive.py --modes adaptive --workloads short --requests 12 --max-probes 2
+
+SLO (default): TTFT <= 25 ms per prompt token, TPOT <= 90 ms: bench/compare.py's derived SLO of 2026-11-23
+(5 x the best unloaded figures, 4.97 ms/token and 17.8 ms), rounded. Writes --out (JSON) and the plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import serve  # noqa: E402
+import stats as S  # noqa: E402
+import timeline  # noqa: E402
+import workloads as W  # noqa: E402
+from local_server import start_server  # noqa: E402
+from plan_check import fetch_profile  # noqa: E402
+
+from nodeserve.adaptive.cost_model import CostModel  # noqa: E402
+from nodeserve.adaptive.placement import SloTarget, StepLimits  # noqa: E402
+from nodeserve.adaptive.simulate import Mode, attainment, predict_goodput  # noqa: E402
+from nodeserve.config import SchedulerSection  # noqa: E402
+
+MODES = {"colocated": Mode("colocated", {"cpu:0": "colocated", "cpu:1": "colocated"}),
+         "disaggregated": Mode("1P:1D", {"cpu:0": "prefill", "cpu:1": "decode"}),
+         "adaptive": Mode("adaptive", {"cpu:0": "adaptive", "cpu:1": "adaptive"})}
+
+
+def probe_record(m: dict, rate: float, predicted: float | None) -> dict:
+    s = m["summary"]
+    refused = sum(1 for r in m["records"] if r.get("status") == 503)
+    return {"rate": rate, "attainment": m["attainment"]["attainment"], "predicted": predicted,
+            "met": m["attainment"]["met"], "requests": s["requests"], "failed": s["failed"] - refused,
+            "refused": refused, "duration_s": s["duration_s"],
+            "ttft_p50": s["ttft"]["p50"], "ttft_p90": s["ttft"]["p90"], "tpot_p50": s["tpot"]["p50"],
+            "tpot_p90": s["tpot"]["p90"], "itl_p99": s["itl"]["p99"], "loadavg_1m": os.getloadavg()[0]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--modes", default="colocated,disaggregated,adaptive")
+    ap.add_argument("--workloads", default="bimodal,short")
+    ap.add_argument("--requests", type=int, default=24, help="requests per probe (the same list at every rate)")
+    ap.add_argument("--max-probes", type=int, default=4)
+    ap.add_argument("--growth", type=float, default=1.5)
+    ap.add_argument("--rel-tol", type=float, default=0.2, help="stop bisecting when the bracket is this narrow")
+    ap.add_argument("--slo-ttft", type=float, default=0.0)
+    ap.add_argument("--slo-ttft-per-token", type=float, default=0.025)
+    ap.add_argument("--slo-tpot", type=float, default=0.09)
+    ap.add_argument("--target", type=float, default=S.DEFAULT_SLO_TARGET)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-gib", type=float, default=0.5)
+    ap.add_argument("--admission", action="store_true", help="also run phase 2 (reject admission under 2x load)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "adaptive", "adaptive.json"))
+    ap.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "results", "adaptive", "timeline.png"))
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the server is stopped (finally) on a kill too
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    slo = SloTarget(args.slo_ttft, args.slo_tpot, args.slo_ttft_per_token)
+    sch = SchedulerSection()
+    limits = StepLimits(sch.max_num_batched_tokens, sch.max_num_seqs)
+    slo_toml = (f"[slo]\nttft_s = {slo.ttft_s}\nttft_per_token_s = {slo.ttft_per_token_s}\ntpot_s = {slo.tpot_s}\n")
+    results = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+               "machine": serve.machine(), "slo": vars(slo), "target": args.target,
+               "requests_per_probe": args.requests, "runs": [], "admission": None}
+
+    def save() -> None:
+        with open(args.out, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+    def measure(url: str, model: str, reqs, rate: float) -> dict:
+        return serve.measure(url, model, reqs, "poisson", rate, None, args.seed, timeout=900,
+                             slo_ttft=slo.ttft_s, slo_tpot=slo.tpot_s, ttft_per_token=slo.ttft_per_token_s,
+                             progress=False, force_close=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode_name in args.modes.split(","):
+            log = os.path.join(os.path.dirname(args.out), f"{mode_name}.log")
+            proc, url = start_server(mode_name, "auto", tmp, log, kv_memory_gib=args.kv_gib, extra=slo_toml)
+            try:
+                model = serve.default_model(url, {})
+                serve.measure(url, model, W.generate("agent", 2, seed=args.seed + 100), "concurrency", None, 1,
+                              args.seed, progress=False, force_close=True)
+                for wl in args.workloads.split(","):
+                    reqs = W.generate(wl, args.requests, seed=args.seed)
+                    work = [(r.prompt_len, r.max_tokens) for r in reqs]
+                    cost = CostModel.from_dict(fetch_profile(url))
+                    capacity = args.kv_gib * 2**30 / (cost.kv_bytes_per_token or 1)
+                    pred = predict_goodput(cost, MODES[mode_name], limits, slo, work, args.seed, args.target,
+                                           capacity_tokens=capacity)
+                    print(f"{mode_name} {wl}: predicted goodput {pred.goodput} req/s ({pred.status})", flush=True)
+                    run = {"mode": mode_name, "workload": wl, "predicted_goodput": pred.goodput,
+                           "predicted_status": pred.status, "probes": []}
+                    def attainment_at(rate: float) -> float | None:
+                        since = timeline.server_now(url)
+                        m = measure(url, model, reqs, rate)
+                        if mode_name == "adaptive" and rate >= max(p["rate"] for p in run["probes"] or [{"rate": 0}]):
+                            run["debug_steps"] = timeline.fetch(url, since)  # the busiest probe's, for the plot
+                        predicted = attainment(cost, MODES[mode_name], limits, slo, work,
+                                               W.arrival_times("poisson", len(work), rate, args.seed),
+                                               capacity_tokens=capacity)
+                        p = probe_record(m, rate, predicted)
+                        run["probes"].append(p)
+                        print(f"{mode_name} {wl} @{rate:.3f} req/s: attainment {p['attainment']:.0%} (predicted "
+                              f"{predicted:.0%}), TTFT p90 {p['ttft_p90']:.1f} s, TPOT p90 "
+                              f"{p['tpot_p90'] * 1000:.0f} ms, load {p['loadavg_1m']:.1f}", flush=True)
+                        save()
+                        return p["attainment"]
+
+                    g = S.goodput_search(attainment_at, pred.goodput or 0.1, 10.0, args.target,
+                                         tol=0.005, growth=args.growth, max_probes=args.max_probes, rate_floor=0.01,
+                                         rel_tol=args.rel_tol)
+                    lo, hi = g.bracket
+                    run["goodput"], run["status"], run["bracket"] = g.goodput, g.status, [lo, hi]
+                    print(f"{mode_name} {wl}: goodput {g.goodput} req/s ({g.status}), bracket {lo}-{hi}, "
+                          f"predicted {pred.goodput}", flush=True)
+                    results["runs"].append(run)
+                    save()
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+        by = {(r["mode"], r["workload"]): r for r in results["runs"]}
+        sustainable = (by.get(("adaptive", "bimodal")) or {}).get("goodput")
+        if args.admission and sustainable:
+            log = os.path.join(os.path.dirname(args.out), "adaptive-reject.log")
+            proc, url = start_server("adaptive", "auto", tmp, log, kv_memory_gib=args.kv_gib,
+                                     extra=slo_toml + 'admission = "reject"\n')
+            try:
+                model = serve.default_model(url, {})
+                reqs = W.generate("bimodal", args.requests * 2, seed=args.seed + 1)
+                out = []
+                for factor in (1.0, 2.0):
+                    m = measure(url, model, reqs, sustainable * factor)
+                    p = probe_record(m, sustainable * factor, None)
+                    admitted = [r for r in m["records"] if r.get("status") != 503]
+                    p["admitted_attainment"] = S.slo_attainment(admitted, slo.ttft_s, slo.tpot_s,
+                                                                slo.ttft_per_token_s)["attainment"]
+                    p["met_per_s"] = p["met"] / p["duration_s"]
+                    out.append(p)
+                    print(f"reject admission @{p['rate']:.3f} req/s: {p['refused']} refused, admitted attainment "
+                          f"{p['admitted_attainment']:.0%}, {p['met_per_s']:.3f} SLO-meeting req/s", flush=True)
+                results["admission"] = {"sustainable_rate": sustainable, "probes": out}
+                save()
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    adaptive_bimodal = by.get(("adaptive", "bimodal"))
+    if adaptive_bimodal and args.plot:
+        timeline.plot_snapshot(adaptive_bimodal["debug_steps"], args.plot,
+                               title=f"adaptive, bimodal probes (SLO {slo.ttft_per_token_s * 1000:g} ms/prompt token, "
+                                     f"{slo.tpot_s * 1000:g} ms TPOT)")
+    for (mode, wl), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        print(f"{wl:<8} {mode:<14} goodput {r['goodput']} ({r['status']}) bracket {r['bracket']} "
+              f"predicted {r['predicted_goodput']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
