@@ -350,13 +350,15 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
 
 def _validate_slo(cfg: Config) -> None:
     slo, prof = cfg.slo, cfg.profile
-    for key, value in (("slo.ttft_s", slo.ttft_s), ("slo.tpot_s", slo.tpot_s)):
-        if not value > 0:
-            raise ConfigError(f"'{key}' must be more than 0 seconds, got {value}")
-    for key, value in (("slo.ttft_per_token_s", slo.ttft_per_token_s), ("slo.margin", slo.margin),
-                       ("profile.budget_s", prof.budget_s)):
+    if not slo.tpot_s > 0:
+        raise ConfigError(f"'slo.tpot_s' must be more than 0 seconds, got {slo.tpot_s}")
+    for key, value in (("slo.ttft_s", slo.ttft_s), ("slo.ttft_per_token_s", slo.ttft_per_token_s),
+                       ("slo.margin", slo.margin), ("profile.budget_s", prof.budget_s)):
         if not value >= 0:  # NaN too
             raise ConfigError(f"'{key}' must be 0 or more, got {value}")
+    if not slo.ttft_s + slo.ttft_per_token_s > 0:
+        raise ConfigError("the TTFT target 'slo.ttft_s' + 'slo.ttft_per_token_s' x prompt tokens is 0: set either "
+                          "above 0")
     if slo.admission not in ("off", "reject"):
         raise ConfigError(f"'slo.admission' must be \"off\" or \"reject\", got {slo.admission!r}")
     if slo.admission == "reject" and not prof.startup:
