@@ -2,8 +2,10 @@
 cost model and live load (placement.choose_placement), on device roles the role policy (roles.py) keeps.
 
 Runs on the event loop thread: Router.admit calls observe(req) (demand for prefill devices), Router.dispatch
-calls place(router, req). A role change only sets the worker's role, which nothing in its step loop reads: it
-steers the requests placed after it, so a change takes effect between steps and moves nothing in flight.
+calls place(router, req). A role change sets the worker's role, which nothing in its step loop reads: it steers
+the requests placed after it. A device dedicated to prefill also hands the requests it was to decode to the
+others (Router.move_decodes): its worker moves each between two steps, with its KV, so no long prefill stalls
+them there. Nothing is moved mid-step.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class AdaptivePlacer:
         self.policy = RolePolicy(profiler.model, limits, slo, [w.name for w in workers])
         self.changes: deque[RoleChange] = deque(maxlen=MAX_ROLE_CHANGES)
         self.num_changes = {w.name: 0 for w in workers}
+        self.num_moved = 0  # requests sent from a newly dedicated prefill device to decode elsewhere
 
     def observe(self, req: Request) -> None:
         """An admitted request: a long prompt adds to the demand for prefill devices."""
@@ -52,7 +55,7 @@ class AdaptivePlacer:
 
     def place(self, router: Router, req: Request) -> tuple[Worker, Worker] | None:
         now = time.monotonic()
-        self._apply(self.policy.update(now, snapshot(router, now)))
+        self._apply(router, self.policy.update(now, snapshot(router, now)))
         while True:
             pl = choose_placement(self.profiler.model, self.limits, self.slo, self.loads(router, req, now),
                                   req.num_prompt_tokens, req.params.max_tokens)
@@ -61,12 +64,18 @@ class AdaptivePlacer:
             if not self.policy.prefill:
                 return None
             # No adaptive device has a seat for it: a prefill device goes back to decoding.
-            self._apply([self.policy.give_back(now, snapshot(router, now), "no decode seat on the other devices")])
+            self._apply(router, [self.policy.give_back(now, snapshot(router, now),
+                                                       "no decode seat on the other devices")])
 
-    def _apply(self, changes: list[RoleChange]) -> None:
+    def _apply(self, router: Router, changes: list[RoleChange]) -> None:
         for c in changes:
             w = self.workers[c.device]
-            log.info("adaptive: %s %s -> %s (%s)", c.device, w.role, c.role, c.reason)
             w.role = Role(c.role)
+            moved = 0
+            if w.role is Role.PREFILL:  # what it was to decode moves to the others, so no prefill stalls it
+                moved = router.move_decodes(w, [x for x in self.workers.values() if x.role is Role.ADAPTIVE])
+                self.num_moved += moved
+            log.info("adaptive: %s -> %s (%s)%s", c.device, c.role, c.reason,
+                     f"; {moved} requests sent to decode elsewhere" if moved else "")
             self.changes.append(c)
             self.num_changes[c.device] += 1

@@ -7,10 +7,11 @@ LONG_PREFILL_TPOTS times the TPOT target: mixed into a decode batch, that one pr
 to every request of LONG_PREFILL_TPOTS output tokens decoding there. The policy keeps the predicted prefill
 seconds of the long prompts admitted in the last WINDOW_S; that demand (device-seconds per second) divided by
 PREFILL_UTILIZATION, rounded up, is how many devices to dedicate (at most all but one). A *prefill* device takes
-no new decode seats (those it holds finish there), so long prompts prefill where they stall nobody, and short
-ones stay colocated on the adaptive devices. Roles change between placements, never inside a step: a change
-only steers new requests, so nothing is moved or lost. A device is dedicated as soon as demand asks for it, and
-given back only once demand has asked for fewer for HOLD_S, or at once when no adaptive device has a decode seat.
+no new decode seats (the requests it was decoding move to the others with their KV, between steps: see
+adaptive/placer.py), so long prompts prefill where they stall nobody, and short ones stay colocated on the
+adaptive devices. Roles change between placements, never inside a step. A device is dedicated as soon as
+demand asks for it, and given back only once demand has asked for fewer for HOLD_S, or at once when no adaptive
+device has a decode seat.
 """
 
 from __future__ import annotations

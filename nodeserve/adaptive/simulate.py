@@ -93,6 +93,7 @@ class SimDevice:
     reserved_tokens: int = 0
     queued_prefill_tokens: int = 0
     busy: bool = False
+    moving: bool = False                             # dedicated to prefill: move its decodes at its step's end
     steps: deque = field(default_factory=deque)      # (start, end, had prefill) within PREFILL_WINDOW_S
 
     def prefill_share(self, now: float) -> float:
@@ -165,8 +166,27 @@ class Simulation:
 
     def _apply(self, changes: list[RoleChange]) -> None:
         for c in changes:
-            self.devices[c.device].role = c.role
+            d = self.devices[c.device]
+            d.role = c.role
             self.role_changes.append(c)
+            if c.role == "prefill":  # as Router.move_decodes: what it was to decode moves, at its step's end
+                d.moving = True
+                if not d.busy:
+                    self._move_decodes(d)
+
+    def _move_decodes(self, d: SimDevice) -> None:
+        d.moving = False
+        for r in [*d.running, *(x for x in d.waiting if x.decode_dev == d.name)]:
+            fits = [t for t in self.devices.values() if t.role == "adaptive" and self._fits(t, r)]
+            if not fits:
+                continue
+            t = max(fits, key=lambda t: t.capacity_tokens - t.reserved_tokens)
+            d.num_assigned, d.reserved_tokens = d.num_assigned - 1, d.reserved_tokens - r.reserved_tokens
+            t.num_assigned, t.reserved_tokens = t.num_assigned + 1, t.reserved_tokens + r.reserved_tokens
+            r.decode_dev = t.name
+            if r in d.running:  # its whole KV is copied, then it decodes there
+                d.running.remove(r)
+                self._at(self.now + self.cost.transfer_time(d.name, t.name, r.context), self._land, r)
 
     def _dispatch(self) -> None:
         while self.pending:
@@ -226,6 +246,8 @@ class Simulation:
             else:
                 tail = self.cost.transfer_tail(d.name, r.decode_dev, r.prompt_len, self.now - r.prefill_start)
                 self._at(self.now + tail, self._land, r)
+        if d.moving:
+            self._move_decodes(d)
         self._kick(d)
 
     def _land(self, r: SimRequest) -> None:

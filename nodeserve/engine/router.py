@@ -11,7 +11,7 @@ from collections import Counter, deque
 from typing import Any, Callable
 
 from nodeserve.engine.scheduler import Handoff
-from nodeserve.engine.worker import Worker
+from nodeserve.engine.worker import Migrate, Worker
 from nodeserve.kv.manager import hash_blocks
 from nodeserve.request import Request
 
@@ -38,6 +38,7 @@ class Router:
         self.pending: deque[Request] = deque()
         self.page_size = decode_workers[0].kv.page_size  # one page size on every device (kv.page_size)
         self.placements: dict[str, Worker] = {}  # request id -> its decode worker, from placement to release
+        self.placed: dict[str, Request] = {}     # request id -> the request, for the same time
         self.num_seats_taken: Counter[Worker] = Counter()  # per decode worker: requests placed there, not released
 
     @property
@@ -102,7 +103,7 @@ class Router:
                 return
             blocks, num_cached_tokens = worker.kv.allocate_prompt(hashes, n, num_blocks)
             self.pending.popleft()
-            self.placements[req.request_id] = worker
+            self.placements[req.request_id], self.placed[req.request_id] = worker, req
             self.num_seats_taken[worker] += 1
             if prefill is None and self.prefill_workers and n - num_cached_tokens >= self.local_prefill_threshold:
                 # Prefill: the least work ahead, counting what its own cache saves.
@@ -117,8 +118,30 @@ class Router:
     def release(self, req: Request) -> None:
         """Its decode device gave back every page it held: its seat is free."""
         worker = self.placements.pop(req.request_id, None)
+        self.placed.pop(req.request_id, None)
         if worker is not None:
             self.num_seats_taken[worker] -= 1
+
+    def move_decodes(self, source: Worker, targets: list[Worker]) -> int:
+        """Adaptive mode, `source` just dedicated to prefill: every request placed there for decode moves to the
+        target with the most free pages that has a seat and room for it; the source's worker moves it between
+        steps (Migrate). A request that turns out not to be decoding there (it ended, or its KV is still on its
+        way from another device) stays, and the reserved pages are given back. Returns how many were sent."""
+        moved = 0
+        for rid, worker in list(self.placements.items()):
+            req = self.placed[rid]
+            fits = [t for t in targets if self.num_seats_taken[t] < t.limits.max_num_seqs
+                    and t.kv.can_allocate(t.kv.blocks_for(req.max_total_tokens))]
+            if worker is not source or req.finished or req.aborted or not fits:
+                continue
+            target = max(fits, key=lambda t: t.kv.num_free)
+            blocks = target.kv.allocate(target.kv.blocks_for(req.max_total_tokens))
+            self.placements[rid] = target
+            self.num_seats_taken[source] -= 1
+            self.num_seats_taken[target] += 1
+            source.send(Migrate(req, Handoff(target, blocks)))
+            moved += 1
+        return moved
 
     @property
     def num_pending(self) -> int:

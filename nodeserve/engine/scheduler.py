@@ -143,7 +143,7 @@ class Scheduler:
         return out
 
     def start_decode(self, seq: Seq, now: float) -> None:
-        seq.req.state, seq.req.decode_start = RequestState.DECODING, now
+        seq.req.state, seq.req.decode_start = RequestState.DECODING, seq.req.decode_start or now
         self.running.append(seq)
         self._publish(seq)
 

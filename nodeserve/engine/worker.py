@@ -7,7 +7,8 @@ A worker can prefill, decode, or both:
     (colocated mode, or prompts under the conditional threshold), with chunks mixed into decode steps;
   - an adaptive worker does both, each request as the router placed it. Its role (which the router reads and
     changes) never enters its step loop.
-One turn: inbox -> drop aborted -> schedule -> forward -> sample -> postprocess -> emit and hand off.
+One turn: inbox -> drop aborted -> schedule -> forward -> sample -> postprocess -> emit and hand off. Inbox
+messages (prompts, arrived KV, pages to free, requests to move elsewhere) are handled between steps only.
 """
 
 from __future__ import annotations
@@ -67,6 +68,15 @@ class Arrival:
     num_cached_blocks: int  # blocks that held its prefix before the copy (from this device's prefix cache)
     landed: Any
     error: str | None
+
+
+@dataclass
+class Migrate:
+    """Adaptive mode: a request placed here for decode moves to handoff.target (whose pages the router reserved)
+    between steps: decoding, its KV is copied whole; still prefilling, it goes on here and its KV is sent."""
+
+    req: Request
+    handoff: Handoff
 
 
 @dataclass
@@ -160,6 +170,8 @@ class Worker:
                     self.kv.free(msg.blocks)
                 elif isinstance(msg, Arrival):
                     self._receive(msg)
+                elif isinstance(msg, Migrate):
+                    self._migrate(msg)
                 msg = self._inbox.get_nowait()
         except queue.Empty:
             return
@@ -168,7 +180,6 @@ class Worker:
         req = msg.req
         if msg.error is None and not (req.aborted or req.finished):
             self.device.wait_event(msg.landed)
-            req.num_computed_tokens = req.num_prompt_tokens
             self.scheduler.start_decode(Seq(req, msg.blocks, num_published=msg.num_cached_blocks), time.monotonic())
             return
         # These pages may be reserved again at once, for a copy on another pair's streams: quiet them first.
@@ -179,6 +190,29 @@ class Worker:
             self._emit_batch([(req, TokenEvent(None, finish_reason="error", error=msg.error))])
         req.state = RequestState.FINISHED
         self._on_released([req])
+
+    def _migrate(self, msg: Migrate) -> None:
+        req, h = msg.req, msg.handoff
+        seq = next((s for s in [*self.scheduler.running, *self.scheduler.waiting] if s.req is req), None)
+        if seq is None or seq.handoff is not None or req.aborted or req.finished:
+            # Ended, or not here yet (its KV is on its way from another device): it stays; so do the pages.
+            h.target.send(FreePages(h.blocks, None))
+            return
+        seq.handoff = h
+        decoding = seq in self.scheduler.running
+        log.debug("worker %s: request %s moves to %s (%s)", self.name, req.request_id, h.target.name,
+                  "decoding" if decoding else "prefilling")
+        if not decoding:
+            return  # prefilled here as a prompt bound elsewhere: the layer hook sends every page from the first
+        self.scheduler.running.remove(seq)
+        num_blocks = self.kv.blocks_for(req.num_computed_tokens)
+        transfer = self.transfers[h.target]
+        pages = transfer.page_indices(seq.block_table[:num_blocks], h.blocks[:num_blocks], (req.request_id,))
+        for layer in range(len(self.pool.layers)):
+            transfer.copy_layer(layer, pages)
+        h.num_copied_blocks = num_blocks
+        req.state = RequestState.TRANSFERRING
+        self._hand_off(seq)
 
     def _step(self) -> None:
         batch = self.scheduler.schedule()

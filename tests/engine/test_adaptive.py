@@ -1,6 +1,7 @@
 """Adaptive mode end to end on the real model: the same tokens as transformers while devices change role under
-requests in flight, prompts prefilled on one device and decoded on the other (both ways) or colocated, aborts
-among them, and no page leaked. The cost model is synthetic (these engines skip the start-up profile), so which
+requests in flight (a newly dedicated prefill device's decodes move to the other device mid-generation),
+prompts prefilled on one device and decoded on the other (both ways) or colocated, aborts among them, and no
+page leaked. The cost model is synthetic (these engines skip the start-up profile), so which
 prompts count as long is set by the test."""
 
 from __future__ import annotations
@@ -60,15 +61,16 @@ def test_tokens_match_transformers_while_devices_change_role(loaded_fp32, prompt
             again = await _tokens(engine.add_request(prompt_ids[short[0]], _greedy()))
             await _wait_pools_whole(engine)
             copied = {t.name: len(t.records) for t in engine.transfers}
-            return results, again, list(placer.changes), copied, engine.pool_stats()
+            return results, again, list(placer.changes), copied, engine.pool_stats(), placer.num_moved
         finally:
             engine.stop()
 
-    results, again, changes, copied, stats = asyncio.run(main())
+    results, again, changes, copied, stats, num_moved = asyncio.run(main())
     assert [results[i][0] for i in range(len(prompt_ids))] == hf_greedy
     assert again[0] == hf_greedy[sorted(i for i, p in enumerate(prompt_ids) if len(p) < long_from)[0]]
     roles = [(c.device, c.role) for c in changes]
     assert roles[0][1] == "prefill" and ("adaptive" in [r for _, r in roles[1:]])  # dedicated, then given back
     assert sum(copied.values()) > 0  # long prompts moved their KV from the prefill device
+    assert num_moved > 0  # and the dedicated device's decodes moved to the other, mid-generation
     assert all(s.num_free == s.num_pages for s in stats)
     assert sum(s.num_role_changes for s in stats) == len(changes)
