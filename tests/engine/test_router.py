@@ -110,3 +110,56 @@ def test_a_request_goes_where_its_prefix_is_cached_and_shares_those_pages():
     other = Request("o", prompt + [9] * 20, SamplingParams(max_tokens=16))
     router2.admit(other)
     assert p.prefills[0][2].num_cached_blocks == 6 and other.num_computed_tokens == 0
+
+
+class PlacerStub:
+    """An adaptive placer that sends every request to a fixed (prefill, decode) pair and counts observations."""
+
+    def __init__(self, prefill: StubWorker, decode: StubWorker):
+        self.pair, self.observed = (prefill, decode), []
+
+    def observe(self, req: Request) -> None:
+        self.observed.append(req.request_id)
+
+    def place(self, router: Router, req: Request):
+        return self.pair
+
+
+def test_a_placer_picks_both_devices_and_a_cross_placement_carries_the_decode_pages():
+    a, b = StubWorker("cpu:0", 20), StubWorker("cpu:1", 20)
+    router = Router([], [a, b], local_prefill_threshold=0, max_waiting=8, max_queued_tokens=10_000)
+    router.placer = PlacerStub(a, b)
+    cross = _req("x", 40)
+    router.admit(cross)
+    router.placer.pair = (b, b)
+    local = _req("l", 40)
+    router.admit(local)
+    assert router.placer.observed == ["x", "l"]
+    [(req, blocks, handoff)] = a.prefills
+    assert req is cross and blocks == [] and handoff.target is b and len(handoff.blocks) == b.kv.blocks_for(55)
+    assert [(p[0], p[2]) for p in b.prefills] == [(local, None)]
+    assert router.placements == {"x": b, "l": b} and router.num_seats_taken[b] == 2 and a.kv.num_used == 0
+
+
+def test_move_decodes_reserves_on_the_target_and_moves_the_seat():
+    from nodeserve.engine.worker import Migrate
+
+    a, b, c = StubWorker("cpu:0", 20), StubWorker("cpu:1", 20), StubWorker("cpu:2", 6)
+    for w in (a, b, c):
+        w.sent = []
+        w.send = w.sent.append
+    router = Router([], [a, b, c], local_prefill_threshold=0, max_waiting=8, max_queued_tokens=10_000)
+    router.placer = PlacerStub(a, a)
+    reqs = [_req(str(i), 40) for i in range(3)]
+    for r in reqs:
+        router.admit(r)
+    reqs[2].state = reqs[2].state.FINISHED  # ended meanwhile: its release is on its way, it does not move
+    assert router.move_decodes(a, [b, c]) == 2
+    moves = a.sent
+    assert [m.req for m in moves] == reqs[:2] and all(isinstance(m, Migrate) for m in moves)
+    # b has the most free pages for both (c is smaller); the seats follow the requests.
+    assert [m.handoff.target for m in moves] == [b, b] and b.kv.num_used == 2 * b.kv.blocks_for(55)
+    assert router.placements == {"0": b, "1": b, "2": a}
+    assert router.num_seats_taken[a] == 1 and router.num_seats_taken[b] == 2
+    router.release(reqs[0])
+    assert router.num_seats_taken[b] == 1

@@ -9,7 +9,7 @@ import torch
 from nodeserve.device import make_device
 from nodeserve.sampling.sampler import Sampler
 from nodeserve.engine.scheduler import FORWARD_FAILED, Batch, Handoff, Seq, chunk_of
-from nodeserve.engine.worker import Arrival, Role, Worker, WorkerLimits
+from nodeserve.engine.worker import Arrival, FreePages, Migrate, Role, Worker, WorkerLimits
 from nodeserve.kv.manager import KVManager
 from nodeserve.request import Request, TokenEvent
 from nodeserve.sampling_params import SamplingParams
@@ -106,8 +106,8 @@ def test_an_arrival_decodes_after_its_copies_or_if_it_ended_meanwhile_frees_its_
     calls = []
     worker.device = SimpleNamespace(name="cpu:0", wait_event=lambda e: calls.append(("wait", e)),
                                     synchronize_event=lambda e: calls.append(("sync", e)))
-    arrived, aborted, failed = (Request(rid, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0), output_ids=[4])
-                                for rid in ("ok", "gone", "bad"))
+    arrived, aborted, failed = (Request(rid, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0), output_ids=[4],
+                                        num_computed_tokens=3) for rid in ("ok", "gone", "bad"))  # as prefilled
     aborted.aborted = True
     for req, event, error in ((arrived, "e1", None), (aborted, "e2", None), (failed, "e3", "copy failed")):
         worker.send(Arrival(req, worker.kv.allocate(1), 0, event, error))
@@ -145,3 +145,42 @@ def test_a_remote_prefill_copies_each_page_the_decode_device_lacks_once_and_neve
     assert chunks == [40, 40, 40]
     # tokens 80..119 write pages 5 (cached there), 6 and 7: only 6 and 7 go.
     assert copies == [([6, 7], [106, 107])] and seq.handoff.num_copied_blocks == 2
+
+
+def test_a_request_moved_away_between_steps_sends_its_whole_kv_and_one_not_here_gives_the_pages_back():
+    worker, runner, events, released = _worker()
+    worker.pool = SimpleNamespace(layers=[0, 1, 2], page_size=16)
+    jobs: list[tuple] = []
+
+    class Transfer:
+        def page_indices(self, src, dst, ids):
+            return (list(src), list(dst), ids)
+
+        def copy_layer(self, layer, pages):
+            jobs.append(("copy", layer, pages))
+
+        def finish(self, request_id, src, on_done, num_copied_blocks=0, num_cached_blocks=0):
+            jobs.append(("finish", request_id, list(src), num_copied_blocks))
+
+    class Target:
+        name, sent = "cpu:1", []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+    target = Target()
+    worker.transfers[target] = Transfer()
+    req = _admit(worker, [1 + i % 20 for i in range(20)], max_tokens=8)
+    for _ in range(3):  # prefill, then two decode steps: 22 tokens of KV written, on 2 pages
+        _turn(worker)
+    pages = list(worker.scheduler.running[0].block_table)
+    worker.send(Migrate(req, Handoff(target, [100, 101])))
+    gone = Request("gone", [1], SamplingParams(max_tokens=2))
+    worker.send(Migrate(gone, Handoff(target, [102])))
+    _turn(worker)
+    # Between steps: out of the batch, both pages copied for every layer, then the handoff frees them here.
+    assert worker.scheduler.running == [] and req.state.value == "transferring"
+    assert jobs == [("copy", layer, (pages[:2], [100, 101], (req.request_id,))) for layer in range(3)] \
+        + [("finish", req.request_id, pages, 2)]
+    # The request that is not here keeps its place; the pages reserved for it there go back.
+    assert [(type(m), m.blocks) for m in target.sent] == [(FreePages, [102])]
