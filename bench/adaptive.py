@@ -12,7 +12,7 @@ prediction of each, SLO admission under overload, and the timeline of role chang
    goodput found in 1 (the sustainable rate) and at twice it: the attainment of the requests it admitted, how
    many it refused (503 + Retry-After) and the SLO-meeting requests per second, at both rates.
 
-    python bench/adaptive.py                             # ~40 min on the 2-core CPU machine
+    python bench/adaptive.py --admission                 # ~60 min on the 2-core CPU machine
     python bench/adaptive.py --modes adaptive --workloads short --requests 12 --max-probes 2
 
 SLO (default): TTFT <= 25 ms per prompt token, TPOT <= 90 ms: bench/compare.py's derived SLO of 2026-11-23
@@ -71,7 +71,10 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=S.DEFAULT_SLO_TARGET)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-gib", type=float, default=0.5)
+    ap.add_argument("--min-start-rate", type=float, default=0.1, help="the first probe's rate is the prediction, "
+                    "but not below this (a probe at rate r takes requests / r seconds)")
     ap.add_argument("--admission", action="store_true", help="also run phase 2 (reject admission under 2x load)")
+    ap.add_argument("--append", action="store_true", help="keep the runs already in --out (other modes)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "adaptive", "adaptive.json"))
     ap.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "results", "adaptive", "timeline.png"))
     args = ap.parse_args()
@@ -85,6 +88,12 @@ def main() -> int:
                "machine": serve.machine(), "slo": vars(slo), "target": args.target,
                "requests_per_probe": args.requests, "runs": [], "admission": None}
 
+    if args.append and os.path.exists(args.out):
+        with open(args.out) as fh:
+            old = json.load(fh)
+        results["runs"] = [r for r in old["runs"] if r["mode"] not in args.modes.split(",")]
+        results["command"] = old["command"] + " ; " + results["command"]
+
     def save() -> None:
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=1)
@@ -95,7 +104,7 @@ def main() -> int:
                              progress=False, force_close=True)
 
     with tempfile.TemporaryDirectory() as tmp:
-        for mode_name in args.modes.split(","):
+        for mode_name in [m for m in args.modes.split(",") if m]:
             log = os.path.join(os.path.dirname(args.out), f"{mode_name}.log")
             proc, url = start_server(mode_name, "auto", tmp, log, kv_memory_gib=args.kv_gib, extra=slo_toml)
             try:
@@ -128,9 +137,9 @@ def main() -> int:
                         save()
                         return p["attainment"]
 
-                    g = S.goodput_search(attainment_at, pred.goodput or 0.1, 10.0, args.target,
-                                         tol=0.005, growth=args.growth, max_probes=args.max_probes, rate_floor=0.01,
-                                         rel_tol=args.rel_tol)
+                    start = max(pred.goodput or 0.0, args.min_start_rate)
+                    g = S.goodput_search(attainment_at, start, 10.0, args.target, tol=0.005, growth=args.growth,
+                                         max_probes=args.max_probes, rate_floor=0.01, rel_tol=args.rel_tol)
                     lo, hi = g.bracket
                     run["goodput"], run["status"], run["bracket"] = g.goodput, g.status, [lo, hi]
                     print(f"{mode_name} {wl}: goodput {g.goodput} req/s ({g.status}), bracket {lo}-{hi}, "

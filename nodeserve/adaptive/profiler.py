@@ -3,10 +3,8 @@
 The profile runs a fixed list of prefill chunks and decode batches on each device (all devices at once, each in
 a thread set up as its worker's is, so a CPU core is measured alone on its core while its neighbour works too,
 as when serving), cheapest first, until a time budget runs out. KV content does not matter for timing: the
-steps read pages they never wrote. Online, every step a worker records (start, end, prefill tokens, decodes)
-becomes a sample; records carry no context, so a record's decode context is taken as its count times the mean
-context of the requests the worker runs when the record is read (records are read within seconds of being
-made), and its prefill tokens as one chunk from position 0.
+steps read pages they never wrote. Online, every step a worker records (its prefill tokens and attended pairs,
+its decode rows and the tokens they attend) becomes a sample.
 """
 
 from __future__ import annotations
@@ -145,13 +143,10 @@ class Profiler:
                 if not records:
                     continue
                 self._seen[w.name] = records[-1].end
-                running = list(w.scheduler.running)
-                mean_context = sum(s.req.num_tokens for s in running) / len(running) if running else 0.0
                 m = self.model.devices[w.name]
                 for r in records:
-                    shape = StepShape(r.num_prefill_tokens, r.num_prefill_tokens ** 2 / 2, r.num_decodes,
-                                      int(r.num_decodes * mean_context))
-                    m.add(shape, r.end - r.start, online=True)
+                    m.add(StepShape(r.num_prefill_tokens, r.prefill_pairs, r.num_decodes, r.decode_context),
+                          r.end - r.start, online=True)
                 m.refit()
 
     def as_dict(self) -> dict:

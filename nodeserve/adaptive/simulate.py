@@ -4,7 +4,8 @@ It replays what engine/router.py and engine/worker.py do, with step times from t
 the router reserves a decode seat and `prompt + max_tokens - 1` tokens of KV (the device with the most free,
 then the fewest requests; FIFO when none has room), sends the prompt to the prefill device with the fewest
 queued prompt tokens (or prefills it on the decode device: colocated, or under the conditional threshold), or,
-in adaptive mode, places it as adaptive/placer.py does: placement.choose_placement on the roles.RolePolicy roles. Each device runs steps back to back while it has
+in adaptive mode, places it as adaptive/placer.py does (placement.choose_placement on the roles.RolePolicy
+roles, a newly dedicated device's decodes moved to the others). Each device runs steps back to back while it has
 work: every running decode (up to max_num_seqs) plus prefill chunks FIFO within max_num_batched_tokens. A
 prefill's last chunk gives the first token at the step's end; its KV then lands on the decode device after the
 transfer's tail. Requests produce exactly max_tokens tokens (the benchmark sends ignore_eos). Scored with

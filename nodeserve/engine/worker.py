@@ -51,6 +51,8 @@ class StepRecord:
     end: float
     num_prefill_tokens: int
     num_decodes: int
+    decode_context: int = 0      # tokens the decode rows attend, in total
+    prefill_pairs: float = 0.0   # query-key pairs the prefill chunks attend (cost_model.StepShape)
 
 
 # Inbox messages. None only wakes the loop.
@@ -225,7 +227,10 @@ class Worker:
             seq.req.prefill_start = seq.req.prefill_start or start
         outcomes = self._sample(batch, self._forward(batch))
         end = time.monotonic()
-        self.records.append(StepRecord(start, end, sum(len(c.token_ids) for c in batch.chunks[batch.num_decodes:]), batch.num_decodes))
+        decodes, prefills = batch.chunks[:batch.num_decodes], batch.chunks[batch.num_decodes:]
+        self.records.append(StepRecord(start, end, sum(len(c.token_ids) for c in prefills), batch.num_decodes,
+                                       sum(c.start_pos for c in decodes),
+                                       sum(len(c.token_ids) * (c.start_pos + len(c.token_ids) / 2) for c in prefills)))
         self._finish(self.scheduler.postprocess(batch, outcomes, end))
 
     def _forward(self, batch: Batch) -> list[torch.Tensor | Exception | None]:

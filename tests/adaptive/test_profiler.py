@@ -61,7 +61,11 @@ def test_profile_measures_every_device_and_refines_online(loaded_fp32):
         assert await _drain(stream) == 8
         assert stream.request.predicted_ttft is not None  # admission "off" still predicts, for the metric
         engine.profiler.refine()
-        assert len(model.devices["cpu:1"].online_samples) >= before + 6  # one record per decode step
+        online = list(model.devices["cpu:1"].online_samples)
+        assert len(online) >= before + 6  # one record per decode step
+        # Each carries what the step attended: one row of a 40-token prompt at positions 40..46.
+        contexts = [f[4] for f, _ in online[before:] if f[3] == 1]
+        assert contexts and all(40 <= c <= 46 for c in contexts)
         return True
     assert _run(_config(), loaded_fp32, body)
 
