@@ -120,7 +120,8 @@ def main() -> int:
                                            capacity_tokens=capacity)
                     print(f"{mode_name} {wl}: predicted goodput {pred.goodput} req/s ({pred.status})", flush=True)
                     run = {"mode": mode_name, "workload": wl, "predicted_goodput": pred.goodput,
-                           "predicted_status": pred.status, "probes": []}
+                           "predicted_status": pred.status, "probes": [], "profile": cost.as_dict()}
+
                     def attainment_at(rate: float) -> float | None:
                         since = timeline.server_now(url)
                         m = measure(url, model, reqs, rate)
@@ -179,9 +180,23 @@ def main() -> int:
         timeline.plot_snapshot(adaptive_bimodal["debug_steps"], args.plot,
                                title=f"adaptive, bimodal probes (SLO {slo.ttft_per_token_s * 1000:g} ms/prompt token, "
                                      f"{slo.tpot_s * 1000:g} ms TPOT)")
+    # `nodeserve plan` as an operator runs it: one profile (the last server's, refitted by everything it served)
+    # predicts every mode.
+    last = results["runs"][-1]["profile"] if results["runs"] else None
+    if last is not None:
+        cost = CostModel.from_dict(last)
+        capacity = args.kv_gib * 2**30 / (cost.kv_bytes_per_token or 1)
+        results["plan"] = {"profile_of": results["runs"][-1]["mode"], "predicted_goodput": {
+            f"{m}/{wl}": predict_goodput(cost, MODES[m], limits, slo,
+                                         [(r.prompt_len, r.max_tokens) for r in W.generate(wl, args.requests,
+                                                                                           seed=args.seed)],
+                                         args.seed, args.target, capacity_tokens=capacity).goodput
+            for m in MODES for wl in args.workloads.split(",")}}
+        save()
     for (mode, wl), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        plan = (results.get("plan") or {}).get("predicted_goodput", {}).get(f"{mode}/{wl}")
         print(f"{wl:<8} {mode:<14} goodput {r['goodput']} ({r['status']}) bracket {r['bracket']} "
-              f"predicted {r['predicted_goodput']}")
+              f"predicted {r['predicted_goodput']} (own profile), {plan} (one profile)")
     return 0
 
 

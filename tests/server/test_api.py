@@ -307,7 +307,7 @@ def test_adaptive_mode_matches_transformers_and_reports_its_role_changes(make_se
     # dedicated to prefill at the first request, and every answer's KV crosses to the other.
     server = make_server('[slo]\ntpot_s = 0.002\n', devices='mode = "adaptive"\ndevices = ["cpu:0", "cpu:1"]')
     client = _client(server)
-    for i, text in enumerate(chat_prompts):
+    for i, text in enumerate(chat_prompts[:3]):
         r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": text}],
                                            extra_body={"ignore_eos": True}, **GREEDY)
         assert r.choices[0].message.content == loaded_fp32.tokenizer.decode(hf_greedy[i])
