@@ -91,8 +91,10 @@ def main() -> int:
     if args.append and os.path.exists(args.out):
         with open(args.out) as fh:
             old = json.load(fh)
-        results["runs"] = [r for r in old["runs"] if r["mode"] not in args.modes.split(",")]
+        redo = {(m, wl) for m in args.modes.split(",") for wl in args.workloads.split(",")}
+        results["runs"] = [r for r in old["runs"] if (r["mode"], r["workload"]) not in redo]
         results["command"] = old["command"] + " ; " + results["command"]
+        results["admission"] = old.get("admission") if not args.admission else None
 
     def save() -> None:
         with open(args.out, "w") as fh:
@@ -121,6 +123,7 @@ def main() -> int:
                     print(f"{mode_name} {wl}: predicted goodput {pred.goodput} req/s ({pred.status})", flush=True)
                     run = {"mode": mode_name, "workload": wl, "predicted_goodput": pred.goodput,
                            "predicted_status": pred.status, "probes": [], "profile": cost.as_dict()}
+                    results["runs"].append(run)  # saved with every probe, so an interrupted search keeps them
 
                     def attainment_at(rate: float) -> float | None:
                         since = timeline.server_now(url)
@@ -145,7 +148,6 @@ def main() -> int:
                     run["goodput"], run["status"], run["bracket"] = g.goodput, g.status, [lo, hi]
                     print(f"{mode_name} {wl}: goodput {g.goodput} req/s ({g.status}), bracket {lo}-{hi}, "
                           f"predicted {pred.goodput}", flush=True)
-                    results["runs"].append(run)
                     save()
             finally:
                 proc.terminate()

@@ -1,17 +1,18 @@
 """The role policy of `devices.mode = "adaptive"`: how many devices to dedicate to prefill, and which. Pure: the
 router's placer (adaptive/placer.py) and the simulator behind `nodeserve plan` run the same one.
 
-Every device starts *adaptive*: it decodes, prefills what it decodes (chunks mixed into its decode steps), and
-may prefill for another device and send it the KV. A prompt is *long* when prefilling it alone takes more than
+Every device starts *adaptive*: it decodes, prefills what it decodes (chunks mixed into its decode steps), and may
+prefill for another device and send it the KV. A prompt is *long* when prefilling it alone takes more than
 LONG_PREFILL_TPOTS times the TPOT target: mixed into a decode batch, that one prompt alone would add a whole TPOT
-to every request of LONG_PREFILL_TPOTS output tokens decoding there. The policy keeps the predicted prefill
-seconds of the long prompts admitted in the last WINDOW_S; that demand (device-seconds per second) divided by
-PREFILL_UTILIZATION, rounded up, is how many devices to dedicate (at most all but one). A *prefill* device takes
-no new decode seats (the requests it was decoding move to the others with their KV, between steps: see
-adaptive/placer.py), so long prompts prefill where they stall nobody, and short ones stay colocated on the
-adaptive devices. Roles change between placements, never inside a step. A device is dedicated as soon as
-demand asks for it, and given back only once demand has asked for fewer for HOLD_S, or at once when no adaptive
-device has a decode seat.
+to every request of LONG_PREFILL_TPOTS output tokens decoding there. The policy keeps the predicted prefill seconds
+of the long prompts admitted in the last WINDOW_S; that demand (device-seconds per second) divided by
+PREFILL_UTILIZATION, rounded up, is how many devices to dedicate (at most all but one). Short prompts are always
+colocated (placed among the non-prefill devices as the rule picks), so uniform short traffic is served as colocated
+mode serves it. A *prefill* device takes no new decode seats (the requests it was decoding move to the others with
+their KV, between steps: see adaptive/placer.py), so long prompts prefill where they stall nobody, and short ones
+stay colocated on the adaptive devices. Roles change between placements, never inside a step. A device is dedicated
+as soon as demand asks for it, and given back only once demand has asked for fewer for HOLD_S, or at once when no
+adaptive device has a decode seat.
 """
 
 from __future__ import annotations
@@ -103,10 +104,14 @@ class RolePolicy:
         return sum(s for _, s in self.demand) / self.window_s
 
     def request_loads(self, loads: Sequence[DeviceLoad], long: bool) -> list[DeviceLoad]:
-        """The roles one request's placement sees: prefill devices prefill for others; a long prompt, when one
-        exists, must prefill there (the others are decode devices to it); otherwise every device is adaptive."""
+        """The roles one request's placement sees. A short prompt is colocated: prefilled where it decodes, on a
+        device that is not a prefill one (a cross placement would buy nothing but a copy). A long one prefills on
+        a prefill device and decodes on another when one is dedicated; otherwise (all devices asked to decode)
+        anywhere the rule likes."""
         def role(x: DeviceLoad) -> str:
             if x.name in self.prefill:
                 return PREFILL
-            return "decode" if long and self.prefill else ADAPTIVE
+            if not long:
+                return "colocated"
+            return "decode" if self.prefill else ADAPTIVE
         return [replace(x, role=role(x)) for x in loads]
