@@ -11,6 +11,7 @@ SloMiss, a QueueFull, when that TTFT misses the target by more than the margin.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from nodeserve.adaptive.placement import DeviceLoad, Placement, SloTarget, StepLimits, choose_placement
@@ -80,6 +81,11 @@ class SloAdmission:
             self.profiler.refine()
             self._refined = now
         loads = self.placer.loads(router, req, now) if self.placer is not None else snapshot(router, now)
+        # Requests the router still holds (no seat or pages yet) go first: their prompts count as prefill work
+        # queued ahead of this one, spread over the devices (a lower bound: they may also wait for pages).
+        backlog = sum(r.num_prompt_tokens for r in router.pending)
+        if backlog:
+            loads = [replace(x, queued_prefill_tokens=x.queued_prefill_tokens + backlog // len(loads)) for x in loads]
         return choose_placement(self.profiler.model, self.limits, self.target, loads,
                                 req.num_prompt_tokens, req.params.max_tokens, self.local_prefill_threshold)
 
@@ -87,7 +93,6 @@ class SloAdmission:
         best = self.best(router, req, time.monotonic())
         if best is None:  # every decode seat taken: the router's queue decides, as without admission
             return
-        # Not counted: requests still waiting in the router (router.pending) ahead of this one.
         req.predicted_ttft = best.ttft
         limit = self.target.ttft_limit(req.num_prompt_tokens)
         if self.reject and best.ttft > limit * (1 + self.margin):

@@ -41,9 +41,10 @@ def worker(name, role, queued=0, records=()):
                    records=deque(records), kv=SimpleNamespace(num_free=1000, page_size=16))
 
 
-def router(queued=0):
+def router(queued=0, pending=()):
     return SimpleNamespace(prefill_workers=[worker("cpu:0", "prefill", queued)],
-                           decode_workers=[worker("cpu:1", "decode")], num_seats_taken=Counter())
+                           decode_workers=[worker("cpu:1", "decode")], num_seats_taken=Counter(),
+                           pending=deque(pending))
 
 
 def request(num_prompt_tokens, max_tokens=16):
@@ -63,6 +64,13 @@ def test_rejects_when_the_predicted_ttft_misses_by_more_than_the_margin():
     with pytest.raises(SloMiss, match="predicted time to first token") as e:
         adm(router(queued=1000), request(100))
     assert isinstance(e.value, QueueFull) and e.value.reject_reason == "slo"
+
+
+def test_requests_the_router_still_holds_count_as_work_ahead():
+    adm = admission(admission="reject", ttft_s=2.5, margin=0.25)
+    adm(router(pending=[request(100)]), request(100))  # 200 tokens over two devices: still ~1 s
+    with pytest.raises(SloMiss):
+        adm(router(pending=[request(1000) for _ in range(2)]), request(100))
 
 
 def test_margin_and_per_token_target_loosen_it():
