@@ -43,7 +43,7 @@ class AdaptivePlacer:
 
     def observe(self, req: Request) -> None:
         """An admitted request: a long prompt adds to the demand for prefill devices."""
-        self.policy.cost = self.profiler.model  # refits replace the model
+        self.policy.cost = self.profiler.model  # the one the profiler holds now (a test may swap it)
         self.policy.observe(time.monotonic(), req.num_prompt_tokens)
 
     def loads(self, router: Router, req: Request, now: float) -> list[DeviceLoad]:
