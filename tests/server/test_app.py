@@ -54,6 +54,9 @@ class FakeEngine:
     def dead_threads(self) -> list[str]:
         return []
 
+    def role_changes(self, since: float = 0.0) -> list[list]:
+        return [c for c in getattr(self, "changes", []) if c[0] >= since]
+
     def add_request(self, prompt_ids, params) -> RequestStream:
         if self.reject is not None:
             raise self.reject
@@ -391,6 +394,7 @@ def _steps_engine(tokenizer, num: int) -> FakeEngine:
     engine.transfers = [SimpleNamespace(name="kv cpu:0->cpu:1",
                                         records=deque(((float(i), float(i) + 0.25, 4096) for i in range(num)),
                                                       maxlen=100_000))]
+    engine.changes = [[50.0, "cpu:0", "prefill", "demand"], [19998.7, "cpu:0", "adaptive", "hold"]]
     return engine
 
 
@@ -414,6 +418,8 @@ def test_debug_steps_is_paged_and_capped(tokenizer):
     status, snap = out["?since=19998"]
     assert [s[1] for s in snap["devices"][0]["steps"]] == [19998.5, 19999.5]
     assert not snap["devices"][0]["truncated"] and not snap["transfers"][0]["truncated"]
+    assert snap["role_changes"] == [[19998.7, "cpu:0", "adaptive", "hold"]]  # adaptive mode's, since `since`
+    assert len(out[""][1]["role_changes"]) == 2
     for query in ("?limit=0", "?limit=5001", "?limit=x"):
         assert out[query][0] == 400 and out[query][1]["error"]["param"] == "limit"
 
