@@ -107,7 +107,8 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         for mode_name in [m for m in args.modes.split(",") if m]:
-            log = os.path.join(os.path.dirname(args.out), f"{mode_name}.log")
+            stamp = time.strftime("%H%M%S")  # one server log per run: --append runs keep the earlier ones
+            log = os.path.join(os.path.dirname(args.out), f"{mode_name}-{stamp}.log")
             proc, url = start_server(mode_name, "auto", tmp, log, kv_memory_gib=args.kv_gib, extra=slo_toml)
             try:
                 model = serve.default_model(url, {})
@@ -155,7 +156,7 @@ def main() -> int:
         by = {(r["mode"], r["workload"]): r for r in results["runs"]}
         sustainable = (by.get(("adaptive", "bimodal")) or {}).get("goodput")
         if args.admission and sustainable:
-            log = os.path.join(os.path.dirname(args.out), "adaptive-reject.log")
+            log = os.path.join(os.path.dirname(args.out), f"adaptive-reject-{time.strftime('%H%M%S')}.log")
             proc, url = start_server("adaptive", "auto", tmp, log, kv_memory_gib=args.kv_gib,
                                      extra=slo_toml + 'admission = "reject"\n')
             try:

@@ -72,3 +72,21 @@ def test_plot_writes_png(T, tmp_path):
     path = T.plot(T.parse(_snapshot(), t0=100.0), str(tmp_path / "t.png"), title="synthetic")
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_role_spans_follow_the_changes_in_the_window(T):
+    snap = {"now": 110.0, "devices": [{"device": "cpu:0", "role": "adaptive", "steps": []},
+                                      {"device": "cpu:1", "role": "adaptive", "steps": []}],
+            "role_changes": [[102.0, "cpu:0", "prefill", "demand"], [106.0, "cpu:0", "adaptive", "hold"],
+                             [120.0, "cpu:0", "prefill", "after the window"]]}
+    spans = T.role_spans(snap, 100.0, 110.0)
+    # Before its first change cpu:0 held the other role; cpu:1 never changed and keeps the snapshot's.
+    assert spans["cpu:0"] == [(0.0, 2.0, "adaptive"), (2.0, 6.0, "prefill"), (6.0, 10.0, "adaptive")]
+    assert spans["cpu:1"] == [(0.0, 10.0, "adaptive")]
+
+
+def test_plot_snapshot_draws_the_role_strips(T, tmp_path):
+    snap = dict(_snapshot(), role_changes=[[104.5, "cpu:0", "prefill", "demand"]])
+    path = T.plot_snapshot(snap, str(tmp_path / "roles.png"), title="roles")
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
