@@ -46,26 +46,30 @@ class AdaptivePlacer:
         self.policy.cost = self.profiler.model  # the one the profiler holds now (a test may swap it)
         self.policy.observe(time.monotonic(), req.num_prompt_tokens)
 
-    def loads(self, router: Router, req: Request, now: float) -> list[DeviceLoad]:
-        """Every device as this request's placement sees it: with the roles the policy gives it, and no seat on a
-        device whose KV cannot hold the request now."""
+    def loads(self, router: Router, req: Request, now: float,
+              live: list[DeviceLoad] | None = None) -> list[DeviceLoad]:
+        """Every device as this request's placement sees it (from `live`, a snapshot, if given): with the roles
+        the policy gives it, and no seat on a device whose KV cannot hold the request now."""
         loads = [x if self.workers[x.name].kv.can_allocate(self.workers[x.name].kv.blocks_for(req.max_total_tokens))
-                 else replace(x, free_seats=0) for x in snapshot(router, now)]
+                 else replace(x, free_seats=0) for x in (live if live is not None else snapshot(router, now))]
         return self.policy.request_loads(loads, self.policy.is_long(req.num_prompt_tokens))
 
     def place(self, router: Router, req: Request) -> tuple[Worker, Worker] | None:
         now = time.monotonic()
-        self._apply(router, self.policy.update(now, snapshot(router, now)))
+        live = snapshot(router, now)
+        changes = self.policy.update(now, live)
+        if changes:  # a dedication may have moved seats: look again (a give-back below moves none)
+            self._apply(router, changes)
+            live = snapshot(router, now)
         while True:
-            pl = choose_placement(self.profiler.model, self.limits, self.slo, self.loads(router, req, now),
+            pl = choose_placement(self.profiler.model, self.limits, self.slo, self.loads(router, req, now, live),
                                   req.num_prompt_tokens, req.params.max_tokens)
             if pl is not None:
                 return self.workers[pl.prefill], self.workers[pl.decode]
             if not self.policy.prefill:
                 return None
             # No adaptive device has a seat for it: a prefill device goes back to decoding.
-            self._apply(router, [self.policy.give_back(now, snapshot(router, now),
-                                                       "no decode seat on the other devices")])
+            self._apply(router, [self.policy.give_back(now, live, "no decode seat on the other devices")])
 
     def _apply(self, router: Router, changes: list[RoleChange]) -> None:
         for c in changes:
