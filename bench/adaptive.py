@@ -8,11 +8,13 @@ prediction of each, SLO admission under overload, and the timeline of role chang
    `--max-probes` probes), each probe `--requests` requests of the seeded workload at Poisson arrivals
    (bench/serve.py). The adaptive server's steps and role changes during its highest-rate bimodal probe are kept
    for the timeline plot (`--plot`).
-2. With `--admission`, an adaptive server with `[slo] admission = "reject"` takes bimodal at the adaptive
-   goodput found in 1 (the sustainable rate) and at twice it: the attainment of the requests it admitted, how
-   many it refused (503 + Retry-After) and the SLO-meeting requests per second, at both rates.
+2. With `--admission`, an adaptive server with `[slo] admission = "reject"` takes bimodal (`--admission-requests`,
+   another seed) at the adaptive goodput found in 1 (the sustainable rate, or `--sustainable`) and at twice it:
+   the attainment of the requests it admitted, how many it refused (503 + Retry-After) and the SLO-meeting
+   requests per second, at both rates; then a fresh server with `admission = "off"` at both rates.
 
-    python bench/adaptive.py --admission                 # ~60 min on the 2-core CPU machine
+    python bench/adaptive.py --admission                 # ~70 min on the 2-core CPU machine
+    python bench/adaptive.py --modes '' --admission --sustainable 0.6    # phase 2 alone, ~15 min
     python bench/adaptive.py --modes adaptive --workloads short --requests 12 --max-probes 2
 
 SLO (default): TTFT <= 25 ms per prompt token, TPOT <= 90 ms: bench/compare.py's derived SLO of 2026-11-23
@@ -74,6 +76,10 @@ def main() -> int:
     ap.add_argument("--min-start-rate", type=float, default=0.1, help="the first probe's rate is the prediction, "
                     "but not below this (a probe at rate r takes requests / r seconds)")
     ap.add_argument("--admission", action="store_true", help="also run phase 2 (reject admission under 2x load)")
+    ap.add_argument("--sustainable", type=float, default=None, help="phase 2's sustainable rate (default: the "
+                    "adaptive bimodal goodput phase 1 found; give it with --modes '' to run phase 2 alone)")
+    ap.add_argument("--admission-requests", type=int, default=48, help="phase 2's requests per probe")
+    ap.add_argument("--margin", type=float, default=0.25, help="phase 2's slo.margin")
     ap.add_argument("--append", action="store_true", help="keep the runs already in --out (other modes)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "adaptive", "adaptive.json"))
     ap.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "results", "adaptive", "timeline.png"))
@@ -154,30 +160,38 @@ def main() -> int:
                 proc.terminate()
                 proc.wait(timeout=60)
         by = {(r["mode"], r["workload"]): r for r in results["runs"]}
-        sustainable = (by.get(("adaptive", "bimodal")) or {}).get("goodput")
+        sustainable = args.sustainable or (by.get(("adaptive", "bimodal")) or {}).get("goodput")
         if args.admission and sustainable:
-            log = os.path.join(os.path.dirname(args.out), f"adaptive-reject-{time.strftime('%H%M%S')}.log")
-            proc, url = start_server("adaptive", "auto", tmp, log, kv_memory_gib=args.kv_gib,
-                                     extra=slo_toml + 'admission = "reject"\n')
-            try:
-                model = serve.default_model(url, {})
-                reqs = W.generate("bimodal", args.requests * 2, seed=args.seed + 1)
-                out = []
-                for factor in (1.0, 2.0):
-                    m = measure(url, model, reqs, sustainable * factor)
-                    p = probe_record(m, sustainable * factor, None)
-                    admitted = [r for r in m["records"] if r.get("status") != 503]
-                    p["admitted_attainment"] = S.slo_attainment(admitted, slo.ttft_s, slo.tpot_s,
-                                                                slo.ttft_per_token_s)["attainment"]
-                    p["met_per_s"] = p["met"] / p["duration_s"]
-                    out.append(p)
-                    print(f"reject admission @{p['rate']:.3f} req/s: {p['refused']} refused, admitted attainment "
-                          f"{p['admitted_attainment']:.0%}, {p['met_per_s']:.3f} SLO-meeting req/s", flush=True)
-                results["admission"] = {"sustainable_rate": sustainable, "probes": out}
-                save()
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
+            # Each setting on a fresh server (no role or refit carried over from phase 1), at the sustainable rate
+            # and at twice it: with reject admission, and without (what rejecting buys).
+            reqs = W.generate("bimodal", args.admission_requests, seed=args.seed + 1)
+            out = []
+            results["admission"] = {"sustainable_rate": sustainable, "margin": args.margin, "probes": out}
+            for setting, factors in (("reject", (1.0, 2.0)), ("off", (1.0, 2.0))):
+                log = os.path.join(os.path.dirname(args.out), f"adaptive-{setting}-{time.strftime('%H%M%S')}.log")
+                proc, url = start_server("adaptive", "auto", tmp, log, kv_memory_gib=args.kv_gib,
+                                         extra=slo_toml + f'admission = "{setting}"\nmargin = {args.margin}\n')
+                try:
+                    model = serve.default_model(url, {})
+                    for factor in factors:
+                        m = measure(url, model, reqs, sustainable * factor)
+                        p = probe_record(m, sustainable * factor, None)
+                        admitted = [r for r in m["records"] if r.get("status") != 503]
+                        p["admission"], p["factor"] = setting, factor
+                        p["admitted_attainment"] = S.slo_attainment(admitted, slo.ttft_s, slo.tpot_s,
+                                                                    slo.ttft_per_token_s)["attainment"]
+                        p["met_per_s"] = p["met"] / p["duration_s"]
+                        keep = ("kind", "prompt_len", "status", "ttft", "tpot", "error")
+                        p["records"] = [{k: r.get(k) for k in keep} for r in m["records"]]
+                        out.append(p)
+                        print(f"admission {setting} @{p['rate']:.3f} req/s ({factor:g}x): {p['refused']} refused, "
+                              f"admitted attainment {p['admitted_attainment']:.0%}, {p['met_per_s']:.3f} "
+                              f"SLO-meeting req/s, TTFT p90 {p['ttft_p90']:.1f} s, TPOT p90 "
+                              f"{p['tpot_p90'] * 1000:.0f} ms", flush=True)
+                        save()
+                finally:
+                    proc.terminate()
+                    proc.wait(timeout=60)
     adaptive_bimodal = by.get(("adaptive", "bimodal"))
     if adaptive_bimodal and args.plot:
         timeline.plot_snapshot(adaptive_bimodal["debug_steps"], args.plot,

@@ -93,8 +93,8 @@ class SloSection:
     ttft_s: float = 2.5                   # a request's TTFT target: ttft_s + ttft_per_token_s * prompt tokens
     ttft_per_token_s: float = 0.0
     tpot_s: float = 0.1                   # time per output token after the first
-    admission: str = "off"                # off | reject: 503 at once when the predicted TTFT misses the target
-    margin: float = 0.25                  # reject only past (1 + margin) x the TTFT target
+    admission: str = "off"                # off | reject: 503 at once when a predicted TTFT or TPOT misses its target
+    margin: float = 0.25                  # reject only past (1 + margin) x the target (> -1)
 
 
 @dataclass(frozen=True)
@@ -353,9 +353,11 @@ def _validate_slo(cfg: Config) -> None:
     if not slo.tpot_s > 0:
         raise ConfigError(f"'slo.tpot_s' must be more than 0 seconds, got {slo.tpot_s}")
     for key, value in (("slo.ttft_s", slo.ttft_s), ("slo.ttft_per_token_s", slo.ttft_per_token_s),
-                       ("slo.margin", slo.margin), ("profile.budget_s", prof.budget_s)):
+                       ("profile.budget_s", prof.budget_s)):
         if not value >= 0:  # NaN too
             raise ConfigError(f"'{key}' must be 0 or more, got {value}")
+    if not slo.margin > -1:  # below 0 rejects before the target: room for the prediction's error
+        raise ConfigError(f"'slo.margin' must be more than -1, got {slo.margin}")
     if not slo.ttft_s + slo.ttft_per_token_s > 0:
         raise ConfigError("the TTFT target 'slo.ttft_s' + 'slo.ttft_per_token_s' x prompt tokens is 0: set either "
                           "above 0")

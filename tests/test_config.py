@@ -242,7 +242,7 @@ def test_slo_and_profile_defaults():
     ({"slo": {"ttft_s": 0}}, "slo.ttft_s"),
     ({"slo": {"ttft_s": -1, "ttft_per_token_s": 0.01}}, "slo.ttft_s"),
     ({"slo": {"tpot_s": -1}}, "slo.tpot_s"),
-    ({"slo": {"margin": -0.5}}, "slo.margin"),
+    ({"slo": {"margin": -1}}, "slo.margin"),
     ({"slo": {"margin": float("nan")}}, "slo.margin"),
     ({"slo": {"ttft_per_token_s": -1}}, "slo.ttft_per_token_s"),
     ({"profile": {"budget_s": -1}}, "profile.budget_s"),

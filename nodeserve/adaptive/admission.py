@@ -53,17 +53,24 @@ def prefill_share(records, now: float, window: float = PREFILL_WINDOW_S) -> floa
     return min(busy / window, 1.0)
 
 
-def worker_load(w: Worker, now: float, num_seats_taken: int) -> DeviceLoad:
-    """A worker's live load. Read from the event loop while the worker runs: a slightly stale view is fine."""
+def worker_load(w: Worker, now: float, seated: list[Request]) -> DeviceLoad:
+    """A worker's live load; `seated`: the requests the router placed there for decode. Read from the event loop
+    while the worker runs: a slightly stale view is fine."""
     running = list(w.scheduler.running)
+    decoding = {s.req.request_id for s in running}
+    incoming = [r for r in seated if r.request_id not in decoding and not r.finished]
     return DeviceLoad(w.name, w.role, w.num_outstanding_prefill_tokens, len(running),
-                      sum(s.req.num_tokens for s in running), w.limits.max_num_seqs - num_seats_taken,
-                      prefill_share(w.records, now), w.kv.num_free * w.kv.page_size)
+                      sum(s.req.num_tokens for s in running), w.limits.max_num_seqs - len(seated),
+                      prefill_share(w.records, now), w.kv.num_free * w.kv.page_size,
+                      len(incoming), sum(r.num_prompt_tokens for r in incoming))
 
 
 def snapshot(router: Router, now: float) -> list[DeviceLoad]:
     """What placement.choose_placement takes: every device's load, prefill devices first."""
-    return [worker_load(w, now, router.num_seats_taken[w]) for w in router.prefill_workers + router.decode_workers]
+    seated: dict[Worker, list[Request]] = {}
+    for rid, w in list(router.placements.items()):
+        seated.setdefault(w, []).append(router.placed[rid])
+    return [worker_load(w, now, seated.get(w, [])) for w in router.prefill_workers + router.decode_workers]
 
 
 class SloAdmission:
@@ -91,12 +98,25 @@ class SloAdmission:
 
     def __call__(self, router: Router, req: Request) -> None:
         best = self.best(router, req, time.monotonic())
-        if best is None:  # every decode seat taken: the router's queue decides, as without admission
+        if best is None:
+            # Every decode seat (or, in adaptive mode, the KV for it) is taken: it would wait for one for as long
+            # as the requests ahead take to finish, which no SLO can count on; without rejection the router's
+            # queue decides, as without admission.
+            if self.reject:
+                raise SloMiss("no device has a decode seat and the KV for it now")
             return
         req.predicted_ttft = best.ttft
+        if not self.reject:
+            return
         limit = self.target.ttft_limit(req.num_prompt_tokens)
-        if self.reject and best.ttft > limit * (1 + self.margin):
+        if best.ttft > limit * (1 + self.margin):
             raise SloMiss(f"its predicted time to first token, {best.ttft:.1f}s, misses the {limit:.1f}s target")
+        # Decode: its own time per output token in the batch it joins, and that of the requests its prefill
+        # chunks would stall; admitting it past either would drag requests already admitted past their SLO.
+        tpot = max(best.tpot, best.others_tpot if best.num_others else 0.0)
+        if tpot > self.target.tpot_s * (1 + self.margin):
+            raise SloMiss(f"its predicted time per output token, {tpot * 1000:.0f}ms, misses the "
+                          f"{self.target.tpot_s * 1000:.0f}ms target")
 
 
 def install(engine: Engine) -> Profiler:

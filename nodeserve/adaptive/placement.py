@@ -27,6 +27,8 @@ class DeviceLoad:
     free_seats: int = 1              # decode seats left (max_num_seqs - requests placed here for decode)
     prefill_share: float = 0.0       # share of its recent time spent in steps with prefill chunks (0..1)
     free_tokens: float = float("inf")  # KV tokens it can still reserve
+    num_incoming: int = 0            # requests with a decode seat here, not decoding yet (their prefill is ahead)
+    incoming_context: int = 0        # their prompt tokens, in total
 
 
 @dataclass(frozen=True)
@@ -98,11 +100,12 @@ def predict(cost: CostModel, limits: StepLimits, loads: dict[str, DeviceLoad], p
         mixed_extra = ttft - steps * alone
         others = alone + mixed_extra / max(out, steps)
     transfer = cost.transfer_tail(prefill, decode, num_prompt_tokens, ttft) if prefill != decode else 0.0
-    # Its own decode steps: the batch it joins, with its context half-way through its output, slowed by the
-    # prefill chunks mixed into them: the device's recent prefill share, or the prompt tokens already queued
-    # there if they take more of the time this request decodes.
-    batch = d.num_decodes + 1
-    context = d.decode_context + num_prompt_tokens + max_tokens // 2
+    # Its own decode steps: the batch it joins (what decodes there now and what holds a seat there and will,
+    # as its prefill ends first), with its context half-way through its output, slowed by the prefill chunks
+    # mixed into them: the device's recent prefill share, or the prompt tokens already queued there if they
+    # take more of the time this request decodes.
+    batch = d.num_decodes + d.num_incoming + 1
+    context = d.decode_context + d.incoming_context + num_prompt_tokens + max_tokens // 2
     step = cost.step_time(d.name, StepShape(num_decodes=batch, decode_context=context))
     share = d.prefill_share
     if prefill != decode and d.queued_prefill_tokens:

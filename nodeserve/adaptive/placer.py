@@ -66,10 +66,10 @@ class AdaptivePlacer:
                                   req.num_prompt_tokens, req.params.max_tokens)
             if pl is not None:
                 return self.workers[pl.prefill], self.workers[pl.decode]
-            if not self.policy.prefill:
+            change = self.policy.free_a_seat(now, live)  # no adaptive device has a seat for it
+            if change is None:
                 return None
-            # No adaptive device has a seat for it: a prefill device goes back to decoding.
-            self._apply(router, [self.policy.give_back(now, live, "no decode seat on the other devices")])
+            self._apply(router, [change])
 
     def _apply(self, router: Router, changes: list[RoleChange]) -> None:
         for c in changes:

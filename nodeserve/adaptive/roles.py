@@ -12,7 +12,7 @@ mode serves it. A *prefill* device takes no new decode seats (the requests it wa
 their KV, between steps: see adaptive/placer.py), so long prompts prefill where they stall nobody, and short ones
 stay colocated on the adaptive devices. Roles change between placements, never inside a step. A device is dedicated
 as soon as demand asks for it, and given back only once demand has asked for fewer for HOLD_S, or at once when no
-adaptive device has a decode seat.
+adaptive device has a decode seat and it has no prompt queued.
 """
 
 from __future__ import annotations
@@ -95,6 +95,15 @@ class RolePolicy:
         """Returns the prefill device with the least prefill queued to the adaptive devices."""
         d = min((x for x in loads if x.name in self.prefill), key=lambda x: x.queued_prefill_tokens)
         return self._set(now, d.name, ADAPTIVE, reason)
+
+    def free_a_seat(self, now: float, loads: Sequence[DeviceLoad]) -> RoleChange | None:
+        """No adaptive device has a decode seat for a request: a prefill device with no prompt queued goes back to
+        decoding. One still prefilling keeps its role (the request waits for a seat): given back, its long
+        prompts' chunks would stall the decodes it takes, and the next long prompt would take it again, moving
+        them once more (under KV pressure that flapped every second or two)."""
+        if not any(x.name in self.prefill and not x.queued_prefill_tokens for x in loads):
+            return None
+        return self.give_back(now, loads, "no decode seat on the other devices")
 
     def _set(self, now: float, device: str, role: str, reason: str) -> RoleChange:
         (self.prefill.add if role == PREFILL else self.prefill.discard)(device)

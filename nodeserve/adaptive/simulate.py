@@ -144,18 +144,26 @@ class Simulation:
         devs = list(self.devices.values())
         if self.policy is not None:  # as adaptive/placer.py places
             def loads() -> list[DeviceLoad]:
+                # Incoming: seated there, not decoding yet (those still waiting for their prefill are counted
+                # with their prompts; a KV copy in flight only by number).
+                waiting = [x for p in devs for x in p.waiting]
                 return [DeviceLoad(d.name, d.role, d.queued_prefill_tokens, len(d.running),
                                    sum(x.context for x in d.running),
                                    self.limits.max_num_seqs - d.num_assigned if self._fits(d, r) else 0,
-                                   d.prefill_share(self.now), d.capacity_tokens - d.reserved_tokens) for d in devs]
+                                   d.prefill_share(self.now), d.capacity_tokens - d.reserved_tokens,
+                                   d.num_assigned - len(d.running),
+                                   sum(x.prompt_len for x in waiting if x.decode_dev == d.name)) for d in devs]
             self._apply(self.policy.update(self.now, loads()))
             while True:
                 pl = choose_placement(self.cost, self.limits, self.slo,
                                       self.policy.request_loads(loads(), self.policy.is_long(r.prompt_len)),
                                       r.prompt_len, r.max_tokens)
-                if pl is not None or not self.policy.prefill:
-                    return None if pl is None else (pl.prefill, pl.decode)
-                self._apply([self.policy.give_back(self.now, loads(), "no decode seat")])
+                if pl is not None:
+                    return pl.prefill, pl.decode
+                change = self.policy.free_a_seat(self.now, loads())
+                if change is None:
+                    return None
+                self._apply([change])
         decoders = [d for d in devs if d.role in ("decode", "colocated") and self._fits(d, r)]
         if not decoders:
             return None

@@ -1,5 +1,5 @@
-"""SLO admission on fake workers and a synthetic profile: reject on a predicted TTFT miss, admit otherwise, predict
-even when off, and read a device's prefill share from its step records."""
+"""SLO admission on fake workers and a synthetic profile: reject on a predicted TTFT or TPOT miss or when no seat
+is left, admit otherwise, predict even when off, and read a device's load from the router and its step records."""
 
 from __future__ import annotations
 
@@ -41,14 +41,18 @@ def worker(name, role, queued=0, records=()):
                    records=deque(records), kv=SimpleNamespace(num_free=1000, page_size=16))
 
 
-def router(queued=0, pending=()):
-    return SimpleNamespace(prefill_workers=[worker("cpu:0", "prefill", queued)],
-                           decode_workers=[worker("cpu:1", "decode")], num_seats_taken=Counter(),
-                           pending=deque(pending))
+def router(queued=0, pending=(), seated=()):
+    """`seated`: requests placed on the decode device (seats taken), none decoding yet."""
+    r = SimpleNamespace(prefill_workers=[worker("cpu:0", "prefill", queued)],
+                        decode_workers=[worker("cpu:1", "decode")], num_seats_taken=Counter(),
+                        pending=deque(pending), placements={}, placed={})
+    for i, req in enumerate(seated):
+        r.placements[str(i)], r.placed[str(i)] = r.decode_workers[0], req
+    return r
 
 
-def request(num_prompt_tokens, max_tokens=16):
-    return Request("r", [1000] * num_prompt_tokens, SamplingParams(max_tokens=max_tokens))
+def request(num_prompt_tokens, max_tokens=16, request_id="r"):
+    return Request(request_id, [1000] * num_prompt_tokens, SamplingParams(max_tokens=max_tokens))
 
 
 def admission(**slo):
@@ -106,10 +110,28 @@ def test_prefill_share_from_step_records():
     assert prefill_share(deque(), now) == 0
 
 
+def test_rejects_when_the_batch_it_joins_would_miss_the_tpot_target():
+    # 4 ms a decode row + 2 us a context token: 40 seated 1,000-token requests make a ~0.26 s step.
+    adm = admission(admission="reject", ttft_s=2.5, tpot_s=0.1, margin=0.25)
+    adm(router(seated=[request(1000, request_id=str(i)) for i in range(5)]), request(100))
+    with pytest.raises(SloMiss, match="time per output token"):
+        adm(router(seated=[request(1000, request_id=str(i)) for i in range(40)]), request(100))
+    admission(tpot_s=0.1)(router(seated=[request(1000, request_id=str(i)) for i in range(40)]), request(100))
+
+
+def test_rejects_at_once_when_no_seat_is_left_and_queues_when_off():
+    full = [request(10, request_id=str(i)) for i in range(64)]
+    with pytest.raises(SloMiss, match="no device has a decode seat"):
+        admission(admission="reject", tpot_s=10.0)(router(seated=full), request(10))
+    req = request(10)
+    admission(tpot_s=10.0)(router(seated=full), req)
+    assert req.predicted_ttft is None
+
+
 def test_snapshot_reads_workers():
-    r = router(queued=700)
-    r.decode_workers[0].scheduler.running = [Seq(Request("a", [1] * 50, SamplingParams(max_tokens=8)), [])]
-    r.num_seats_taken[r.decode_workers[0]] = 1
+    r = router(queued=700, seated=[request(50, request_id="a"), request(300, request_id="b")])
+    r.decode_workers[0].scheduler.running = [Seq(r.placed["0"], [])]  # "a" decodes; "b" prefills on cpu:0
     p, d = snapshot(r, now=0.0)
     assert (p.role, p.queued_prefill_tokens, p.num_decodes) == ("prefill", 700, 0)
-    assert (d.role, d.num_decodes, d.decode_context, d.free_seats, d.free_tokens) == ("decode", 1, 50, 63, 16000)
+    assert (d.role, d.num_decodes, d.decode_context, d.free_seats, d.free_tokens) == ("decode", 1, 50, 62, 16000)
+    assert (d.num_incoming, d.incoming_context) == (1, 300)

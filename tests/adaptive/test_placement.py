@@ -108,3 +108,12 @@ def test_an_unfitted_model_predicts_without_dividing_by_zero():
     c = CostModel({n: StepModel() for n in ("d0", "d1")}, {}, 0, 1)
     pl = choose_placement(c, LIMITS, SLO, [load("d0", prefill_share=0.5), load("d1")], 100, 10)
     assert pl is not None and pl.ttft == 0 and pl.tpot == 0
+
+
+def test_requests_on_their_way_to_decode_slow_the_batch_they_will_join():
+    c, by = cost(), lambda *xs: {x.name: x for x in xs}
+    alone = predict(c, LIMITS, by(load("d0"), load("d1")), "d1", "d1", 100, 64).tpot
+    d1 = DeviceLoad("d1", "adaptive", num_incoming=3, incoming_context=6000)  # three long prompts prefill elsewhere
+    joined = predict(c, LIMITS, by(load("d0"), d1), "d1", "d1", 100, 64).tpot
+    want = c.step_time("d1", StepShape(num_decodes=4, decode_context=6000 + 100 + 32))
+    assert alone < joined == pytest.approx(want)

@@ -85,3 +85,13 @@ def test_give_back_picks_the_prefill_device_with_the_least_queued(queued):
     p.prefill = {"d1", "d2"}
     c = p.give_back(0.0, _loads(queued=queued), "test")
     assert c.role == "adaptive" and c.device == ("d1" if queued == (0, 0, 0) else "d2")
+
+
+def test_a_seat_is_freed_only_by_a_prefill_device_with_nothing_queued():
+    p = _policy()
+    p.prefill = {"d1"}
+    assert p.free_a_seat(0.0, _loads(queued=(0, 2000, 0))) is None  # still prefilling: it keeps its role
+    assert p.prefill == {"d1"}
+    c = p.free_a_seat(0.0, _loads())
+    assert (c.device, c.role) == ("d1", "adaptive") and p.prefill == set()
+    assert p.free_a_seat(0.0, _loads()) is None  # none dedicated

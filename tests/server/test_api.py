@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import openai
@@ -43,14 +44,22 @@ def test_greedy_output_matches_transformers(which, request, loaded_fp32, chat_pr
     server = request.getfixturevalue(which)
     client = _client(server)
     tok = loaded_fp32.tokenizer
-    for i, text in enumerate(chat_prompts):
-        r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": text}],
-                                           extra_body={"ignore_eos": True}, **GREEDY)
+
+    def one(i: int):
+        if i < len(chat_prompts):
+            messages = [{"role": "user", "content": chat_prompts[i]}]
+            return client.chat.completions.create(model="smollm2", messages=messages, extra_body={"ignore_eos": True},
+                                                  **GREEDY)
+        return client.completions.create(model="smollm2", prompt=prompt_ids[i], extra_body={"ignore_eos": True},
+                                         **GREEDY)
+
+    # All at once (a batch is token-for-token a request alone: test_one_request_alone_equals_it_among_31_*).
+    with ThreadPoolExecutor(len(prompt_ids)) as pool:
+        responses = list(pool.map(one, range(len(prompt_ids))))
+    for i, r in enumerate(responses[:len(chat_prompts)]):
         assert r.choices[0].message.content == tok.decode(hf_greedy[i])
         assert r.usage.prompt_tokens == len(prompt_ids[i]) and r.usage.completion_tokens == 32
-    for i in range(len(chat_prompts), len(prompt_ids)):
-        r = client.completions.create(model="smollm2", prompt=prompt_ids[i], extra_body={"ignore_eos": True},
-                                      **GREEDY)
+    for i, r in enumerate(responses[len(chat_prompts):], start=len(chat_prompts)):
         assert r.choices[0].text == tok.decode(hf_greedy[i])
         assert r.choices[0].finish_reason == "length"
     _assert_pools_whole(server)
