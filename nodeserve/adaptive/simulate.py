@@ -236,7 +236,8 @@ class Simulation:
         self._at(end, self._step_done, d, list(decodes), chunks)
 
     def _step_done(self, d: SimDevice, decodes: list[SimRequest], chunks: list[tuple[SimRequest, int]]) -> None:
-        d.busy = False
+        # Busy until this step is accounted: a request that finishes here dispatches the next, which must not
+        # start a step on this device before the chunks below are counted (it would prefill them twice).
         for r in decodes:
             r.num_out += 1
             if r.num_out >= r.max_tokens:
@@ -257,6 +258,7 @@ class Simulation:
                 self._at(self.now + tail, self._land, r)
         if d.moving:
             self._move_decodes(d)
+        d.busy = False
         self._kick(d)
 
     def _land(self, r: SimRequest) -> None:

@@ -45,6 +45,17 @@ def test_batching_and_chunking_by_hand():
     assert rb["ttft"] == pytest.approx(0.48) and rb["e2e"] == pytest.approx(0.58)
 
 
+def test_a_request_dispatched_by_a_finish_waits_for_the_step_to_be_counted():
+    # Two seats, 8 tokens a step. A arrives first and steps alone [0, .12]. Step 2 [.12, .29]: A decodes + B's
+    # first 7 tokens; A ends and its seat goes to C, which must not start a step before B's 7 are counted.
+    # Step 3 [.29, .47]: B's last 5 + C's 3. Step 4 [.47, .58]: B decodes (ends) + C's last 1. Step 5: C.
+    c = cost([0.1, 0.01, 0, 0, 0], names=("a",))
+    limits = StepLimits(max_num_batched_tokens=8, max_num_seqs=2)
+    ra, rb, rc = simulate(c, COLOC1, limits, SLO, [(2, 2), (12, 2), (4, 2)], [0.0, 0.0, 0.0])
+    assert ra["e2e"] == pytest.approx(0.29) and rb["ttft"] == pytest.approx(0.47)
+    assert rb["e2e"] == pytest.approx(0.58) and rc["ttft"] == pytest.approx(0.58) and rc["e2e"] == pytest.approx(0.68)
+
+
 def test_handoff_waits_for_the_transfer_tail():
     # 1,000 tokens x 1,000 B at 1 MB/s = 1 s of copy; the 0.2 s prefill hides 0.2 of it: a 0.8 s tail.
     c = cost([0.1, 0.01, 0, 0, 0], bandwidth=1e6, kv_bytes_per_token=1000, num_layers=10)
