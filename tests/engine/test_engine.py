@@ -181,13 +181,13 @@ def test_full_queue_is_refused_then_drains(loaded_fp32, prompt_ids):
         streams, refused = [], 0
         for _ in range(12):
             try:
-                streams.append(engine.add_request(prompt_ids[0], _greedy(max_tokens=64)))
+                streams.append(engine.add_request(prompt_ids[0], _greedy(max_tokens=16)))
             except QueueFull:
                 refused += 1
         results = await asyncio.gather(*(_tokens(s) for s in streams))
         return refused, [len(t) for t, _ in results]
     refused, lengths = _run(cfg, loaded_fp32, body)
-    assert refused > 0 and lengths == [64] * (12 - refused)
+    assert refused > 0 and lengths == [16] * (12 - refused)
 
 
 def test_a_gpu_too_small_for_the_weights_or_the_pool_is_a_config_error(loaded_fp32):

@@ -243,7 +243,7 @@ def test_64_concurrent_streams_with_bimodal_prompts(server, loaded_fp32):
     rng = random.Random(0)
     vocab = range(300, 40000)
     # 60 short prompts and 4 of two prefill chunks (max_num_batched_tokens = 1024)
-    lengths = [rng.randint(30, 120) for _ in range(60)] + [rng.randint(1100, 1300) for _ in range(4)]
+    lengths = [rng.randint(16, 64) for _ in range(60)] + [rng.randint(1030, 1100) for _ in range(4)]
     rng.shuffle(lengths)
     prompts = [[rng.choice(vocab) for _ in range(n)] for n in lengths]
     max_tokens = [rng.randint(8, 24) for _ in range(64)]
