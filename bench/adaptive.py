@@ -75,6 +75,8 @@ def main() -> int:
     ap.add_argument("--kv-gib", type=float, default=0.5)
     ap.add_argument("--min-start-rate", type=float, default=0.1, help="the first probe's rate is the prediction, "
                     "but not below this (a probe at rate r takes requests / r seconds)")
+    ap.add_argument("--prefix-cache", action="store_true", help="keep the servers' prefix cache on (off by "
+                    "default: every probe sends the same requests, so later probes would hit what earlier ones left)")
     ap.add_argument("--admission", action="store_true", help="also run phase 2 (reject admission under 2x load)")
     ap.add_argument("--sustainable", type=float, default=None, help="phase 2's sustainable rate (default: the "
                     "adaptive bimodal goodput phase 1 found; give it with --modes '' to run phase 2 alone)")
@@ -89,6 +91,7 @@ def main() -> int:
     slo = SloTarget(args.slo_ttft, args.slo_tpot, args.slo_ttft_per_token)
     sch = SchedulerSection()
     limits = StepLimits(sch.max_num_batched_tokens, sch.max_num_seqs)
+    kv_extra = "" if args.prefix_cache else "prefix_cache = false"
     slo_toml = (f"[slo]\nttft_s = {slo.ttft_s}\nttft_per_token_s = {slo.ttft_per_token_s}\ntpot_s = {slo.tpot_s}\n")
     results = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                "machine": serve.machine(), "slo": vars(slo), "target": args.target,
@@ -115,7 +118,8 @@ def main() -> int:
         for mode_name in [m for m in args.modes.split(",") if m]:
             stamp = time.strftime("%H%M%S")  # one server log per run: --append runs keep the earlier ones
             log = os.path.join(os.path.dirname(args.out), f"{mode_name}-{stamp}.log")
-            proc, url = start_server(mode_name, "auto", tmp, log, kv_memory_gib=args.kv_gib, extra=slo_toml)
+            proc, url = start_server(mode_name, "auto", tmp, log, kv_memory_gib=args.kv_gib, kv_extra=kv_extra,
+                                     extra=slo_toml)
             try:
                 model = serve.default_model(url, {})
                 serve.measure(url, model, W.generate("agent", 2, seed=args.seed + 100), "concurrency", None, 1,
@@ -153,6 +157,7 @@ def main() -> int:
                                          max_probes=args.max_probes, rate_floor=0.01, rel_tol=args.rel_tol)
                     lo, hi = g.bracket
                     run["goodput"], run["status"], run["bracket"] = g.goodput, g.status, [lo, hi]
+                    run["profile_after"] = fetch_profile(url)  # refitted with every probe's steps: what `plan` reads
                     print(f"{mode_name} {wl}: goodput {g.goodput} req/s ({g.status}), bracket {lo}-{hi}, "
                           f"predicted {pred.goodput}", flush=True)
                     save()
@@ -169,7 +174,7 @@ def main() -> int:
             results["admission"] = {"sustainable_rate": sustainable, "margin": args.margin, "probes": out}
             for setting, factors in (("reject", (1.0, 2.0)), ("off", (1.0, 2.0))):
                 log = os.path.join(os.path.dirname(args.out), f"adaptive-{setting}-{time.strftime('%H%M%S')}.log")
-                proc, url = start_server("adaptive", "auto", tmp, log, kv_memory_gib=args.kv_gib,
+                proc, url = start_server("adaptive", "auto", tmp, log, kv_memory_gib=args.kv_gib, kv_extra=kv_extra,
                                          extra=slo_toml + f'admission = "{setting}"\nmargin = {args.margin}\n')
                 try:
                     model = serve.default_model(url, {})
@@ -197,18 +202,18 @@ def main() -> int:
         timeline.plot_snapshot(adaptive_bimodal["debug_steps"], args.plot,
                                title=f"adaptive, bimodal probes (SLO {slo.ttft_per_token_s * 1000:g} ms/prompt token, "
                                      f"{slo.tpot_s * 1000:g} ms TPOT)")
-    # `nodeserve plan` as an operator runs it: one profile (the last server's, refitted by everything it served)
-    # predicts every mode.
-    last = results["runs"][-1]["profile"] if results["runs"] else None
+    # `nodeserve plan` as an operator runs it: one profile (the last server's after its probes, refitted by what
+    # it served) predicts every mode.
+    last = next((r for r in reversed(results["runs"]) if "profile_after" in r), None)
     if last is not None:
-        cost = CostModel.from_dict(last)
+        cost = CostModel.from_dict(last["profile_after"])
         capacity = args.kv_gib * 2**30 / (cost.kv_bytes_per_token or 1)
-        results["plan"] = {"profile_of": results["runs"][-1]["mode"], "predicted_goodput": {
+        results["plan"] = {"profile_of": f"{last['mode']}/{last['workload']}, after its probes", "predicted_goodput": {
             f"{m}/{wl}": predict_goodput(cost, MODES[m], limits, slo,
                                          [(r.prompt_len, r.max_tokens) for r in W.generate(wl, args.requests,
                                                                                            seed=args.seed)],
                                          args.seed, args.target, capacity_tokens=capacity).goodput
-            for m in MODES for wl in args.workloads.split(",")}}
+            for m in MODES for wl in sorted({r["workload"] for r in results["runs"]})}}
         save()
     for (mode, wl), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         plan = (results.get("plan") or {}).get("predicted_goodput", {}).get(f"{mode}/{wl}")

@@ -30,7 +30,9 @@ Pass 2, per target:
 
 Every request streams with ignore_eos, so it produces exactly max_tokens tokens, on a new connection
 (serve.run's force_close); every target gets the same requests (same seeds); llama-server gets
-`cache_prompt: false`, as the goodput probes resend the same prompts. The fixed SLO (stats.py): TTFT <= 2.5 s
+`cache_prompt: false` and nodeserve `[kv] prefix_cache = false`, as the goodput probes resend the same prompts
+(before 2026-11-23 20:20 UTC nodeserve's cache was left on: the results of that day's run are optimistic for
+nodeserve wherever a prompt was sent twice). The fixed SLO (stats.py): TTFT <= 2.5 s
 and TPOT <= 100 ms for 90 % of requests; --slo-ttft-per-token makes its TTFT length-aware.
 
 llama-server runs with -t 2 by default. Its threads spin at an OpenMP barrier after every op, so when other
@@ -546,7 +548,9 @@ def serving(name: str, args, tmp: str, log: str, live: list):
                         f"-t {args.llama_threads} --metrics",
                 "omp_wait_policy": "passive" if args.llama_passive else "default"}
     else:
-        proc, url = start_server(name, args.dtype, tmp, log, model_extra=args.nodeserve_model_extra)
+        # Its prefix cache off, as llama-server's cache_prompt: probes resend the same prompts.
+        proc, url = start_server(name, args.dtype, tmp, log, model_extra=args.nodeserve_model_extra,
+                                 kv_extra="prefix_cache = false")
         info = {"mode": name, "dtype": args.dtype, "model_extra": args.nodeserve_model_extra}
     live.append(proc)
     info["start_s"] = time.perf_counter() - t
