@@ -13,8 +13,11 @@ prediction of each, SLO admission under overload, and the timeline of role chang
    the attainment of the requests it admitted, how many it refused (503 + Retry-After) and the SLO-meeting
    requests per second, at both rates; then a fresh server with `admission = "off"` at both rates.
 
-    python bench/adaptive.py --admission                 # ~70 min on the 2-core CPU machine
-    python bench/adaptive.py --modes '' --admission --sustainable 0.6    # phase 2 alone, ~15 min
+Servers run with the prefix cache off (`--prefix-cache` to keep it): every probe resends the same requests.
+
+    python bench/adaptive.py --admission                 # ~45 min on the 2-core CPU machine (disaggregated
+                                                         # bimodal alone: 4-6 min a probe)
+    python bench/adaptive.py --modes '' --admission --sustainable 0.6    # phase 2 alone, ~10 min
     python bench/adaptive.py --modes adaptive --workloads short --requests 12 --max-probes 2
 
 SLO (default): TTFT <= 25 ms per prompt token, TPOT <= 90 ms: bench/compare.py's derived SLO of 2026-11-23
