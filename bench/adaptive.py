@@ -118,52 +118,55 @@ def main() -> int:
                              progress=False, force_close=True)
 
     with tempfile.TemporaryDirectory() as tmp:
-        for mode_name in [m for m in args.modes.split(",") if m]:
+        # A fresh server per mode and workload: nothing (adaptive roles, the step model's recent samples, the
+        # allocator's state) carries over from another workload's probes.
+        for mode_name, wl in [(m, w) for m in args.modes.split(",") if m for w in args.workloads.split(",")]:
             stamp = time.strftime("%H%M%S")  # one server log per run: --append runs keep the earlier ones
-            log = os.path.join(os.path.dirname(args.out), f"{mode_name}-{stamp}.log")
+            log = os.path.join(os.path.dirname(args.out), f"{mode_name}-{wl}-{stamp}.log")
             proc, url = start_server(mode_name, "auto", tmp, log, kv_memory_gib=args.kv_gib, kv_extra=kv_extra,
                                      extra=slo_toml)
             try:
                 model = serve.default_model(url, {})
                 serve.measure(url, model, W.generate("agent", 2, seed=args.seed + 100), "concurrency", None, 1,
                               args.seed, progress=False, force_close=True)
-                for wl in args.workloads.split(","):
-                    reqs = W.generate(wl, args.requests, seed=args.seed)
-                    work = [(r.prompt_len, r.max_tokens) for r in reqs]
-                    cost = CostModel.from_dict(fetch_profile(url))
-                    capacity = args.kv_gib * 2**30 / (cost.kv_bytes_per_token or 1)
-                    pred = predict_goodput(cost, MODES[mode_name], limits, slo, work, args.seed, args.target,
+                reqs = W.generate(wl, args.requests, seed=args.seed)
+                work = [(r.prompt_len, r.max_tokens) for r in reqs]
+                cost = CostModel.from_dict(fetch_profile(url))
+                capacity = args.kv_gib * 2**30 / (cost.kv_bytes_per_token or 1)
+                pred = predict_goodput(cost, MODES[mode_name], limits, slo, work, args.seed, args.target,
+                                       capacity_tokens=capacity)
+                print(f"{mode_name} {wl}: predicted goodput {pred.goodput} req/s ({pred.status})", flush=True)
+                run = {"mode": mode_name, "workload": wl, "predicted_goodput": pred.goodput,
+                       "predicted_status": pred.status, "probes": [], "profile": cost.as_dict()}
+                results["runs"].append(run)  # saved with every probe, so an interrupted search keeps them
+
+                def attainment_at(rate: float) -> float | None:
+                    since = timeline.server_now(url)
+                    m = measure(url, model, reqs, rate)
+                    if mode_name == "adaptive" and not run["probes"]:
+                        # The first probe's, for the plot: on the fresh server every device starts adaptive, so the
+                        # role changes the traffic causes fall inside it (later probes start where it left them).
+                        run["debug_steps"] = timeline.fetch(url, since)
+                    predicted = attainment(cost, MODES[mode_name], limits, slo, work,
+                                           W.arrival_times("poisson", len(work), rate, args.seed),
                                            capacity_tokens=capacity)
-                    print(f"{mode_name} {wl}: predicted goodput {pred.goodput} req/s ({pred.status})", flush=True)
-                    run = {"mode": mode_name, "workload": wl, "predicted_goodput": pred.goodput,
-                           "predicted_status": pred.status, "probes": [], "profile": cost.as_dict()}
-                    results["runs"].append(run)  # saved with every probe, so an interrupted search keeps them
-
-                    def attainment_at(rate: float) -> float | None:
-                        since = timeline.server_now(url)
-                        m = measure(url, model, reqs, rate)
-                        if mode_name == "adaptive" and rate >= max(p["rate"] for p in run["probes"] or [{"rate": 0}]):
-                            run["debug_steps"] = timeline.fetch(url, since)  # the busiest probe's, for the plot
-                        predicted = attainment(cost, MODES[mode_name], limits, slo, work,
-                                               W.arrival_times("poisson", len(work), rate, args.seed),
-                                               capacity_tokens=capacity)
-                        p = probe_record(m, rate, predicted)
-                        run["probes"].append(p)
-                        print(f"{mode_name} {wl} @{rate:.3f} req/s: attainment {p['attainment']:.0%} (predicted "
-                              f"{predicted:.0%}), TTFT p90 {p['ttft_p90']:.1f} s, TPOT p90 "
-                              f"{p['tpot_p90'] * 1000:.0f} ms, load {p['loadavg_1m']:.1f}", flush=True)
-                        save()
-                        return p["attainment"]
-
-                    start = max(pred.goodput or 0.0, args.min_start_rate)
-                    g = S.goodput_search(attainment_at, start, 10.0, args.target, tol=0.005, growth=args.growth,
-                                         max_probes=args.max_probes, rate_floor=0.01, rel_tol=args.rel_tol)
-                    lo, hi = g.bracket
-                    run["goodput"], run["status"], run["bracket"] = g.goodput, g.status, [lo, hi]
-                    run["profile_after"] = fetch_profile(url)  # refitted with every probe's steps: what `plan` reads
-                    print(f"{mode_name} {wl}: goodput {g.goodput} req/s ({g.status}), bracket {lo}-{hi}, "
-                          f"predicted {pred.goodput}", flush=True)
+                    p = probe_record(m, rate, predicted)
+                    run["probes"].append(p)
+                    print(f"{mode_name} {wl} @{rate:.3f} req/s: attainment {p['attainment']:.0%} (predicted "
+                          f"{predicted:.0%}), TTFT p90 {p['ttft_p90']:.1f} s, TPOT p90 "
+                          f"{p['tpot_p90'] * 1000:.0f} ms, load {p['loadavg_1m']:.1f}", flush=True)
                     save()
+                    return p["attainment"]
+
+                start = max(pred.goodput or 0.0, args.min_start_rate)
+                g = S.goodput_search(attainment_at, start, 10.0, args.target, tol=0.005, growth=args.growth,
+                                     max_probes=args.max_probes, rate_floor=0.01, rel_tol=args.rel_tol)
+                lo, hi = g.bracket
+                run["goodput"], run["status"], run["bracket"] = g.goodput, g.status, [lo, hi]
+                run["profile_after"] = fetch_profile(url)  # refitted with every probe's steps: what `plan` reads
+                print(f"{mode_name} {wl}: goodput {g.goodput} req/s ({g.status}), bracket {lo}-{hi}, "
+                      f"predicted {pred.goodput}", flush=True)
+                save()
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)

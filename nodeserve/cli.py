@@ -96,6 +96,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             from nodeserve.adaptive.profiler import measure_config
 
             cost = measure_config(config, args.budget)
+            if args.save_profile:  # to plan other workloads later without loading the model again
+                with open(args.save_profile, "w") as f:
+                    json.dump(cost.as_dict(), f)
         else:
             try:
                 with open(args.profile) as f:
@@ -148,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--measure", action="store_true", help="load the model and measure the profile here")
     p.add_argument("--budget", type=float, default=5.0, help="seconds of profiling with --measure "
                    "(default: %(default)s)")
+    p.add_argument("--save-profile", help="with --measure: also write the measured profile here (for --profile)")
     p.add_argument("--workload", help="a workload TOML (see nodeserve/adaptive/plan.py); default: bimodal chat")
     p.add_argument("--json", help="also write the predictions to this file")
     p.set_defaults(func=_cmd_plan)

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from nodeserve import goodput, workloads
 from nodeserve.adaptive.cost_model import CostModel
 from nodeserve.adaptive.placement import SloTarget, StepLimits
-from nodeserve.adaptive.simulate import Mode, attainment, candidate_modes, predict_goodput
-from nodeserve.config import Config, ConfigError, config_from_dict
+from nodeserve.adaptive.simulate import attainment, candidate_modes, predict_goodput
+from nodeserve.config import Config, ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -87,8 +87,10 @@ def workload_from_dict(raw: dict, config: Config) -> WorkloadPlan:
     c = config.slo
     slo = SloTarget(float(slo_raw.get("ttft_s", c.ttft_s)), float(slo_raw.get("tpot_s", c.tpot_s)),
                     float(slo_raw.get("ttft_per_token_s", c.ttft_per_token_s)))
-    if not (slo.ttft_s > 0 and slo.tpot_s > 0):
-        raise ConfigError("'slo.ttft_s' and 'slo.tpot_s' must be more than 0")
+    if not slo.tpot_s > 0:
+        raise ConfigError("'slo.tpot_s' must be more than 0")
+    if not slo.ttft_s + slo.ttft_per_token_s > 0:  # as the config's [slo]: a per-token TTFT target alone will do
+        raise ConfigError("'slo.ttft_s' or 'slo.ttft_per_token_s' must be more than 0")
     target = float(slo_raw.get("target", goodput.DEFAULT_SLO_TARGET))
     if not 0 < target <= 1:
         raise ConfigError(f"'slo.target' must be a share in (0, 1], got {target}")

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from nodeserve.adaptive.cost_model import CostModel, StepModel, StepShape
+from nodeserve.adaptive.cost_model import CostModel, LinearKernels, StepModel, StepShape
 from nodeserve.engine.model_runner import SeqChunk
+from nodeserve.model.block_quant import gemv_rows
 
 if TYPE_CHECKING:
     from nodeserve.engine.worker import Worker
@@ -25,22 +26,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # (prefill chunks as (tokens, cached tokens), decode contexts), cheapest first. The first MIN_STEPS always run
-# (each of the five features moves on its own among them, so the fit is determined however slow the device);
-# the rest while the budget lasts.
+# (each of the seven features moves on its own among them, so the fit is determined however slow the device:
+# decode batches of one and two row passes, a small prefill in passes, GEMM prefills of two lengths and one after
+# a prefix long enough that attention is a third of its time: a prefix of 448 left the per-pair cost to noise and
+# the fit put 1,000-token chunks after 1,000 cached 25 % short); the rest while the budget lasts.
 PROFILE_STEPS: tuple[tuple[tuple[tuple[int, int], ...], tuple[int, ...]], ...] = (
     ((), (64,)),
     (((16, 0),), ()),
     ((), (64,) * 8),
     ((), (512,) * 8),
+    ((), (128,) * 16),
     (((64, 0),), ()),
-    (((64, 448),), ()),
+    (((64, 1984),), ()),
+    (((128, 0),), ()),
     (((32, 0),), (128,) * 8),
     ((), (128,) * 32),
-    (((128, 0),), ()),
     ((), (1024,) * 4),
+    ((), (256,) * 12),
     (((256, 0),), ()),
 )
-MIN_STEPS = 6
+MIN_STEPS = 8
 WARMUP_STEP = (((4, 0),), (16,))  # untimed: the first prefill and decode pay for lazy initialisation
 COPY_BYTES = 16 * 2**20
 
@@ -96,7 +101,8 @@ class Profiler:
         self.workers = list(workers)
         pool = self.workers[0].pool
         num_layers = len(pool.layers)
-        self.model = CostModel({w.name: StepModel() for w in self.workers}, {},
+        self.model = CostModel({w.name: StepModel(kernels=LinearKernels(*gemv_rows(w.runner.model)))
+                                for w in self.workers}, {},
                                pool.bytes_per_page_per_layer * num_layers // pool.page_size, num_layers)
         self._seen = {w.name: time.monotonic() for w in self.workers}  # records ending after this are new
         self._lock = threading.Lock()  # refine() runs on the event loop; measure() in the warm-up thread

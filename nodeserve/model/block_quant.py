@@ -24,6 +24,7 @@ from nodeserve.kernels import native
 BLOCK_FORMATS = {"int8": native.Q8_0, "int4": native.Q4_1}
 # Rows up to which the fused kernel beats dequantize + GEMM (bench/kernels.py measures both; bench/README.md).
 MAX_GEMV_ROWS = 32
+ROWS_PER_PASS = 8  # activation rows per pass over a weight row (MAX_TILE in kernels/csrc/cpu_kernels.c)
 
 
 @dataclass
@@ -103,6 +104,14 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, ggml_type={self.qtype}"
+
+
+def gemv_rows(model: nn.Module) -> tuple[int, int]:
+    """(max rows multiplied in passes over the weights, rows a pass) for the cost model's LinearKernels: a model
+    with block-quantized linears runs small steps that way; (0, 1) for one whose linears are all dense."""
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        return MAX_GEMV_ROWS, ROWS_PER_PASS
+    return 0, 1
 
 
 class QuantEmbedding(nn.Module):

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from nodeserve.adaptive.cost_model import FEATURES, CostModel, StepModel, StepShape, fit_nonnegative
+from nodeserve.adaptive.cost_model import FEATURES, CostModel, LinearKernels, StepModel, StepShape, fit_nonnegative
+from nodeserve.adaptive.profiler import MIN_STEPS, PROFILE_STEPS
 
 TRUE = [0.02, 0.004, 1e-6, 0.003, 2e-5]  # step, per prefill token, per attended pair, per decode, per context token
 
@@ -24,8 +25,34 @@ def _time(shape: StepShape, coef=TRUE) -> float:
 
 def test_shape_features():
     s = StepShape.of([(10, 0), (4, 6)], [100, 50])
-    assert s.features() == [1.0, 14.0, 10 * 5 + 4 * 8, 2.0, 150.0]
+    assert s.features() == [1.0, 14.0, 10 * 5 + 4 * 8, 2.0, 150.0, 0.0, 0.0]  # dense weights: no passes
     assert StepShape().empty and not s.empty
+    assert StepShape.from_row(s.row()) == s
+
+
+def test_linear_kernel_features_follow_the_row_count():
+    k = LinearKernels(max_gemv_rows=32, rows_per_pass=8)
+    passes_gemm = lambda shape: shape.features(k)[-2:]  # noqa: E731
+    assert passes_gemm(StepShape.of([], [64] * 8)) == [1.0, 0.0]
+    assert passes_gemm(StepShape.of([], [64] * 9)) == [2.0, 0.0]
+    assert passes_gemm(StepShape.of([(30, 0)], [64] * 2)) == [4.0, 0.0]
+    assert passes_gemm(StepShape.of([(31, 0)], [64] * 2)) == [0.0, 1.0]
+    with pytest.raises(ValueError):
+        LinearKernels(32, 0)
+
+
+def test_fit_recovers_pass_and_gemm_costs_from_the_start_up_steps():
+    # The profile's first MIN_STEPS alone determine all seven coefficients on a block-quantized model.
+    k = LinearKernels(32, 8)
+    true = [0.002, 0.003, 1e-6, 0.004, 5e-6, 0.02, 0.1]
+    m = StepModel(kernels=k)
+    for chunks, decodes in PROFILE_STEPS[:MIN_STEPS]:
+        shape = StepShape.of(chunks, decodes)
+        m.add(shape, sum(c * f for c, f in zip(true, shape.features(k))))
+    m.refit()
+    assert m.coef == pytest.approx(true, rel=1e-6)
+    eight, nine = StepShape.of([], [100] * 8), StepShape.of([], [100] * 9)
+    assert m.step_time(nine) - m.step_time(eight) == pytest.approx(0.004 + 100 * 5e-6 + 0.02)  # a second pass
 
 
 def test_fit_recovers_known_coefficients_exactly():
@@ -96,6 +123,19 @@ def test_json_round_trip():
     assert len(back.devices["cpu:0"].profile_samples) == len(_shapes())
     assert len(back.devices["cpu:0"].online_samples) == 1
     assert back.copy_bandwidth == {("cpu:0", "cpu:1"): 5e9} and back.kv_bytes_per_token == 46080
+
+
+def test_a_profile_saved_before_the_kernel_features_is_fitted_again():
+    m = StepModel()
+    for s in _shapes():
+        m.add(s, _time(s))
+    m.refit()
+    old = m.as_dict()
+    old["coefficients"] = {k: v for k, v in old["coefficients"].items() if k not in ("row_passes", "gemm")}
+    old["coefficients"]["step"] = 99.0  # stale: refitted from the samples
+    del old["linear_kernels"]
+    back = StepModel.from_dict(old)
+    assert back.step_time(StepShape.of([(128, 0)])) == pytest.approx(_time(StepShape.of([(128, 0)])), rel=1e-6)
 
 
 def test_from_dict_rejects_other_json():

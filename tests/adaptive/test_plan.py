@@ -35,6 +35,8 @@ def test_workload_file():
     assert wl.spec == Spec((50, 300), (16, 64), None, 0.0) and wl.num_requests == 20 and wl.rates == (1.0,)
     assert (wl.slo.ttft_s, wl.slo.tpot_s, wl.target) == (2.0, 0.2, 0.8)
     assert all(50 <= p <= 300 and 16 <= o <= 64 for p, o in wl.requests())
+    per_token = workload_from_dict({"slo": {"ttft_s": 0, "ttft_per_token_s": 0.025}}, config())  # bench's SLO
+    assert (per_token.slo.ttft_s, per_token.slo.ttft_per_token_s) == (0.0, 0.025)
     default = workload_from_dict({}, config(ttft_s=4.0, ttft_per_token_s=0.01))
     assert default.spec == "bimodal" and default.slo.ttft_s == 4.0 and default.slo.ttft_per_token_s == 0.01
 
@@ -46,6 +48,7 @@ def test_workload_file():
     ({"prompt": [10, 5], "output": [1, 2]}, "'prompt'"),
     ({"prompt": [10, 20]}, "both 'prompt' and 'output'"),
     ({"slo": {"tpot_s": 0}}, "more than 0"),
+    ({"slo": {"ttft_s": 0, "ttft_per_token_s": 0}}, "'slo.ttft_s' or 'slo.ttft_per_token_s'"),
     ({"slo": {"target": 2}}, "slo.target"),
     ({"slo": {"p99": 1}}, "unknown key 'slo.p99'"),
     ({"rates": [0]}, "'rates'"),
@@ -87,3 +90,18 @@ def test_cli(tmp_path, capsys):
     bad.write_text('{"pools": []}')
     assert main(["plan", "--config", str(cfg), "--profile", str(bad)]) == 2
     assert "not a nodeserve profile" in capsys.readouterr().err
+
+
+def test_cli_saves_the_profile_it_measures(tmp_path, monkeypatch, capsys):
+    import nodeserve.adaptive.profiler as profiler
+
+    monkeypatch.setattr(profiler, "measure_config", lambda config, budget: profile())  # no model loaded here
+    cfg, saved = tmp_path / "n.toml", tmp_path / "p.json"
+    cfg.write_text('[devices]\nmode = "colocated"\ndevices = ["cpu:0", "cpu:1"]\n')
+    work = tmp_path / "w.toml"
+    work.write_text('name = "agent"\nnum_requests = 10\n')
+    assert main(["plan", "--config", str(cfg), "--measure", "--save-profile", str(saved),
+                 "--workload", str(work)]) == 0
+    first = capsys.readouterr().out
+    assert main(["plan", "--config", str(cfg), "--profile", str(saved), "--workload", str(work)]) == 0
+    assert capsys.readouterr().out == first  # the saved profile plans exactly as the measured one did

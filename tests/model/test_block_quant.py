@@ -54,6 +54,11 @@ def test_dense_weights_quantize_within_half_a_step(fmt, one_thread):
     torch.testing.assert_close(q(x), nn.functional.linear(x, w, lin.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_gemv_rows_tells_the_cost_model_how_small_steps_run(loaded_auto, loaded_fp32):
+    assert block_quant.gemv_rows(loaded_auto.model) == (block_quant.MAX_GEMV_ROWS, block_quant.ROWS_PER_PASS)
+    assert block_quant.gemv_rows(loaded_fp32.model) == (0, 1)  # dense: every step is a GEMM
+
+
 def test_prefill_sized_batches_take_the_dense_gemm_and_agree(loaded_auto, one_thread):
     mod = loaded_auto.model.layers[0].mlp.down_proj
     x = torch.randn(block_quant.MAX_GEMV_ROWS + 1, mod.in_features)
