@@ -1,4 +1,4 @@
-"""nodeserve (disaggregated, colocated) against llama.cpp's llama-server: the same seeded workloads, one
+"""nodeserve (disaggregated, colocated, adaptive) against llama.cpp's llama-server: the same seeded workloads, one
 server at a time on loopback, one table.
 
 Two passes over the targets; each pass starts a target's server (bench/local_server.py for nodeserve,
@@ -39,7 +39,7 @@ llama-server runs with -t 2 by default. Its threads spin at an OpenMP barrier af
 work holds a core it slows down 10-100x; on a machine shared with other work, pass --llama-passive
 (OMP_WAIT_POLICY=passive) and read the load averages recorded per target in results.json.
 
-    python bench/compare.py                      # all three targets, ~30 min on the 2-core machine
+    python bench/compare.py                      # all four targets, ~45 min on the 2-core machine
     python bench/compare.py --quick              # a ~10-minute smoke version (numbers mean little)
     python bench/compare.py --targets disaggregated,llama-server --nodeserve-model-extra 'quantization = "fp16"'
 
@@ -72,9 +72,9 @@ import timeline as TL  # noqa: E402
 import workloads as W  # noqa: E402
 from local_server import start_server  # noqa: E402
 
-TARGETS = ("disaggregated", "colocated", "llama-server")
-NODESERVE = ("disaggregated", "colocated")
-DISAGG, COLOC, LLAMA = TARGETS
+TARGETS = ("disaggregated", "colocated", "adaptive", "llama-server")
+NODESERVE = ("disaggregated", "colocated", "adaptive")
+DISAGG, COLOC, ADAPT, LLAMA = TARGETS
 SCALES = (1, 2, 3, 5, 8)  # SLO scales reported at the common rate
 
 

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # (each of the seven features moves on its own among them, so the fit is determined however slow the device:
 # decode batches of one and two row passes, a small prefill in passes, GEMM prefills of two lengths and one after
 # a prefix long enough that attention is a third of its time: a prefix of 448 left the per-pair cost to noise and
-# the fit put 1,000-token chunks after 1,000 cached 25 % short); the rest while the budget lasts.
+# the fit put chunks of 400-1,000 tokens after as many cached up to 28 % short); the rest while the budget lasts.
 PROFILE_STEPS: tuple[tuple[tuple[tuple[int, int], ...], tuple[int, ...]], ...] = (
     ((), (64,)),
     (((16, 0),), ()),
