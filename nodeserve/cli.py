@@ -92,6 +92,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 2
     try:
         wl = load_workload(args.workload, config) if args.workload else workload_from_dict({}, config)
+        if args.save_profile and not args.measure:
+            raise ConfigError("--save-profile saves what --measure measures: give both")
         if args.measure:
             from nodeserve.adaptive.profiler import measure_config
 

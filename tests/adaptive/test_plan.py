@@ -105,3 +105,5 @@ def test_cli_saves_the_profile_it_measures(tmp_path, monkeypatch, capsys):
     first = capsys.readouterr().out
     assert main(["plan", "--config", str(cfg), "--profile", str(saved), "--workload", str(work)]) == 0
     assert capsys.readouterr().out == first  # the saved profile plans exactly as the measured one did
+    assert main(["plan", "--config", str(cfg), "--profile", str(saved), "--save-profile", str(saved)]) == 2
+    assert "--save-profile saves what --measure measures" in capsys.readouterr().err
