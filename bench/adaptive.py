@@ -16,7 +16,7 @@ prediction of each, SLO admission under overload, and the timeline of role chang
 Servers run with the prefix cache off (`--prefix-cache` to keep it): every probe resends the same requests.
 
     python bench/adaptive.py --admission                 # ~45 min on the 2-core CPU machine (disaggregated
-                                                         # bimodal alone: 4-6 min a probe)
+                                                         # bimodal alone: 6-10 min a probe)
     python bench/adaptive.py --modes '' --admission --sustainable 0.6    # phase 2 alone, ~10 min
     python bench/adaptive.py --modes adaptive --workloads short --requests 12 --max-probes 2
 

@@ -39,7 +39,7 @@ llama-server runs with -t 2 by default. Its threads spin at an OpenMP barrier af
 work holds a core it slows down 10-100x; on a machine shared with other work, pass --llama-passive
 (OMP_WAIT_POLICY=passive) and read the load averages recorded per target in results.json.
 
-    python bench/compare.py                      # all four targets, ~45 min on the 2-core machine
+    python bench/compare.py                      # all four targets, 35.5 min on the 2-core machine
     python bench/compare.py --quick              # a ~10-minute smoke version (numbers mean little)
     python bench/compare.py --targets disaggregated,llama-server --nodeserve-model-extra 'quantization = "fp16"'
 

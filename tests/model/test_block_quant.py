@@ -3,6 +3,8 @@ the quantized model's decode path against float32 math on the same weights."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -57,6 +59,8 @@ def test_dense_weights_quantize_within_half_a_step(fmt, one_thread):
 def test_gemv_rows_tells_the_cost_model_how_small_steps_run(loaded_auto, loaded_fp32):
     assert block_quant.gemv_rows(loaded_auto.model) == (block_quant.MAX_GEMV_ROWS, block_quant.ROWS_PER_PASS)
     assert block_quant.gemv_rows(loaded_fp32.model) == (0, 1)  # dense: every step is a GEMM
+    src = (Path(native.__file__).parent / "csrc" / "cpu_kernels.c").read_text()
+    assert f"#define MAX_TILE {block_quant.ROWS_PER_PASS} " in src  # the Python mirror of the C constant
 
 
 def test_prefill_sized_batches_take_the_dense_gemm_and_agree(loaded_auto, one_thread):
