@@ -3,7 +3,7 @@ prediction of each, SLO admission under overload, and the timeline of role chang
 
 1. For each mode (colocated, disaggregated 1P:1D, adaptive) it starts a server (bench/local_server.py), warms it,
    reads its cost model (GET /debug/profile) and, per workload (default: bimodal chat and uniform short chat):
-   predicts the goodput with the simulator behind `nodeserve plan` (adaptive/simulate.py), then measures it with
+   predicts the goodput with the simulator behind `nodeserve plan` (plan/simulate.py), then measures it with
    a goodput search (goodput.goodput_search: from the prediction, brackets by `--growth`, bisects; at most
    `--max-probes` probes), each probe `--requests` requests of the seeded workload at Poisson arrivals
    (bench/serve.py). The adaptive server's steps and role changes during its highest-rate bimodal probe are kept
@@ -42,9 +42,9 @@ import workloads as W  # noqa: E402
 from local_server import start_server  # noqa: E402
 from plan_check import fetch_profile  # noqa: E402
 
-from nodeserve.adaptive.cost_model import CostModel  # noqa: E402
-from nodeserve.adaptive.placement import SloTarget, StepLimits  # noqa: E402
-from nodeserve.adaptive.simulate import Mode, attainment, predict_goodput  # noqa: E402
+from nodeserve.core.cost_model import CostModel  # noqa: E402
+from nodeserve.core.placement import SloTarget, StepLimits  # noqa: E402
+from nodeserve.plan.simulate import Mode, attainment, predict_goodput  # noqa: E402
 from nodeserve.config import SchedulerSection  # noqa: E402
 
 MODES = {"colocated": Mode("colocated", {"cpu:0": "colocated", "cpu:1": "colocated"}),

@@ -7,7 +7,7 @@ Command (on a GPU host, after scripts/gpu_check.sh has warmed FlashInfer's JIT c
 On CPU (`--device cpu`, torch attention, eager only) it runs too, as a smoke test of the same code path.
 
 What it runs, per mode (eager, graphs) and batch size B: the bundled model on one device, a runner built exactly
-as a decode worker builds it (nodeserve.engine.engine.build_runner, then warmup_runner, which captures the
+as a decode worker builds it (nodeserve.runtime.engine.build_runner, then warmup_runner, which captures the
 graphs), and --steps decode steps of B sequences that each already hold --context tokens in the pool (the
 pool's values do not change the cost). Per step:
   * host: time from calling runner.run() to its return, before any synchronisation: the time the host needs
@@ -27,9 +27,9 @@ import time
 
 import torch
 
-from nodeserve.engine.engine import build_runner
-from nodeserve.engine.model_runner import SeqChunk
-from nodeserve.engine.warmup import warmup_runner
+from nodeserve.runtime.engine import build_runner
+from nodeserve.runtime.model_runner import SeqChunk
+from nodeserve.runtime.warmup import warmup_runner
 from nodeserve.kv.pool import KVPool, pages_for
 from nodeserve.model.loader import load_model, parse_dtype
 

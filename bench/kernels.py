@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from nodeserve.engine.engine import build_runner, weight_bytes
-from nodeserve.engine.model_runner import SeqChunk
+from nodeserve.runtime.engine import build_runner, weight_bytes
+from nodeserve.runtime.model_runner import SeqChunk
 from nodeserve.kernels import native
 from nodeserve.kv.pool import KVPool, pages_for
 from nodeserve.model.block_quant import QuantLinear

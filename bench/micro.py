@@ -55,7 +55,7 @@ import time
 import torch
 
 from nodeserve.attention.torch_ref import TorchAttention
-from nodeserve.engine.model_runner import ModelRunner, SeqChunk
+from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
 from nodeserve.kv.pool import KVPool, pages_for
 from nodeserve.model.loader import load_model, parse_dtype
 from nodeserve.model.quant import PackedLinear

@@ -2,7 +2,7 @@
 
 For each mode (colocated, disaggregated) it starts a server (bench/local_server.py), warms it up, reads its
 cost model from GET /debug/profile (the start-up profile, refined by the warm-up's steps), and for each workload:
-1. predicts the goodput with the simulator (adaptive/simulate.py) on that profile, for the same requests the probes
+1. predicts the goodput with the simulator (plan/simulate.py) on that profile, for the same requests the probes
    send (the first `--requests` of the seeded workload, Poisson arrivals of the same seed);
 2. measures SLO attainment at `--rate-factors` x that prediction with bench/serve.py's load generator, and the
    simulator predicts attainment at the same rates;
@@ -33,9 +33,9 @@ import stats as S  # noqa: E402
 import workloads as W  # noqa: E402
 from local_server import start_server  # noqa: E402
 
-from nodeserve.adaptive.cost_model import CostModel  # noqa: E402
-from nodeserve.adaptive.placement import SloTarget, StepLimits  # noqa: E402
-from nodeserve.adaptive.simulate import Mode, attainment, predict_goodput  # noqa: E402
+from nodeserve.core.cost_model import CostModel  # noqa: E402
+from nodeserve.core.placement import SloTarget, StepLimits  # noqa: E402
+from nodeserve.plan.simulate import Mode, attainment, predict_goodput  # noqa: E402
 from nodeserve.config import KVSection, SchedulerSection  # noqa: E402
 
 MODES = {"colocated": Mode("colocated", {"cpu:0": "colocated", "cpu:1": "colocated"}),

@@ -20,9 +20,9 @@ sys.path.insert(0, HERE)
 import workloads as W  # noqa: E402
 from adaptive import MODES  # noqa: E402  (bench/adaptive.py)
 
-from nodeserve.adaptive.cost_model import CostModel  # noqa: E402
-from nodeserve.adaptive.placement import SloTarget, StepLimits  # noqa: E402
-from nodeserve.adaptive.simulate import predict_goodput  # noqa: E402
+from nodeserve.core.cost_model import CostModel  # noqa: E402
+from nodeserve.core.placement import SloTarget, StepLimits  # noqa: E402
+from nodeserve.plan.simulate import predict_goodput  # noqa: E402
 from nodeserve.config import SchedulerSection  # noqa: E402
 
 

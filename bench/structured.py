@@ -26,9 +26,9 @@ import torch
 
 from nodeserve.config import config_from_dict
 from nodeserve.sampling.constrain import accept_tokens, apply_grammar_masks
-from nodeserve.engine.engine import Engine
+from nodeserve.runtime.engine import Engine
 from nodeserve.model.loader import load_model
-from nodeserve.sampling_params import SamplingParams
+from nodeserve.core.sampling_params import SamplingParams
 from nodeserve.server.structured import Grammars
 
 SCHEMA = {"type": "array", "minItems": 100, "items": {

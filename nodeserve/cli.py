@@ -83,8 +83,8 @@ def _cmd_devices(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from nodeserve.adaptive.cost_model import CostModel
-    from nodeserve.adaptive.plan import format_report, load_workload, plan, workload_from_dict
+    from nodeserve.core.cost_model import CostModel
+    from nodeserve.plan.planner import format_report, load_workload, plan, workload_from_dict
     from nodeserve.config import ConfigError
 
     config = _load_config(args.config, "nodeserve: config error: ")
@@ -95,7 +95,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.save_profile and not args.measure:
             raise ConfigError("--save-profile saves what --measure measures: give both")
         if args.measure:
-            from nodeserve.adaptive.profiler import measure_config
+            from nodeserve.plan.planner import measure_config
 
             cost = measure_config(config, args.budget)
             if args.save_profile:  # to plan other workloads later without loading the model again
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=5.0, help="seconds of profiling with --measure "
                    "(default: %(default)s)")
     p.add_argument("--save-profile", help="with --measure: also write the measured profile here (for --profile)")
-    p.add_argument("--workload", help="a workload TOML (see nodeserve/adaptive/plan.py); default: bimodal chat")
+    p.add_argument("--workload", help="a workload TOML (see nodeserve/plan/planner.py); default: bimodal chat")
     p.add_argument("--json", help="also write the predictions to this file")
     p.set_defaults(func=_cmd_plan)
     return parser

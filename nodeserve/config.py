@@ -84,7 +84,7 @@ class SchedulerSection:
 
 @dataclass(frozen=True)
 class ProfileSection:
-    startup: bool = True                  # measure the cost model at start-up (nodeserve/adaptive/profiler.py)
+    startup: bool = True                  # measure the cost model at start-up (nodeserve/runtime/profiler.py)
     budget_s: float = 2.0                 # about how long that profile may take (all devices at once)
 
 

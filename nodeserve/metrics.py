@@ -44,6 +44,7 @@ PREFIX = "nodeserve:"
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 REJECT_REASONS = ("queue_full", "slo", "too_large", "bad_request", "unauthorized", "draining")
+MIGRATION_OUTCOMES = ("moved", "finished", "not_running", "no_convergence", "failed")  # core.handoff.MigrationOutcome
 
 # Latency buckets span ~1 ms (a GPU decode step) to ~60 s (a long CPU prefill); finer where token-level
 # latencies cluster (1-100 ms on GPU, 50 ms-1 s on CPU). Anything slower still lands in +Inf.
@@ -177,6 +178,9 @@ class Metrics:
                                           "predicted TTFT: actual minus predicted TTFT.", _ERROR_BUCKETS)
         self.kv_transfer_bytes = hist("kv_transfer_bytes", "Bytes moved by one KV cache copy between devices.",
                                       _BYTES_BUCKETS)
+        self.migration_downtime = hist("migration_downtime_seconds", "Per request moved between devices: from "
+                                       "its last step on the source to its resumption on the target.",
+                                       _TRANSFER_TIME_BUCKETS)
 
         # Counter names drop the "_total" that prometheus_client appends on exposition.
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefill tokens processed.", m,
@@ -190,6 +194,11 @@ class Metrics:
         self.kv_transfer_saved_bytes = Counter(PREFIX + "kv_transfer_saved_bytes",
                                                "KV bytes not copied because the decode device had them cached.", m,
                                                registry=reg).labels(model_name)
+        self._migrations = Counter(PREFIX + "migrations", "Requests moved (or not) between devices, by outcome.",
+                                   m + ["outcome"], registry=reg)
+        self.migration_pages = Counter(PREFIX + "migration_pages", "KV pages copied by moves between devices.", m,
+                                       registry=reg).labels(model_name)
+        self._migrations_by = {o: self._migrations.labels(model_name, o) for o in MIGRATION_OUTCOMES}
         # Create every label set now so each series exists (at 0) from the first scrape: rate() and
         # dashboards then see a reason's first occurrence as an increase, not as a new series.
         self._success_by = {r: self._success.labels(model_name, r) for r in FINISH_REASONS}
@@ -206,7 +215,7 @@ class Metrics:
         """Records one finished request. Times are time.monotonic(); token_times holds the emission time of
         each output token in order (the first being the first token), so its gaps are the inter-token
         latencies. first_token None (no token produced) records no TTFT/TPOT. predicted_ttft: what SLO admission
-        predicted at arrival (adaptive/admission.py), if it did."""
+        predicted at arrival (core/admission.py), if it did."""
         if first_token is None and token_times:
             first_token = token_times[0]
         e2e = finished - arrival
@@ -237,6 +246,13 @@ class Metrics:
         self.kv_transfer_time.observe(max(seconds, 0.0))
         self.kv_transfer_bytes.observe(max(num_bytes, 0))
         self.kv_transfer_saved_bytes.inc(max(num_saved_bytes, 0))
+
+    def observe_migration(self, outcome: str, downtime: float, num_pages: int) -> None:
+        """A move between devices ended (from the event loop); downtime only counts for one that resumed."""
+        self._migrations_by.get(outcome, self._migrations_by["failed"]).inc()
+        self.migration_pages.inc(max(num_pages, 0))
+        if outcome == "moved":
+            self.migration_downtime.observe(max(downtime, 0.0))
 
     def rejected(self, reason: str) -> None:
         """A request refused before it ran; reason is one of REJECT_REASONS (others count as bad_request)."""

@@ -1,5 +1,5 @@
 """Seedable workloads and arrival patterns for the load generator (bench/serve.py) and the simulator behind
-`nodeserve plan` (adaptive/simulate.py). Pure: no I/O.
+`nodeserve plan` (plan/simulate.py). Pure: no I/O.
 
 A workload is a list of `Request`s (prompt, max_tokens, kind). Prompts are either token ids drawn uniformly
 from a vocabulary range (`mode="ids"`, the default: exact lengths, no tokenizer needed; the server's

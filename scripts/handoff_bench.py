@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import torch
 
 from nodeserve.device import make_device
-from nodeserve.engine.transfer import KVTransfer
+from nodeserve.runtime.transfer import KVTransfer
 from nodeserve.kv.pool import KVPool, pages_for
-from nodeserve.request import Request
-from nodeserve.sampling_params import SamplingParams
+from nodeserve.core.request import Request
+from nodeserve.core.sampling_params import SamplingParams
 
 # Llama-3.1-8B's shape: the KV per token and the per-layer weights a prefill multiplies by.
 MODEL = SimpleNamespace(num_layers=32, num_kv_heads=8, head_dim=128, hidden=4096, layer_params=218_000_000)

@@ -103,7 +103,7 @@ class FP8Check:
         """Logits at every position of every text ([positions, vocab]) through `runner`'s model, pool and backend:
         each text's first half as a prompt, its second half as a chunk extending that cached prefix, so both
         attention paths read the pool."""
-        from nodeserve.engine.model_runner import SeqChunk
+        from nodeserve.runtime.model_runner import SeqChunk
         from nodeserve.kv.pool import pages_for
 
         model, pool = runner.model, runner.pool

@@ -2,7 +2,7 @@
 
 One plan per step: prepare() builds the page indices on the host and plans the decode and prefill wrappers; every
 layer's forward() runs on that plan. FlashInfer's plan() copies its inputs to the GPU and cannot be captured in a
-CUDA graph; run() can, so the graph path prepares outside capture and replay (engine/cuda_graphs.py).
+CUDA graph; run() can, so the graph path prepares outside capture and replay (runtime/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class FlashInferAttention(PagedAttention):
     tensors in fixed buffers (the pool's pages, plus one scratch page per padding row, bound what a step indexes).
     workspace: share another backend's float workspace; safe when both run in turn on one stream.
     FP8 pools: K/V are quantized with each layer's scales, and the same scales go to run() as Python floats,
-    which a captured CUDA graph keeps: calibrate before capturing (engine/warmup.py).
+    which a captured CUDA graph keeps: calibrate before capturing (runtime/warmup.py).
     """
 
     def __init__(self, pool: KVPool, cfg: ModelConfig, dtype: torch.dtype, graph_batch_size: int | None = None,

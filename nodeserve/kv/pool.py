@@ -29,7 +29,7 @@ class KVPool:
     """layers[i] is [num_pages, 2, page_size, num_kv_heads, head_dim]: K at [:, 0], V at [:, 1].
 
     FP8 pools store K of layer i as clamp(k / k_scales[i], +-448) in e4m3 and read it back as stored * k_scales[i]
-    (V likewise with v_scales[i]). The scales are 1.0 until calibrated (engine/kv_calibration.py); wide pools
+    (V likewise with v_scales[i]). The scales are 1.0 until calibrated (runtime/kv_calibration.py); wide pools
     ignore them. Pools that hand KV to each other must hold the same scales: the transfer copies bytes.
     """
 
@@ -43,6 +43,9 @@ class KVPool:
         self.k_scales = [1.0] * cfg.num_layers
         self.v_scales = [1.0] * cfg.num_layers
         self.manager = KVManager(num_pages, page_size, prefix_cache)
+        # Recorded on the owner's stream just before it frees pages: a transfer writing into pages it was handed
+        # waits on it, so no earlier compute or copy still touches them (None on CPU, where streams are in order).
+        self.freed_event = None
 
     @property
     def is_fp8(self) -> bool:

@@ -15,7 +15,7 @@ import torch
 
 from nodeserve.device import upload
 from nodeserve.sampling.constrain import accept_tokens, apply_grammar_masks
-from nodeserve.sampling_params import SamplingParams
+from nodeserve.core.sampling_params import SamplingParams
 
 
 @dataclass

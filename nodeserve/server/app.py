@@ -20,7 +20,7 @@ from aiohttp.abc import AbstractAccessLogger
 from nodeserve import __version__
 from nodeserve.config import Config
 from nodeserve.metrics import Metrics
-from nodeserve.engine.engine import Engine, PromptTooLong, QueueFull, TooLarge
+from nodeserve.runtime.engine import Engine, PromptTooLong, QueueFull, TooLarge
 from nodeserve.server import protocol as P
 from nodeserve.server.chat_prompt import render_chat
 from nodeserve.server.generation import Generation, GenerationError, Piece
@@ -270,7 +270,7 @@ async def debug_steps(request: web.Request) -> web.Response:
 
 
 async def debug_profile(request: web.Request) -> web.Response:
-    """The cost model (adaptive/cost_model.py), refitted from the latest step records: per device the step-time
+    """The cost model (core/cost_model.py), refitted from the latest step records: per device the step-time
     coefficients, the (features..., seconds) samples and the fit's error; KV copy bandwidth per device pair."""
     state = _state(request)
     if state.engine is None or state.engine.profiler is None:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator
 
-from nodeserve.engine.engine import Engine, RequestStream
+from nodeserve.runtime.engine import Engine, RequestStream
 from nodeserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from nodeserve.sampling_params import SamplingParams
+from nodeserve.core.sampling_params import SamplingParams
 
 # --------------------------------------------------------------------------------------------
 # Errors

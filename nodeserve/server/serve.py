@@ -18,7 +18,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from nodeserve.config import Config
-from nodeserve.engine.engine import Engine
+from nodeserve.runtime.engine import Engine
 from nodeserve.metrics import DeviceState
 from nodeserve.model.loader import load_model, parse_dtype
 from nodeserve.server.app import AccessLogger, ServerState, create_app, is_loopback
@@ -154,7 +154,8 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
         await runner.cleanup()
         return 0
     loaded = load.result()
-    engine = Engine(config, loaded, on_transfer=state.metrics.observe_transfer)
+    engine = Engine(config, loaded, on_transfer=state.metrics.observe_transfer,
+                    on_migration=state.metrics.observe_migration)
     engine.start(loop)
     notifier.status("warming up")
     # CUDA: FlashInfer JIT + decode graphs (minutes when cold); CPU: FP8 scales at most. A signal meanwhile

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nodeserve.attention.torch_ref import TorchAttention
-from nodeserve.engine.model_runner import ModelRunner, SeqChunk
+from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
 from nodeserve.kv.pool import KVPool, pages_for
 
 H, KH, D = 8, 2, 32

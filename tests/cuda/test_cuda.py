@@ -138,7 +138,7 @@ def _pools(devices):
 
 def _transfer_bytes_exact(src_name: str, dst_name: str, max_direct_runs: int):
     from nodeserve.device import make_device
-    from nodeserve.engine.transfer import KVTransfer
+    from nodeserve.runtime.transfer import KVTransfer
     src_dev, dst_dev = make_device(src_name), make_device(dst_name)
     src_pool, dst_pool = _pools([src_name, dst_name])
     for layer in src_pool.layers:
@@ -184,7 +184,7 @@ def loaded_bf16(gguf_path):
 
 
 def _greedy_decode(runner, prompts: list[list[int]], num_steps: int) -> list[list[int]]:
-    from nodeserve.engine.model_runner import SeqChunk
+    from nodeserve.runtime.model_runner import SeqChunk
     from nodeserve.kv.pool import pages_for
 
     tables = [runner.pool.manager.allocate(pages_for(len(p) + num_steps, runner.pool.page_size)) for p in prompts]
@@ -215,10 +215,10 @@ def _eager_and_graphed_runners(loaded, kv_dtype, calibration_ids=None):
     """Two runners over one bf16 replica on cuda:0, each with its own pool, warmed up; the second captures
     decode graphs for batches up to 8. FP8 pools are calibrated first (on calibration_ids), as Engine.warmup does."""
     from nodeserve.attention.flashinfer_backend import FlashInferAttention
-    from nodeserve.engine.cuda_graphs import DecodeGraphs
-    from nodeserve.engine.kv_calibration import calibrate_kv_scales
-    from nodeserve.engine.model_runner import ModelRunner
-    from nodeserve.engine.warmup import warmup_runner
+    from nodeserve.runtime.cuda_graphs import DecodeGraphs
+    from nodeserve.runtime.kv_calibration import calibrate_kv_scales
+    from nodeserve.runtime.model_runner import ModelRunner
+    from nodeserve.runtime.warmup import warmup_runner
     from nodeserve.kv.pool import KVPool
 
     device = torch.device("cuda", 0)
@@ -246,7 +246,7 @@ def _replica(model, device):
 # with calibrated scales; 0.8 % and 43.7 with scale 1e-4).
 def _teacher_forced_logits(check, model, loaded, kv_dtype, device, scales=None) -> torch.Tensor:
     from nodeserve.attention.flashinfer_backend import FlashInferAttention
-    from nodeserve.engine.model_runner import ModelRunner
+    from nodeserve.runtime.model_runner import ModelRunner
     from nodeserve.kv.pool import KVPool
 
     pool = KVPool(loaded.config, 64, 16, kv_dtype, device)
@@ -258,7 +258,7 @@ def _teacher_forced_logits(check, model, loaded, kv_dtype, device, scales=None) 
 
 @needs_flashinfer
 def test_fp8_kv_with_calibrated_scales_within_tolerance_of_bf16(fp8_check, loaded_bf16):
-    from nodeserve.engine.kv_calibration import calibrate_kv_scales, calibration_token_ids
+    from nodeserve.runtime.kv_calibration import calibrate_kv_scales, calibration_token_ids
     from nodeserve.kv.pool import KVPool
 
     device = torch.device("cuda", 0)
@@ -279,7 +279,7 @@ def test_fp8_kv_with_calibrated_scales_within_tolerance_of_bf16(fp8_check, loade
 def test_fp8_graphs_capture_the_calibrated_scales(loaded_bf16, prompt_ids):
     """Warm-up calibrates an FP8 pool before the capture, so the graphs hold the calibrated scales, and replaying
     them decodes the tokens eager FlashInfer decodes on a pool with the same scales."""
-    from nodeserve.engine.kv_calibration import calibration_token_ids
+    from nodeserve.runtime.kv_calibration import calibration_token_ids
 
     eager, graphed = _eager_and_graphed_runners(loaded_bf16, torch.float8_e4m3fn,
                                                 calibration_token_ids(loaded_bf16.tokenizer))
@@ -293,8 +293,8 @@ def test_fp8_graphs_capture_the_calibrated_scales(loaded_bf16, prompt_ids):
 @needs_two_gpus
 def test_disaggregated_engine_across_gpus_equals_one_gpu(loaded_bf16, prompt_ids):
     from nodeserve.config import config_from_dict
-    from nodeserve.engine.engine import Engine
-    from nodeserve.sampling_params import SamplingParams
+    from nodeserve.runtime.engine import Engine
+    from nodeserve.core.sampling_params import SamplingParams
 
     def run(devices):
         cfg = config_from_dict({"model": {"dtype": "bfloat16"}, "devices": devices,
@@ -331,9 +331,9 @@ def test_colocated_engine_on_one_gpu_equals_the_eager_runner(loaded_bf16, prompt
     replay through the engine. Each prompt alone (batch 1, whole-prompt prefill) must give the eager runner's
     greedy tokens exactly; then all at once must finish with every page back."""
     from nodeserve.config import config_from_dict
-    from nodeserve.engine.engine import Engine, build_runner
+    from nodeserve.runtime.engine import Engine, build_runner
     from nodeserve.kv.pool import KVPool
-    from nodeserve.sampling_params import SamplingParams
+    from nodeserve.core.sampling_params import SamplingParams
 
     device, num_tokens = torch.device("cuda", 0), 24
     cfg = config_from_dict({"model": {"dtype": "bfloat16"}, "devices": {"mode": "colocated", "devices": ["cuda:0"]},
@@ -405,9 +405,9 @@ def test_flashinfer_ops_match_torch_ops_in_bf16():
 def test_graph_decode_with_flashinfer_ops_equals_eager(loaded_bf16, prompt_ids):
     """FlashInfer's norm / activation / rope kernels inside the decode graphs, as make_worker sets them up."""
     from nodeserve.attention.flashinfer_backend import FlashInferAttention
-    from nodeserve.engine.cuda_graphs import DecodeGraphs
-    from nodeserve.engine.model_runner import ModelRunner
-    from nodeserve.engine.warmup import warmup_runner
+    from nodeserve.runtime.cuda_graphs import DecodeGraphs
+    from nodeserve.runtime.model_runner import ModelRunner
+    from nodeserve.runtime.warmup import warmup_runner
     from nodeserve.kv.pool import KVPool
     from nodeserve.model.flashinfer_ops import FlashInferOps
 
@@ -483,9 +483,9 @@ def test_graph_plan_does_not_wait_for_queued_gpu_work():
 def test_decode_graphs_on_a_second_gpu_equal_eager(loaded_bf16, prompt_ids):
     """Graphs captured on cuda:0 and then on cuda:1 (each on its own capture stream) replay correctly on both."""
     from nodeserve.attention.flashinfer_backend import FlashInferAttention
-    from nodeserve.engine.cuda_graphs import DecodeGraphs
-    from nodeserve.engine.model_runner import ModelRunner
-    from nodeserve.engine.warmup import warmup_runner
+    from nodeserve.runtime.cuda_graphs import DecodeGraphs
+    from nodeserve.runtime.model_runner import ModelRunner
+    from nodeserve.runtime.warmup import warmup_runner
     from nodeserve.kv.pool import KVPool
 
     prompts = prompt_ids[:3]  # the graph of 4 with one padding row

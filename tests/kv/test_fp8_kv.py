@@ -14,9 +14,9 @@ import torch
 from nodeserve.attention.base import AttentionMetadata
 from nodeserve.attention.torch_ref import FP8_E4M3_MAX, TorchAttention, fp8_to, gather_kv, write_kv_scaled
 from nodeserve.config import config_from_dict
-from nodeserve.engine.kv_calibration import (SCALE_MARGIN, calibrate_kv_scales, calibration_token_ids,
+from nodeserve.runtime.kv_calibration import (SCALE_MARGIN, calibrate_kv_scales, calibration_token_ids,
                                              measure_kv_amax, scales_from_amax)
-from nodeserve.engine.model_runner import ModelRunner, SeqChunk
+from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
 from nodeserve.kv.pool import KVPool, pages_for
 
 FP8 = torch.float8_e4m3fn
@@ -272,7 +272,7 @@ def test_engine_serves_from_fp8_pools_on_cpu(loaded_fp32, prompt_ids):
     cfg = config_from_dict({"model": {"dtype": "float32"}, "devices": {"prefill": ["cpu:0"], "decode": ["cpu:1"]},
                             "kv": {"memory_gib": 0.0625, "page_size": 16, "dtype": "fp8_e4m3"},
                             "scheduler": {"max_num_batched_tokens": 48}})
-    from nodeserve.engine.engine import Engine
+    from nodeserve.runtime.engine import Engine
 
     async def main():
         engine = Engine(cfg, loaded_fp32)
@@ -284,7 +284,7 @@ def test_engine_serves_from_fp8_pools_on_cpu(loaded_fp32, prompt_ids):
             assert pools[0].k_scales == pools[1].k_scales and pools[0].v_scales == pools[1].v_scales
             assert all(s != 1.0 for s in pools[0].k_scales + pools[0].v_scales)
             params = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
-            from nodeserve.sampling_params import SamplingParams
+            from nodeserve.core.sampling_params import SamplingParams
 
             streams = [engine.add_request(ids, SamplingParams(**params)) for ids in prompt_ids]
             out = []

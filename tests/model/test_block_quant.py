@@ -23,7 +23,7 @@ def loaded_auto(gguf_path):
 
 
 def test_auto_keeps_the_files_blocks(loaded_auto, loaded_fp32):
-    from nodeserve.device.memory import weight_bytes
+    from nodeserve.runtime.memory import weight_bytes
     from nodeserve.model.native_ops import NativeOps
 
     model = loaded_auto.model
@@ -75,7 +75,7 @@ def test_quantized_decode_follows_float32_on_the_same_weights(loaded_auto, loade
     """Batch-1 decode steps (int16 activations, native attention and pointwise kernels) teacher-forced along the
     float32 path's greedy output: the same next token almost everywhere, logits within a small distance."""
     from nodeserve.attention.torch_ref import TorchAttention
-    from nodeserve.engine.model_runner import ModelRunner, SeqChunk
+    from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
     from nodeserve.kv.pool import KVPool, pages_for
 
     def runner(loaded):
@@ -107,7 +107,7 @@ def test_native_decoder_is_the_module_path_in_one_call(loaded_auto, one_thread):
     """Decode-only steps through ns_decode_layer give what the per-op path (NativeOps, paged attention, the
     same kernels) gives, row for row, and fill the pool the same way."""
     from nodeserve.attention.torch_ref import TorchAttention
-    from nodeserve.engine.model_runner import ModelRunner, SeqChunk
+    from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
     from nodeserve.kv.pool import KVPool
 
     model = loaded_auto.model

@@ -19,7 +19,7 @@ from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
 from nodeserve.attention.torch_ref import TorchAttention  # noqa: E402
-from nodeserve.engine.model_runner import ModelRunner, SeqChunk  # noqa: E402
+from nodeserve.runtime.model_runner import ModelRunner, SeqChunk  # noqa: E402
 from nodeserve.kv.pool import KVPool, pages_for  # noqa: E402
 from nodeserve.model.config import LoadError  # noqa: E402
 from nodeserve.model.gguf_loader import config_from_metadata, load_gguf  # noqa: E402

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 spm = pytest.importorskip("sentencepiece")
 
 from nodeserve.attention.torch_ref import TorchAttention  # noqa: E402
-from nodeserve.engine.model_runner import ModelRunner, SeqChunk  # noqa: E402
+from nodeserve.runtime.model_runner import ModelRunner, SeqChunk  # noqa: E402
 from nodeserve.kv.pool import KVPool, pages_for  # noqa: E402
 from nodeserve.model.loader import load_model  # noqa: E402
 

@@ -229,7 +229,7 @@ def _tiny_model(seed: int):
 def _greedy(model, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prefill all prompts in one step, then batched decode: tokens and every step's logits."""
     from nodeserve.attention.torch_ref import TorchAttention
-    from nodeserve.engine.model_runner import ModelRunner, SeqChunk
+    from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
     from nodeserve.kv.pool import KVPool, pages_for
 
     pool = KVPool(model.cfg, 64, 4, torch.float32, torch.device("cpu"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from nodeserve.attention.torch_ref import TorchAttention
-from nodeserve.engine.model_runner import ModelRunner, SeqChunk
+from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
 from nodeserve.kv.pool import KVPool, pages_for
 
 NUM_NEW_TOKENS = 32  # tests/conftest.py generates this many reference tokens

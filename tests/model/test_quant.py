@@ -59,7 +59,7 @@ def test_every_linear_is_packed_and_the_embedding_kept(loaded_fp16w, loaded_fp32
 def test_fp16_weights_keep_the_models_answers(loaded_fp16w, loaded_fp32, prompt_ids):
     """Teacher-forced next-token agreement with float32 over every position of the parity prompts."""
     from nodeserve.attention.torch_ref import TorchAttention
-    from nodeserve.engine.model_runner import ModelRunner, SeqChunk
+    from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
     from nodeserve.kv.pool import KVPool, pages_for
 
     def all_logits(loaded, ids):

@@ -11,7 +11,7 @@ import torch
 
 from nodeserve.sampling.constrain import apply_grammar_masks
 from nodeserve.sampling.sampler import Sampler
-from nodeserve.sampling_params import SamplingParams
+from nodeserve.core.sampling_params import SamplingParams
 from nodeserve.server.structured import Grammars
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},

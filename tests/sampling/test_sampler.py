@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nodeserve.sampling.sampler import Sampler, apply_penalties
-from nodeserve.sampling_params import SamplingParams
+from nodeserve.core.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 

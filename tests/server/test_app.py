@@ -17,9 +17,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nodeserve.config import config_from_dict
-from nodeserve.engine.engine import PromptTooLong, RequestStream
-from nodeserve.engine.worker import StepRecord
-from nodeserve.request import Request, TokenEvent
+from nodeserve.runtime.engine import PromptTooLong, RequestStream
+from nodeserve.runtime.worker import StepRecord
+from nodeserve.core.request import Request, TokenEvent
 from nodeserve.server import app as app_module
 from nodeserve.server.app import ServerState, create_app
 
@@ -425,7 +425,7 @@ def test_debug_steps_is_paged_and_capped(tokenizer):
 
 
 def test_transfer_records_are_a_ring():
-    from nodeserve.engine.transfer import KVTransfer
+    from nodeserve.runtime.transfer import KVTransfer
 
     records = KVTransfer.__new__(KVTransfer)
     KVTransfer.__init__(records, SimpleNamespace(name="a"), None, SimpleNamespace(name="b"), None, lambda p, e: None)
@@ -435,7 +435,7 @@ def test_transfer_records_are_a_ring():
 # ---- adaptive: /debug/profile and SLO rejections ------------------------------------------------------------
 
 def test_debug_profile(tokenizer):
-    from nodeserve.adaptive.cost_model import CostModel, StepModel
+    from nodeserve.core.cost_model import CostModel, StepModel
 
     engine = FakeEngine(tokenizer)
     refined = []
@@ -457,7 +457,7 @@ def test_debug_profile(tokenizer):
 
 
 def test_an_slo_rejection_is_a_503_with_retry_after(tokenizer):
-    from nodeserve.adaptive.admission import SloMiss
+    from nodeserve.core.admission import SloMiss
 
     engine = FakeEngine(tokenizer)
     engine.reject = SloMiss("its predicted time to first token, 9.0s, misses the 2.5s target")

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from nodeserve.config import config_from_dict
-from nodeserve.engine.engine import Engine
+from nodeserve.runtime.engine import Engine
 from nodeserve.server import serve as serve_module
 
 

@@ -1,1 +1,0 @@
-"""Adaptive serving: a measured cost model, per-request placement and SLO admission, and `nodeserve plan`."""

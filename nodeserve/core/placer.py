@@ -1,0 +1,142 @@
+"""Placement, one protocol for every mode: `place(now, loads, req) -> Decision`, on load snapshots only.
+
+A Decision names the device that prefills a request and the one that decodes it (the same one when it is
+colocated), and the role changes the policy made on the way, with the devices whose decodes must now move
+elsewhere. The runtime's router applies it: it reserves the pages, sends the prompt, changes the workers' roles and
+moves their decodes; the simulator behind `nodeserve plan` applies the same decisions to its virtual devices.
+Nothing here calls back into either.
+
+  StaticPlacer    disaggregated and colocated modes: decode where a seat and the KV are free (longest cached
+                  prefix, then most free KV, then fewest seats taken), prefill on the prefill device with the least
+                  work ahead (its cache counted), or on the decode device itself (colocated, or a prompt under
+                  local_prefill_threshold).
+  AdaptivePlacer  adaptive mode: choose_placement (placement.py) on the roles RolePolicy (roles.py) keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable, Protocol, Sequence
+
+from nodeserve.core.cost_model import CostModel
+from nodeserve.core.load import DeviceLoad, Role, SloTarget, StepLimits
+from nodeserve.core.placement import Placement, choose_placement
+from nodeserve.core.request import Request
+from nodeserve.core.roles import RoleChange, RolePolicy
+
+
+@dataclass(frozen=True)
+class Decision:
+    prefill: str | None    # the device that prefills it (== decode when colocated); None: not placed now
+    decode: str | None     # the device whose decode seat and KV it takes now
+    role_changes: tuple[RoleChange, ...] = ()
+    moves_from: tuple[str, ...] = ()        # devices just dedicated to prefill: their decodes go elsewhere
+    prediction: Placement | None = None     # adaptive mode: what the cost model predicts for it
+
+    @property
+    def placed(self) -> bool:
+        return self.decode is not None
+
+
+class Placer(Protocol):
+    def observe(self, now: float, req: Request) -> None:
+        """A request was admitted (before it is placed)."""
+
+    def place(self, now: float, loads: Sequence[DeviceLoad], req: Request) -> Decision:
+        """Where `req` goes, on `loads`: every device as this request sees it (its cached prefix there)."""
+
+
+def fits(load: DeviceLoad, num_tokens: int) -> bool:
+    return load.free_tokens >= num_tokens
+
+
+class StaticPlacer:
+    def __init__(self, local_prefill_threshold: int = 0):
+        self.local_prefill_threshold = local_prefill_threshold
+
+    def observe(self, now: float, req: Request) -> None:
+        pass
+
+    def place(self, now: float, loads: Sequence[DeviceLoad], req: Request) -> Decision:
+        # Decode: a device with a free seat in its batch (so its own short prefills always find one and nothing it
+        # holds waits behind the batch) and room for the whole request, then the longest cached prefix, then the
+        # most free pages, then the fewest seats taken.
+        decoders = [x for x in loads if x.role in (Role.DECODE, Role.COLOCATED, Role.ADAPTIVE) and x.free_seats > 0
+                    and fits(x, req.max_total_tokens)]
+        if not decoders:
+            return Decision(None, None)
+        decode = max(decoders, key=lambda x: (x.cached_tokens, x.free_tokens, x.free_seats))
+        prefillers = [x for x in loads if x.role == Role.PREFILL]
+        if not prefillers or req.num_prompt_tokens - decode.cached_tokens < self.local_prefill_threshold:
+            return Decision(decode.name, decode.name)
+        # Prefill: the least work ahead, counting what its own cache saves; its prompt pages are taken now.
+        room = [x for x in prefillers if fits(x, req.num_prompt_tokens)]
+        if not room:
+            return Decision(None, None)
+        prefill = min(room, key=lambda x: x.queued_prefill_tokens - x.cached_tokens)
+        return Decision(prefill.name, decode.name)
+
+
+@dataclass
+class AdaptivePlacer:
+    cost: Callable[[], CostModel]   # the cost model as the profiler holds it now (refitted online)
+    limits: StepLimits
+    slo: SloTarget
+    devices: Sequence[str]
+    policy: RolePolicy = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.policy = RolePolicy(self.cost(), self.limits, self.slo, list(self.devices))
+
+    def observe(self, now: float, req: Request) -> None:
+        """A long prompt adds to the demand for prefill devices."""
+        self.policy.cost = self.cost()
+        self.policy.observe(now, req.num_prompt_tokens)
+
+    def view(self, loads: Sequence[DeviceLoad], req: Request) -> list[DeviceLoad]:
+        """Every device as this request's placement sees it: the role the policy gives it, and no seat where its
+        KV does not fit now."""
+        room = [x if fits(x, req.max_total_tokens) else replace(x, free_seats=0) for x in loads]
+        return self.policy.request_loads(room, self.policy.is_long(req.num_prompt_tokens))
+
+    def place(self, now: float, loads: Sequence[DeviceLoad], req: Request) -> Decision:
+        self.policy.cost = self.cost()
+        changes = self.policy.update(now, loads)
+        while True:
+            pl = choose_placement(self.policy.cost, self.limits, self.slo, self.view(loads, req),
+                                  req.num_prompt_tokens, req.params.max_tokens)
+            if pl is not None:
+                return self._decision(pl.prefill, pl.decode, changes, pl)
+            change = self.policy.free_a_seat(now, loads)  # no adaptive device has a seat for it
+            if change is None:
+                return self._decision(None, None, changes, None)
+            changes.append(change)
+
+    def _decision(self, prefill: str | None, decode: str | None, changes: list[RoleChange],
+                  pl: Placement | None) -> Decision:
+        dedicated = tuple(c.device for c in changes if c.role == Role.PREFILL and c.device in self.policy.prefill)
+        return Decision(prefill, decode, tuple(changes), dedicated, pl)
+
+
+@dataclass(frozen=True)
+class Seated:
+    """A request decoding on a device that is to give it up: what plan_moves needs of it."""
+
+    request_id: str
+    num_tokens: int   # KV tokens it may ever need (prompt + max_tokens - 1)
+
+
+def plan_moves(seated: Sequence[Seated], targets: Sequence[DeviceLoad]) -> list[tuple[str, str]]:
+    """(request id, target device) for each request that can move: to the adaptive device with the most free KV
+    that has a seat and room for it, counting the ones already sent there."""
+    free = {t.name: [t.free_seats, t.free_tokens] for t in targets if t.role == Role.ADAPTIVE}
+    out = []
+    for s in seated:
+        room = [name for name, (seats, tokens) in free.items() if seats > 0 and tokens >= s.num_tokens]
+        if not room:
+            continue
+        target = max(room, key=lambda name: free[name][1])
+        free[target][0] -= 1
+        free[target][1] -= s.num_tokens
+        out.append((s.request_id, target))
+    return out

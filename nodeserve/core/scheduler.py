@@ -1,0 +1,194 @@
+"""Scheduler: one device's batching policy, with no threads and no model.
+
+schedule() picks the next step: every running decode (up to max_num_seqs) plus prefill chunks, oldest prompt
+first, within the token budget. The worker runs the step and samples; postprocess() applies the outcome of each
+sequence, says which requests ended, and frees the pages of those whose KV lives only here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from nodeserve.core.handoff import Handoff, Migration
+from nodeserve.kv.manager import KVManager, hash_blocks
+from nodeserve.core.request import Request, TokenEvent
+
+FORWARD_FAILED = "the model's forward pass failed for this request (the error is in the server log)"
+
+
+@dataclass
+class WorkerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's share of a step: feed `token_ids` at positions [start_pos, start_pos + len)."""
+
+    token_ids: Sequence[int]
+    start_pos: int             # tokens of this sequence already in the pool (num_computed_tokens)
+    block_table: Sequence[int]  # its pages in this pool, covering at least start_pos + len tokens
+    want_logits: bool = True    # whether to return logits for the last token fed
+
+
+@dataclass(eq=False)
+class Seq:
+    """A request's life on one device: its pages in this device's pool (taken by the router when it placed the
+    request) and, if its KV is bound for another device, where (handoff), or how its live move goes (migration)."""
+
+    req: Request
+    block_table: list[int]
+    handoff: Handoff | None = None
+    migration: Migration | None = None
+    num_published: int = -1  # its pages below this are in the prefix cache (-1: those it found there)
+
+
+@dataclass
+class Batch:
+    seqs: list[Seq]          # decodes first, then prefill chunks
+    chunks: list[SeqChunk]   # what each feeds this step
+    num_decodes: int
+
+
+def chunk_of(seq: Seq, num_tokens: int) -> SeqChunk:
+    req, c = seq.req, seq.req.num_computed_tokens
+    ids = req.prompt_ids[c:c + num_tokens] if c < req.num_prompt_tokens else req.output_ids[-1:]
+    return SeqChunk(ids, c, seq.block_table, want_logits=c + num_tokens >= req.num_prompt_tokens)
+
+
+@dataclass
+class StepOutput:
+    events: list[tuple[Request, TokenEvent]] = field(default_factory=list)
+    handoffs: list[Seq] = field(default_factory=list)      # prefilled (or ended) here, KV bound elsewhere
+    released: list[Request] = field(default_factory=list)  # ended here, every page given back
+    migrations_ended: list[Seq] = field(default_factory=list)  # ended while moving to another device
+    num_prompt_tokens_done: int = 0                        # prompt tokens prefilled or dropped
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, limits: WorkerLimits, eos_token_ids: frozenset[int],
+                 free: Callable[[list[int]], None] | None = None):
+        """free(pages): how pages of ended requests are given back (the worker's records an event first)."""
+        self.kv, self.limits, self.eos_token_ids = kv, limits, eos_token_ids
+        self.free = free or kv.free
+        self.waiting: deque[Seq] = deque()  # prompts to prefill here, oldest first
+        self.running: list[Seq] = []        # decoding here
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def schedule(self) -> Batch | None:
+        decodes = self.running[:self.limits.max_num_seqs]
+        budget = self.limits.max_num_batched_tokens - len(decodes)
+        prefills, sizes = [], []
+        for seq in self.waiting:
+            if budget <= 0 or len(decodes) + len(prefills) >= self.limits.max_num_seqs:
+                break
+            n = min(seq.req.num_prompt_tokens - seq.req.num_computed_tokens, budget)
+            prefills.append(seq)
+            sizes.append(n)
+            budget -= n
+        if not decodes and not prefills:
+            return None
+        seqs = decodes + prefills
+        return Batch(seqs, [chunk_of(s, n) for s, n in zip(seqs, [1] * len(decodes) + sizes)], len(decodes))
+
+    def postprocess(self, batch: Batch, outcomes: list[TokenEvent | Exception | None], now: float) -> StepOutput:
+        """outcomes[i]: the token sampled for batch.seqs[i], None if it sampled nothing (a prompt's middle chunk),
+        or the exception that failed it."""
+        out = StepOutput()
+        for i, (seq, chunk, outcome) in enumerate(zip(batch.seqs, batch.chunks, outcomes)):
+            req, n = seq.req, len(chunk.token_ids)
+            if isinstance(outcome, Exception):
+                # The exception is in the server log; the client gets no raw exception text.
+                out.events.append((req, TokenEvent(None, finish_reason="error", error=FORWARD_FAILED)))
+                self._retire(seq, out)
+                continue
+            if i >= batch.num_decodes:  # the first chunk also settles what the cache spared
+                out.num_prompt_tokens_done += n + (req.num_cached_tokens if chunk.start_pos == req.num_cached_tokens
+                                                   else 0)
+            req.num_computed_tokens += n
+            self._publish(seq)
+            if outcome is None:
+                continue
+            req.output_ids.append(outcome.token_id)
+            outcome.finish_reason = self._finish_reason(req)
+            out.events.append((req, outcome))
+            first = len(req.output_ids) == 1
+            if first:
+                req.prefill_end = now
+                self.waiting.remove(seq)
+            if outcome.finish_reason is not None:
+                self._retire(seq, out)
+            elif first and seq.handoff is not None:
+                out.handoffs.append(seq)
+            elif first:
+                self.start_decode(seq, now)
+        return out
+
+    def start_decode(self, seq: Seq, now: float) -> None:
+        seq.req.decode_start = seq.req.decode_start or now
+        self.running.append(seq)
+        self._publish(seq)
+
+    def _publish(self, seq: Seq) -> None:
+        """Enters this sequence's newly full pages into the prefix cache: their KV is written here, every token."""
+        req, page_size = seq.req, self.kv.page_size
+        num_full = min(req.num_computed_tokens // page_size, len(seq.block_table))
+        if seq.num_published < 0:
+            seq.num_published = req.num_cached_tokens // page_size
+        if num_full <= seq.num_published or not self.kv.prefix_cache:
+            return
+        if len(req.block_hashes) < num_full:  # pages of generated tokens
+            tokens = (req.prompt_ids + req.output_ids)[len(req.block_hashes) * page_size:num_full * page_size]
+            req.block_hashes += hash_blocks(tokens, page_size, req.block_hashes[-1] if req.block_hashes else None)
+        self.kv.publish(seq.block_table[seq.num_published:num_full], req.block_hashes[seq.num_published:num_full])
+        seq.num_published = num_full
+
+    def _finish_reason(self, req: Request) -> str | None:
+        tok, p = req.output_ids[-1], req.params
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.limits.max_model_len:
+            return "length"
+        return None
+
+    def _retire(self, seq: Seq, out: StepOutput) -> None:
+        """Takes an ended request out of this device. Pages bound for another device go with the handoff, which
+        frees both sides after the copies already queued for them."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            req = seq.req  # what postprocess has not settled yet (it settles the cached part with the first chunk)
+            settled = req.num_computed_tokens - (req.num_cached_tokens if req.num_computed_tokens == req.num_cached_tokens
+                                                 else 0)
+            out.num_prompt_tokens_done += req.num_prompt_tokens - settled
+        seq.req.finished = True
+        if seq.migration is not None:  # moving: the target's pages are freed after the copies queued into them
+            seq.handoff, seq.migration = seq.migration.handoff, None
+            out.migrations_ended.append(seq)
+        if seq.handoff is not None:
+            out.handoffs.append(seq)
+            return
+        self.free(seq.block_table)
+        seq.block_table = []
+        out.released.append(seq.req)
+
+    def drop_aborted(self) -> StepOutput:
+        out = StepOutput()
+        for seq in [s for s in [*self.running, *self.waiting] if s.req.aborted]:
+            self._retire(seq, out)
+        return out
+
+    def fail_all(self, message: str) -> StepOutput:
+        out = StepOutput()
+        for seq in [*self.running, *self.waiting]:
+            out.events.append((seq.req, TokenEvent(None, finish_reason="error", error=message)))
+            self._retire(seq, out)
+        return out

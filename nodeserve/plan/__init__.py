@@ -1,0 +1,1 @@
+"""`nodeserve plan`: the policy core on a virtual clock, with step times from the measured cost model."""

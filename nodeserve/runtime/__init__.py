@@ -1,0 +1,1 @@
+"""The runtime that applies the core's decisions: the router, per-device workers, KV transfers, the engine."""

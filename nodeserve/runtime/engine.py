@@ -1,0 +1,317 @@
+"""Engine: owns the devices' workers and transfers; the event loop's way to add, stream and abort requests."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from nodeserve.attention import auto_fallback, make_backend
+from nodeserve.attention.flashinfer_backend import FlashInferAttention
+from nodeserve.config import Config
+from nodeserve.device import make_device
+from nodeserve.runtime.memory import check_fits, weight_bytes
+from nodeserve.runtime.cuda_graphs import DecodeGraphs
+from nodeserve.runtime.model_runner import ModelRunner
+from nodeserve.core.admission import QueueFull, SloAdmission, TooLarge
+from nodeserve.core.handoff import MigrationOutcome
+from nodeserve.core.load import Role, SloTarget, StepLimits
+from nodeserve.core.placer import AdaptivePlacer
+from nodeserve.runtime.router import Router, role_changes_since
+from nodeserve.sampling.sampler import Sampler
+from nodeserve.runtime.transfer import KVTransfer
+from nodeserve.runtime.worker import FreePages, Worker, WorkerLimits
+from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
+from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
+from nodeserve.model.llama import LlamaModel
+from nodeserve.model.loader import LoadedModel
+from nodeserve.core.request import Request, TokenEvent
+from nodeserve.runtime.stream import RequestStream
+from nodeserve.core.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+REFINE_INTERVAL_S = 1.0  # refit the cost model from fresh step records at most this often
+
+__all__ = ["Engine", "RequestStream", "QueueFull", "TooLarge", "PromptTooLong"]
+
+
+class PromptTooLong(Exception):
+    """The prompt does not fit in the model's context (400)."""
+
+
+@dataclass
+class PoolStats:
+    device: str
+    role: str
+    num_pages: int
+    num_free: int
+    num_running: int
+    num_waiting: int
+    num_prefix_queried_tokens: int
+    num_prefix_hit_tokens: int
+    num_role_changes: int
+
+
+class Engine:
+    def __init__(self, config: Config, loaded: LoadedModel,
+                 on_transfer: Callable[[float, int, int], None] | None = None,
+                 on_migration: Callable[[str, float, int], None] | None = None):
+        """on_transfer(seconds, bytes copied, bytes the decode device already held) is called from transfer
+        threads once per handed-off request; on_migration(outcome, downtime seconds, pages copied) from the event
+        loop once per move between devices."""
+        self.config, self.loaded = config, loaded
+        self.on_transfer, self.on_migration = on_transfer, on_migration
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(config.model.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.prefill_workers: list[Worker] = []
+        self.decode_workers: list[Worker] = []
+        self.transfers: list[KVTransfer] = []
+        self.streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.router: Router | None = None
+        self.warnings: list[str] = []  # said at start and shown in /health: e.g. a CUDA host without FlashInfer
+        self.profiler = None  # the cost model (runtime/profiler.py), measured at the end of warmup()
+        self._refined = 0.0
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        cfg = self.config
+        dtype = self.loaded.model.dtype
+        limits = WorkerLimits(cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, self.max_model_len)
+        replicas: dict[torch.device, object] = {}
+
+        def make_worker(name: str, role: Role) -> Worker:
+            device = make_device(name)
+            kv_dtype = kv_cache_dtype(cfg.kv.dtype, dtype)
+            if device.torch_device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device.torch_device)
+                kv_bytes = int(cfg.kv.memory_gib * 2**30)
+                check_fits(name, free, 0 if device.torch_device in replicas else weight_bytes(self.loaded.model),
+                           kv_bytes)
+            if device.torch_device not in replicas:
+                # CPU workers share one set of weights (read-only); each GPU gets its own replica.
+                replicas[device.torch_device] = self.loaded.model.to(device.torch_device) \
+                    if device.torch_device.type == "cpu" else copy.deepcopy(self.loaded.model).to(device.torch_device)
+            if cfg.kv.memory_gib == 0:  # CUDA only (config checks): what is free once the weights are there
+                free, _ = torch.cuda.mem_get_info(device.torch_device)
+                num_pages = kv_pages_for_device(free, cfg.kv.memory_headroom,
+                                                KVPool.bytes_per_page(self.loaded.config, cfg.kv.page_size, kv_dtype))
+            else:
+                num_pages = KVPool.num_pages_for_bytes(self.loaded.config, int(cfg.kv.memory_gib * 2**30),
+                                                       cfg.kv.page_size, kv_dtype)
+            pool = KVPool(self.loaded.config, num_pages, cfg.kv.page_size, kv_dtype, device.torch_device,
+                          cfg.kv.prefix_cache)
+            runner = build_runner(replicas[device.torch_device], pool, cfg.devices.attention,
+                                  cfg.devices.cuda_graphs and role is not Role.PREFILL, cfg.scheduler.max_num_seqs)
+            log.info("%s: %s attention, %d KV pages of %s%s", name, type(runner.backend).__name__, num_pages,
+                     kv_dtype, ", CUDA graphs at warm-up" if runner.graphs is not None else "")
+            fallback = auto_fallback(cfg.devices.attention, device.torch_device, dtype)
+            if fallback is not None and fallback not in self.warnings:
+                log.warning(fallback)
+                self.warnings.append(fallback)
+            sampler = Sampler(device.torch_device, eos_token_ids=self.tokenizer.eos_token_ids)
+            return Worker(device, role, runner, sampler, self.tokenizer.eos_token_ids, limits,
+                          self._emit_batch_threadsafe, self._released_threadsafe, self._migrated_threadsafe)
+
+        self.prefill_workers = [make_worker(n, Role.PREFILL) for n in cfg.prefill_devices]
+        adaptive = cfg.devices.mode == "adaptive"
+        role = Role.DECODE if self.prefill_workers else Role.ADAPTIVE if adaptive else Role.COLOCATED
+        self.decode_workers = [make_worker(n, role) for n in cfg.decode_devices]
+        # Adaptive mode: any device may prefill for any other.
+        pairs = [(p, d) for p in (self.decode_workers if adaptive else self.prefill_workers)
+                 for d in self.decode_workers if p is not d]
+        for p, d in pairs:
+            t = KVTransfer(p.device, p.pool, d.device, d.pool,
+                           lambda blocks, read, p=p: p.send(FreePages(blocks, read)), self.on_transfer)
+            p.transfers[d] = t
+            self.transfers.append(t)
+        self.router = Router(self.prefill_workers, self.decode_workers,
+                             cfg.devices.local_prefill_threshold, cfg.server.max_waiting,
+                             cfg.server.max_queued_tokens)
+        if self.on_migration is not None:
+            self.router.on_migration = self.on_migration
+        for t in self.transfers:
+            t.start()
+        for w in self.workers:
+            w.start()
+
+    def warmup(self) -> None:
+        """Before serving: FP8 KV scales for every FP8 pool, then on CUDA one prefill and decode per device
+        (FlashInfer JIT) and the decode graphs. Blocking (minutes on a cold JIT cache); seconds on CPU.
+
+        The scales are measured once, on the first FP8 pool's device, and copied to every other pool: the
+        transfer moves raw bytes, so a prefill pool and a decode pool must read them with the same scales,
+        which two measurements on different GPUs need not give bit for bit."""
+        from nodeserve.runtime.kv_calibration import calibrate_kv_scales, calibration_token_ids
+        from nodeserve.runtime.warmup import warmup_runner
+
+        fp8_workers = [w for w in self.workers if w.pool.is_fp8]
+        if fp8_workers:
+            first = fp8_workers[0]
+            start = time.monotonic()
+            ids = calibration_token_ids(self.tokenizer)
+            calibrate_kv_scales(first.runner.model, first.pool, ids)
+            for w in fp8_workers[1:]:
+                w.pool.k_scales, w.pool.v_scales = list(first.pool.k_scales), list(first.pool.v_scales)
+            log.info("FP8 KV scales from %d calibration tokens on %s in %.1fs: K %.3g to %.3g, V %.3g to %.3g",
+                     len(ids), first.name, time.monotonic() - start, min(first.pool.k_scales),
+                     max(first.pool.k_scales), min(first.pool.v_scales), max(first.pool.v_scales))
+        for w in self.workers:
+            warmup_runner(w.runner)
+        self._install_policy()
+
+    def _install_policy(self) -> None:
+        """The cost model (measured unless profile.startup is false) and, with a profile, SLO admission and, in
+        adaptive mode, the adaptive placer. /debug/profile reads the profiler."""
+        from nodeserve.runtime.profiler import Profiler
+
+        cfg = self.config
+        self.profiler = Profiler(self.workers)
+        if not cfg.profile.startup:
+            return
+        self.profiler.measure(cfg.profile.budget_s)
+        limits = StepLimits(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
+        slo = SloTarget(cfg.slo.ttft_s, cfg.slo.tpot_s, cfg.slo.ttft_per_token_s)
+        cost = self.cost_model
+        placer = None
+        if cfg.devices.mode == "adaptive":
+            placer = self.router.placer = AdaptivePlacer(cost, limits, slo, [w.name for w in self.workers])
+        self.router.admission = SloAdmission(slo, cfg.slo.admission == "reject", cfg.slo.margin, limits, cost,
+                                             cfg.devices.local_prefill_threshold, placer)
+
+    def cost_model(self):
+        """The cost model as the profiler holds it, refitted from fresh step records at most once a second."""
+        now = time.monotonic()
+        if now - self._refined > REFINE_INTERVAL_S:
+            self.profiler.refine()
+            self._refined = now
+        return self.profiler.model
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+        for t in self.transfers:
+            t.stop()
+
+    @property
+    def workers(self) -> list[Worker]:
+        return self.prefill_workers + self.decode_workers
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    grammar: Any = None) -> RequestStream:
+        """Admits a request (grammar: its structured-output matcher, or None). Raises PromptTooLong, TooLarge (both
+        400) or QueueFull (503)."""
+        if not prompt_ids:
+            raise PromptTooLong("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"your request has {len(prompt_ids)} input tokens. Please reduce the length "
+                                "of the input.")
+        if any(t < 0 or t >= self.loaded.config.vocab_size for t in prompt_ids):
+            raise PromptTooLong(f"the prompt has token ids outside the vocabulary [0, {self.loaded.config.vocab_size})")
+        # Generation stops with "length" at the context limit, or at what a decode pool can ever hold.
+        room = min(self.max_model_len, self.router.max_seq_tokens + 1) - len(prompt_ids)
+        params.max_tokens = max(1, min(params.max_tokens, room))
+        req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, grammar=grammar)
+        stream = RequestStream(req)
+        req.emit = stream.put
+        self.streams[req.request_id] = stream
+        try:
+            self.router.admit(req)
+        except (QueueFull, TooLarge):
+            del self.streams[req.request_id]
+            raise
+        return stream
+
+    def fail_all(self, message: str) -> None:
+        """Ends every in-flight request with an error event (the drain timeout ran out) and frees its pages."""
+        for stream in list(self.streams.values()):
+            stream.put(TokenEvent(None, finish_reason="error", error=message))
+            self.abort(stream)  # the stream is closed: only the pages are left to free
+
+    def abort(self, stream: RequestStream, reason: str = "abort") -> None:
+        """Ends a request now; its pages on every device are freed by whoever holds it, at its next step."""
+        req = stream.request
+        self.streams.pop(req.request_id, None)
+        if req.finished or req.aborted:
+            return
+        stream.put(TokenEvent(None, finish_reason=reason))  # wakes a reader waiting on the next event
+        req.aborted = True
+        if self.router.abort_pending(req):
+            return
+        for w in self.workers:
+            w.send(None)
+
+    # ---- from worker threads ---------------------------------------------------------------------------
+    def _emit_batch_threadsafe(self, events: list[tuple[Request, TokenEvent]]) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, events)
+
+    def _deliver(self, events: list[tuple[Request, TokenEvent]]) -> None:
+        for req, event in events:
+            req.emit(event)
+            if event.finish_reason is not None:
+                self.streams.pop(req.request_id, None)
+
+    def _released_threadsafe(self, requests: list[Request]) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._released, requests)
+
+    def _migrated_threadsafe(self, req: Request, outcome: MigrationOutcome, downtime: float, num_pages: int) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.router.on_migrated, req, outcome, downtime, num_pages)
+
+    def migrate(self, request_id: str, device: str, live: bool = True) -> bool:
+        """Moves a running request's decode to `device` (live: pre-copy rounds; else stop and copy). From the
+        event loop. False if it cannot start (not placed, already moving, no seat or pages there)."""
+        req, target = self.router.placed.get(request_id), self.router.workers.get(device)
+        return req is not None and target is not None and target in self.decode_workers and \
+            self.router.migrate(req, target, live)
+
+    def _released(self, requests: list[Request]) -> None:
+        for req in requests:
+            self.router.release(req)
+        self.router.dispatch()
+
+    # ---- introspection -------------------------------------------------------------------------------
+    def pool_stats(self) -> list[PoolStats]:
+        changes = self.router.num_role_changes if self.router else {}
+        return [PoolStats(w.name, str(w.role), w.kv.num_usable, w.kv.num_free, len(w.scheduler.running),
+                          len(w.scheduler.waiting), w.kv.num_queried_tokens, w.kv.num_hit_tokens,
+                          changes.get(w.name, 0)) for w in self.workers]
+
+    def role_changes(self, since: float = 0.0) -> list[list]:
+        """Adaptive mode's role changes at or after `since`: [time, device, new role, reason] (server clock)."""
+        return role_changes_since(self.router.role_changes, since) if self.router else []
+
+    def dead_threads(self) -> list[str]:
+        """Workers and transfers whose thread died: what they hold never moves again (/health answers 503)."""
+        return [x.name for x in [*self.workers, *self.transfers] if x.dead]
+
+    @property
+    def num_pending(self) -> int:
+        return self.router.num_pending if self.router else 0
+
+
+def build_runner(replica: LlamaModel, pool: KVPool, attention: str, cuda_graphs: bool,
+                 max_num_seqs: int) -> ModelRunner:
+    """A device's step runner: the attention backend `attention` asks for; with FlashInfer, its norm, RoPE and
+    SiLU kernels on the replica (set once, before any graph capture) and, if `cuda_graphs`, decode graphs for
+    batches up to max_num_seqs (captured at warm-up)."""
+    backend = make_backend(attention, pool, replica.cfg, replica.dtype)
+    if not isinstance(backend, FlashInferAttention):
+        return ModelRunner(replica, backend)
+    if replica.dtype in FLASHINFER_OPS_DTYPES and not isinstance(replica.ops, FlashInferOps):
+        replica.use_kernels(FlashInferOps(replica.rope, replica.cfg.max_position_embeddings, pool.device))
+    graphs = DecodeGraphs(replica, backend, max_num_seqs) if cuda_graphs else None
+    return ModelRunner(replica, backend, graphs)

@@ -1,0 +1,55 @@
+"""Load snapshots of live workers: the DeviceLoads every placement, role and admission decision is made on.
+
+Read from the event loop while the workers run: a slightly stale view is fine, and nothing here changes a worker.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+from nodeserve.core.load import DeviceLoad
+
+if TYPE_CHECKING:
+    from nodeserve.core.request import Request
+    from nodeserve.runtime.worker import Worker
+
+PREFILL_WINDOW_S = 10.0  # a device's prefill share is measured over its steps of the last this many seconds
+
+
+def prefill_share(records, now: float, window: float = PREFILL_WINDOW_S) -> float:
+    """Share of the last `window` seconds spent in steps with prefill chunks, from a worker's step records
+    (read from the newest back by index: the worker thread may append meanwhile, which iterating would not allow)."""
+    busy, i = 0.0, 1
+    while i <= len(records):
+        try:
+            r = records[-i]
+        except IndexError:
+            break
+        if r.end < now - window:
+            break
+        if r.num_prefill_tokens:
+            busy += r.end - max(r.start, now - window)
+        i += 1
+    return min(busy / window, 1.0)
+
+
+def worker_load(w: Worker, now: float, seated: Sequence[Request], req: Request | None = None) -> DeviceLoad:
+    """A worker's live load; `seated`: the requests holding a decode seat there (placed there, or moving there);
+    `req`: the request being placed, whose cached prefix there is counted."""
+    running = list(w.scheduler.running)
+    decoding = {s.req.request_id for s in running}
+    incoming = [r for r in seated if r.request_id not in decoding and not r.finished]
+    cached = len(w.kv.lookup(req.block_hashes, req.num_prompt_tokens)) * w.kv.page_size if req is not None else 0
+    return DeviceLoad(w.name, w.role, w.num_outstanding_prefill_tokens, len(running),
+                      sum(s.req.num_tokens for s in running), w.limits.max_num_seqs - len(seated),
+                      prefill_share(w.records, now), w.kv.num_free * w.kv.page_size,
+                      len(incoming), sum(r.num_prompt_tokens for r in incoming), cached)
+
+
+def snapshot(workers: Iterable[Worker], seats: Iterable[tuple[Worker, Request]], now: float,
+             req: Request | None = None) -> list[DeviceLoad]:
+    """Every worker's load, in order; `seats`: (worker, request) for each decode seat held."""
+    seated: dict[Worker, list[Request]] = {}
+    for w, r in seats:
+        seated.setdefault(w, []).append(r)
+    return [worker_load(w, now, seated.get(w, []), req) for w in workers]

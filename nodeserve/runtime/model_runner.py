@@ -1,0 +1,81 @@
+"""ModelRunner: turns one step's sequence chunks into tensors, runs the model over a device's KV pool, returns logits."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from nodeserve.attention.base import AttentionBackend, AttentionMetadata
+from nodeserve.core.scheduler import SeqChunk
+from nodeserve.device import upload
+from nodeserve.model.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from nodeserve.runtime.cuda_graphs import DecodeGraphs
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, backend: AttentionBackend, graphs: DecodeGraphs | None = None):
+        """backend: attention over this device's KV pool; graphs: CUDA graphs that decode-only steps replay when
+        captured (CUDA + FlashInfer only)."""
+        self.model, self.pool, self.backend, self.graphs = model, backend.pool, backend, graphs
+        self.device = self.pool.device
+
+    def prepare(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Chunks must be ordered with every single-token chunk first (those attend as one batched decode)."""
+        page_size = self.pool.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens, seq_lens, logits_rows = [], [], []
+        max_pages = max(len(c.block_table) for c in chunks)
+        block_tables = torch.zeros(len(chunks), max_pages, dtype=torch.int64)
+        for b, c in enumerate(chunks):
+            n = len(c.token_ids)
+            input_ids.extend(c.token_ids)
+            pos = range(c.start_pos, c.start_pos + n)
+            positions.extend(pos)
+            table = c.block_table
+            slots.extend(table[p // page_size] * page_size + p % page_size for p in pos)
+            block_tables[b, :len(table)] = torch.as_tensor(table, dtype=torch.int64)
+            query_lens.append(n)
+            seq_lens.append(c.start_pos + n)
+            if c.want_logits:
+                logits_rows.append(len(input_ids) - 1)
+        num_decodes = 0
+        while num_decodes < len(chunks) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        meta = AttentionMetadata(
+            slot_mapping=upload(slots, self.device, torch.int64),
+            block_tables=upload(block_tables, self.device),
+            seq_lens=upload(seq_lens, self.device, torch.int64),
+            query_lens=query_lens,
+            seq_lens_host=seq_lens,
+            num_decodes=num_decodes,
+            page_size=page_size,
+            block_tables_host=[c.block_table for c in chunks],
+        )
+        ids = upload(input_ids, self.device, torch.int64)
+        pos_t = upload(positions, self.device, torch.int64)
+        return ids, pos_t, meta, logits_rows
+
+    def run(self, chunks: Sequence[SeqChunk],
+            on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Returns float32 logits [N, vocab], one row per chunk with want_logits, in chunk order."""
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)  # stable: decodes first
+        ordered = [chunks[i] for i in order]
+        ids, positions, meta, rows = self.prepare(ordered)
+        hidden = None
+        if self.graphs is not None and on_layer_done is None and meta.num_decodes == meta.num_seqs:
+            hidden = self.graphs.run(ids, positions, meta)  # None: no graph for this batch size, run eagerly
+        if hidden is None:
+            self.backend.prepare(meta)
+            hidden = self.model(ids, positions, self.backend, on_layer_done)
+        # rows: a device index (a Python list would be a blocking copy on CUDA, see device.upload)
+        logits = self.model.compute_logits(hidden[upload(rows, self.device, torch.int64)])  # [N, V]
+        wanted = [i for i in order if chunks[i].want_logits]
+        if wanted == sorted(wanted):
+            return logits
+        # row k of `logits` belongs to chunk wanted[k]; put the rows back in chunk order
+        return logits[upload(sorted(range(len(wanted)), key=wanted.__getitem__), self.device, torch.int64)]

@@ -1,0 +1,218 @@
+"""Router: admits requests and applies the placer's decisions: reserves pages, sends prompts, changes roles, moves
+decodes between devices.
+
+Runs on the event loop thread. Every decision is the core's (core/placer.py, core/admission.py), made on load
+snapshots (runtime/loads.py); the router only applies them. A placement reserves everything the request will
+need at once, so nothing waits while holding pages: its decode pages (`prompt + max_tokens`), and, when it
+prefills on another device, its prompt's pages there. So a finished prefill never waits for space, two devices
+prefilling for each other cannot deadlock, and an abort has exactly the reservations to give back. A request's
+decode seat ends when its decode device reports its pages given back (release()); a move holds a seat on both
+devices until the source reports how it ended (on_migrated()).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from typing import Sequence
+
+from nodeserve.core.admission import QueueFull, SloAdmission, TooLarge
+from nodeserve.core.handoff import Handoff, Migrate, MigrationOutcome
+from nodeserve.core.load import DeviceLoad, Role
+from nodeserve.core.placer import Decision, Placer, Seated, StaticPlacer, plan_moves
+from nodeserve.core.request import Request
+from nodeserve.core.roles import RoleChange
+from nodeserve.kv.manager import OutOfPages, hash_blocks
+from nodeserve.runtime.loads import snapshot
+from nodeserve.runtime.worker import Worker
+
+__all__ = ["QueueFull", "Router", "TooLarge"]
+
+MAX_SCAN = 16         # requests dispatch tries past the first one that cannot be placed now
+MAX_OVERTAKES = 64    # a request overtaken this often holds the queue until it is placed (no starvation)
+MAX_ROLE_CHANGES = 10_000  # kept for /debug/steps (the timeline); older ones are dropped
+
+
+class Router:
+    def __init__(self, prefill_workers: list[Worker], decode_workers: list[Worker],
+                 local_prefill_threshold: int, max_waiting: int, max_queued_tokens: int,
+                 placer: Placer | None = None, admission: SloAdmission | None = None):
+        self.prefill_workers, self.decode_workers = prefill_workers, decode_workers
+        self.workers = {w.name: w for w in prefill_workers + decode_workers}
+        self.local_prefill_threshold, self.max_waiting = local_prefill_threshold, max_waiting
+        self.max_queued_tokens = max_queued_tokens
+        self.placer: Placer = placer or StaticPlacer(local_prefill_threshold)
+        self.admission = admission
+        self.pending: deque[Request] = deque()
+        self.page_size = decode_workers[0].kv.page_size  # one page size on every device (kv.page_size)
+        self.placements: dict[str, Worker] = {}  # request id -> its decode worker, from placement to release
+        self.placed: dict[str, Request] = {}     # request id -> the request, for the same time
+        self.moving: dict[str, Worker] = {}      # request id -> the worker it is moving to (a seat held there too)
+        self.num_seats_taken: Counter[Worker] = Counter()  # per worker: decode seats held, moves included
+        self._overtaken: Counter[str] = Counter()  # request id -> placements made past it while it waited
+        self.role_changes: deque[RoleChange] = deque(maxlen=MAX_ROLE_CHANGES)
+        self.num_role_changes: Counter[str] = Counter()
+        self.num_migrations: Counter[str] = Counter()  # by MigrationOutcome
+        self.migration_downtimes: deque[float] = deque(maxlen=10_000)  # seconds, of moves that resumed
+        self.on_migration = lambda outcome, downtime, num_pages: None  # metrics hook
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens admitted but not yet prefilled, here and on every worker."""
+        queued = sum(r.num_prompt_tokens for r in self.pending)
+        return queued + sum(w.num_outstanding_prefill_tokens for w in self.workers.values())
+
+    @property
+    def max_seq_tokens(self) -> int:
+        """The most tokens of KV one request can ever hold: a whole decode pool."""
+        return max(w.kv.num_usable * w.kv.page_size for w in self.decode_workers)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.pending)
+
+    def loads(self, now: float, req: Request | None = None) -> list[DeviceLoad]:
+        """Every device's load now, prefill devices first; with `req`, its cached prefix on each."""
+        seats = [(w, self.placed[rid]) for rid, w in [*self.placements.items(), *self.moving.items()]]
+        return snapshot(self.workers.values(), seats, now, req)
+
+    # ---- admission -----------------------------------------------------------------------------------
+    def admit(self, req: Request) -> None:
+        if req.max_total_tokens > self.max_seq_tokens:
+            raise TooLarge(f"the prompt has {req.num_prompt_tokens} tokens but a device's KV cache holds at most "
+                           f"{self.max_seq_tokens}")
+        if self.prefill_workers and req.num_prompt_tokens >= self.local_prefill_threshold:
+            capacity = min(w.kv.num_usable * w.kv.page_size for w in self.prefill_workers)
+            if req.num_prompt_tokens > capacity:
+                raise TooLarge(f"the prompt has {req.num_prompt_tokens} tokens but a prefill device holds at most "
+                               f"{capacity}")
+        if req.num_prompt_tokens > self.max_queued_tokens:
+            raise TooLarge(f"the prompt has {req.num_prompt_tokens} tokens, more than server.max_queued_tokens "
+                           f"({self.max_queued_tokens})")
+        if len(self.pending) >= self.max_waiting:
+            raise QueueFull(f"{len(self.pending)} requests are already waiting")
+        if self.num_queued_tokens + req.num_prompt_tokens > self.max_queued_tokens:
+            raise QueueFull(f"{self.num_queued_tokens} prompt tokens are already queued")
+        req.block_hashes = hash_blocks(req.prompt_ids, self.page_size)
+        now = time.monotonic()
+        self.placer.observe(now, req)
+        if self.admission is not None:
+            self.admission.check(self.loads(now, req), req, sum(r.num_prompt_tokens for r in self.pending))
+        self.pending.append(req)
+        self.dispatch()
+
+    def abort_pending(self, req: Request) -> bool:
+        """Drops a request that has not been placed yet. Returns False if it already left the router."""
+        if req not in self.pending:
+            return False
+        self.pending.remove(req)
+        self._overtaken.pop(req.request_id, None)
+        return True
+
+    # ---- placement -----------------------------------------------------------------------------------
+    def dispatch(self) -> None:
+        """Places waiting requests, oldest first. One that cannot be placed now (no seat, or not its pages) is
+        passed over for up to MAX_SCAN later ones, so a request with a huge max_tokens does not hold up the
+        small ones behind it; once MAX_OVERTAKES placements have passed it, it holds the queue until it fits."""
+        i = 0
+        while i < len(self.pending) and i <= MAX_SCAN:
+            req = self.pending[i]
+            now = time.monotonic()
+            decision = self.placer.place(now, self.loads(now, req), req)
+            self._apply_roles(decision)
+            if decision.placed and self._reserve(req, decision):
+                del self.pending[i]
+                self._overtaken.pop(req.request_id, None)
+                for r in list(self.pending)[:i]:
+                    self._overtaken[r.request_id] += 1
+                continue
+            if self._overtaken[req.request_id] >= MAX_OVERTAKES:
+                return
+            i += 1
+
+    def _reserve(self, req: Request, decision: Decision) -> bool:
+        """Takes the pages the decision needs and sends the prompt; False (nothing taken) if they are gone."""
+        decode, prefill = self.workers[decision.decode], self.workers[decision.prefill]
+        hashes, n = req.block_hashes, req.num_prompt_tokens
+        try:
+            pages, num_cached_tokens = decode.kv.allocate_prompt(hashes, n, decode.kv.blocks_for(req.max_total_tokens))
+        except OutOfPages:  # a worker's thread freed or took pages since the snapshot: try again later
+            return False
+        if prefill is not decode:
+            try:
+                prompt_pages, num_prompt_cached = prefill.kv.allocate_prompt(hashes, n, prefill.kv.blocks_for(n))
+            except OutOfPages:
+                decode.kv.free(pages)  # never written: nothing to wait for
+                return False
+        self.placements[req.request_id], self.placed[req.request_id] = decode, req
+        self.num_seats_taken[decode] += 1
+        if prefill is decode:
+            req.num_computed_tokens = req.num_cached_tokens = num_cached_tokens
+            decode.add_prefill(req, pages)
+        else:
+            req.num_computed_tokens = req.num_cached_tokens = num_prompt_cached
+            prefill.add_prefill(req, prompt_pages, Handoff(decode, pages, num_cached_tokens // self.page_size))
+        return True
+
+    def release(self, req: Request) -> None:
+        """Its decode device gave back every page it held: its seats are free."""
+        worker = self.placements.pop(req.request_id, None)
+        self.placed.pop(req.request_id, None)
+        if worker is not None:
+            self.num_seats_taken[worker] -= 1
+        target = self.moving.pop(req.request_id, None)
+        if target is not None:
+            self.num_seats_taken[target] -= 1
+
+    # ---- roles and moves -----------------------------------------------------------------------------
+    def _apply_roles(self, decision: Decision) -> None:
+        for c in decision.role_changes:
+            self.workers[c.device].role = Role(c.role)
+            self.role_changes.append(c)
+            self.num_role_changes[c.device] += 1
+        for name in decision.moves_from:
+            self.move_decodes(self.workers[name])
+
+    def move_decodes(self, source: Worker) -> int:
+        """`source` was just dedicated to prefill: every request holding a decode seat there moves to an adaptive
+        device with a seat and room for it (core.placer.plan_moves), live. Returns how many moves started."""
+        seated = [Seated(rid, source.kv.blocks_for(self.placed[rid].max_total_tokens) * self.page_size)
+                  for rid, w in self.placements.items() if w is source and rid not in self.moving
+                  and not self.placed[rid].finished and not self.placed[rid].aborted]
+        moves = plan_moves(seated, self.loads(time.monotonic()))
+        return sum(self.migrate(self.placed[rid], self.workers[target]) for rid, target in moves)
+
+    def migrate(self, req: Request, target: Worker, live: bool = True) -> bool:
+        """Starts moving a placed request's decode to `target`, whose pages for it are reserved now. Its source
+        decides between two steps how it goes (on_migrated says). False if it cannot start."""
+        source = self.placements.get(req.request_id)
+        if source is None or source is target or req.request_id in self.moving or req.finished or req.aborted:
+            return False
+        if self.num_seats_taken[target] >= target.limits.max_num_seqs:
+            return False
+        try:
+            pages = target.kv.allocate(target.kv.blocks_for(req.max_total_tokens))
+        except OutOfPages:
+            return False
+        self.moving[req.request_id] = target
+        self.num_seats_taken[target] += 1
+        source.send(Migrate(req, Handoff(target, pages), live))
+        return True
+
+    def on_migrated(self, req: Request, outcome: MigrationOutcome, downtime: float, num_pages: int = 0) -> None:
+        """A move ended: MOVED, its seat is the target's; NOT_RUNNING / NO_CONVERGENCE, it stays on its source.
+        FINISHED and FAILED end with the request's release, which frees both seats."""
+        self.num_migrations[outcome] += 1
+        self.on_migration(str(outcome), downtime, num_pages)
+        rid = req.request_id
+        if outcome is MigrationOutcome.MOVED and rid in self.moving:
+            self.num_seats_taken[self.placements[rid]] -= 1
+            self.placements[rid] = self.moving.pop(rid)
+            self.migration_downtimes.append(downtime)
+        elif outcome in (MigrationOutcome.NOT_RUNNING, MigrationOutcome.NO_CONVERGENCE) and rid in self.moving:
+            self.num_seats_taken[self.moving.pop(rid)] -= 1
+        self.dispatch()
+
+
+def role_changes_since(changes: Sequence[RoleChange], since: float) -> list[list]:
+    return [[c.time, c.device, str(c.role), c.reason] for c in changes if c.time >= since]

@@ -1,0 +1,36 @@
+"""Warm-up before READY: compile FlashInfer's kernels and capture the decode graphs, so no request pays for it.
+
+FlashInfer JIT-compiles each kernel at first use (cached in ~/.cache/flashinfer) and CUDA graphs are captured
+once per bucket. On CPU devices there is nothing to warm: a no-op. FP8 pools must have their scales before
+this runs (Engine.warmup calibrates them first): a captured graph keeps the scales it was captured with.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from nodeserve.core.scheduler import SeqChunk
+from nodeserve.runtime.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+WARMUP_PROMPT_TOKENS = 16
+
+
+def warmup_runner(runner: ModelRunner) -> None:
+    """One prefill chunk and one decode step on a throwaway sequence, then the graph captures."""
+    if runner.device.type != "cuda":
+        return
+    start = time.monotonic()
+    num_tokens = WARMUP_PROMPT_TOKENS
+    kv = runner.pool.manager
+    with kv.borrow(kv.blocks_for(num_tokens + 1)) as pages, torch.cuda.device(runner.device):
+        runner.run([SeqChunk([0] * num_tokens, 0, pages)])      # prefill kernels
+        runner.run([SeqChunk([0], num_tokens, pages)])          # decode kernels (eager)
+        if runner.graphs is not None:
+            runner.graphs.capture()
+        torch.cuda.synchronize(runner.device)
+    log.info("%s: warmed up in %.1fs", runner.device, time.monotonic() - start)

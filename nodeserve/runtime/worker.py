@@ -1,0 +1,346 @@
+"""Worker: the thread that owns one device, its model runner, sampler and scheduler, and turns its step loop.
+
+A worker can prefill, decode, or both:
+  - a prefill worker (disaggregated) runs prompts in chunks on its own pool, samples the first token,
+    and streams the KV layer by layer to the decode device through a KVTransfer;
+  - a decode worker runs the continuous decode batch; it prefills only prompts the router sends it
+    (colocated mode, or prompts under the conditional threshold), with chunks mixed into decode steps;
+  - an adaptive worker does both, each request as the router placed it. Its role (which the router reads and
+    changes) never enters its step loop.
+One turn: inbox -> drop aborted -> schedule -> forward -> sample -> postprocess -> emit and hand off. Inbox
+messages (prompts, arrived KV, pages to free, requests to move elsewhere) are handled between steps only.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from nodeserve.core.handoff import (Arrival, CopyPlan, FreePages, Handoff, Migrate, Migration, MigrationOutcome,
+                                    MigrationStep, Prefill, copy_plan, next_migration_step)
+from nodeserve.core.load import Role
+from nodeserve.core.request import Request, TokenEvent
+from nodeserve.core.scheduler import Batch, Scheduler, Seq, StepOutput, WorkerLimits
+from nodeserve.device import Device
+from nodeserve.runtime.model_runner import ModelRunner
+from nodeserve.sampling.sampler import Sampler
+
+if TYPE_CHECKING:
+    from nodeserve.runtime.transfer import KVTransfer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Arrival", "FreePages", "Handoff", "Migrate", "Role", "StepRecord", "Worker", "WorkerLimits"]
+
+
+@dataclass
+class StepRecord:
+    """What a device did in one step, for the timeline plots and metrics."""
+
+    start: float
+    end: float
+    num_prefill_tokens: int
+    num_decodes: int
+    decode_context: int = 0      # tokens the decode rows attend, in total
+    prefill_pairs: float = 0.0   # query-key pairs the prefill chunks attend (cost_model.StepShape)
+
+
+class Worker:
+    def __init__(self, device: Device, role: Role, runner: ModelRunner, sampler: Sampler,
+                 eos_token_ids: frozenset[int], limits: WorkerLimits,
+                 emit_batch: Callable[[list[tuple[Request, TokenEvent]]], None],
+                 on_released: Callable[[list[Request]], None],
+                 on_migrated: Callable[[Request, MigrationOutcome, float, int], None] = lambda *args: None):
+        """emit_batch(events), on_released(requests whose decode pages are given back) and on_migrated(request,
+        outcome, downtime seconds, pages copied) of a move that ended are called from this worker's thread."""
+        self.device, self.role, self.runner, self.sampler = device, role, runner, sampler
+        self.pool = runner.pool
+        self.kv = runner.pool.manager  # this device's pages: the router reserves here, this worker frees
+        self.limits = limits
+        self.scheduler = Scheduler(self.kv, limits, eos_token_ids, free=self._give_back)
+        self._emit_batch, self._on_released, self._on_migrated = emit_batch, on_released, on_migrated
+        self.transfers: dict[Worker, KVTransfer] = {}  # decode worker -> transfer, on workers that prefill for others
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.num_outstanding_prefill_tokens = 0        # router's load signal for prefill placement
+        self.num_migrated_pages = 0                    # pages live migrations copied from here (metrics)
+        self.records: deque[StepRecord] = deque(maxlen=100_000)
+        self._last_turn = time.monotonic()             # for the watchdog: updated every loop turn
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=f"worker {device.name}", daemon=True)
+
+    @property
+    def name(self) -> str:
+        return self.device.name
+
+    @property
+    def last_progress(self) -> float:
+        """For the watchdog: when this worker's loop last turned, or, if earlier, when a transfer it feeds
+        started the job it is still on (a stuck copy stalls this worker's requests as surely as a stuck step)."""
+        return min([self._last_turn] + [t.busy_since for t in self.transfers.values() if t.busy_since is not None])
+
+    @property
+    def dead(self) -> bool:
+        """Its thread ended without being stopped: nothing it holds will move again."""
+        return self._thread.ident is not None and not self._thread.is_alive() and not self._stop
+
+    # ---- called from other threads -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+
+    def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None) -> None:
+        """A request to prefill here on `pages` (taken by the router): its decode pages here, or, when it decodes
+        elsewhere (handoff), its prompt's pages in this pool."""
+        with self._lock:
+            self.num_outstanding_prefill_tokens += req.num_prompt_tokens
+        self._inbox.put(Prefill(Seq(req, pages, handoff)))
+
+    def send(self, msg: Arrival | FreePages | Migrate | None) -> None:
+        """From another thread: an Arrival, FreePages or Migrate; None only wakes the loop (e.g. to see an abort)."""
+        self._inbox.put(msg)
+
+    # ---- the worker thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        self.device.init_worker_thread()
+        while not self._stop:
+            try:
+                self._drain_inbox(block=self.scheduler.idle)
+                self._last_turn = time.monotonic()
+                if not self._stop:
+                    self._finish(self.scheduler.drop_aborted())
+                    self._advance_migrations()
+                    self._step()
+            except Exception:  # a bug outside any one request's forward: fail what is in flight, keep serving
+                log.exception("worker %s: step failed", self.name)
+                self._finish(self.scheduler.fail_all("internal error in the worker step"))
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                if isinstance(msg, Prefill):
+                    self.scheduler.waiting.append(msg.seq)
+                elif isinstance(msg, FreePages):
+                    self.device.wait_event(msg.read)
+                    self._give_back(msg.pages)
+                elif isinstance(msg, Arrival):
+                    self._receive(msg)
+                elif isinstance(msg, Migrate):
+                    self._migrate(msg)
+                msg = self._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _give_back(self, pages: list[int]) -> None:
+        """Gives pages back once everything queued on this device's stream so far is behind them: a transfer that
+        is handed them next as its destination waits on pool.freed_event (recorded first, then the pages freed)."""
+        self.pool.freed_event = self.device.record_event()
+        self.kv.free(pages)
+
+    def _receive(self, msg: Arrival) -> None:
+        req = msg.req
+        if msg.error is None and not (req.aborted or req.finished):
+            self.device.wait_event(msg.landed)
+            now = time.monotonic()
+            self.scheduler.start_decode(Seq(req, msg.pages, num_published=msg.num_cached_pages), now)
+            if msg.migrated_at is not None:
+                self._on_migrated(req, MigrationOutcome.MOVED, now - msg.migrated_at, msg.num_copied_pages)
+            return
+        # These pages may be reserved again at once, for a copy on another pair's streams: quiet them first.
+        self.device.synchronize_event(msg.landed)
+        self._give_back(msg.pages)
+        if msg.error is not None and not (req.aborted or req.finished):
+            log.error("worker %s: request %s failed: %s", self.name, req.request_id, msg.error)
+            self._emit_batch([(req, TokenEvent(None, finish_reason="error", error=msg.error))])
+            if msg.migrated_at is not None:
+                self._on_migrated(req, MigrationOutcome.FAILED, 0.0, msg.num_copied_pages)
+        req.finished = True
+        self._on_released([req])
+
+    # ---- moving a request to another device ----------------------------------------------------------
+    def _migrate(self, msg: Migrate) -> None:
+        req, h = msg.req, msg.handoff
+        seq = next((s for s in [*self.scheduler.running, *self.scheduler.waiting] if s.req is req), None)
+        if seq is None or seq.handoff is not None or seq.migration is not None or req.aborted or req.finished:
+            # Ended (its release is on its way), or not here yet (its KV is on its way from another device): it
+            # stays where it is, and the target's pages go back.
+            h.target.send(FreePages(h.pages, None))
+            if not (req.aborted or req.finished):
+                self._on_migrated(req, MigrationOutcome.NOT_RUNNING, 0.0, 0)
+            return
+        if seq in self.scheduler.running:
+            log.debug("worker %s: request %s moves to %s (%s)", self.name, req.request_id, h.target.name,
+                      "live" if msg.live else "stop and copy")
+            seq.migration = Migration(h, live=msg.live)
+            self._advance_migrations()
+            return
+        # Still prefilling here: the layer hook sends every page from the first, then the handoff.
+        seq.handoff = h
+        self._on_migrated(req, MigrationOutcome.MOVED, 0.0, 0)
+
+    def _advance_migrations(self) -> None:
+        """Between two steps: each migrating request pre-copies the pages it filled since the last round, or, once
+        few are left, stops here and moves (next_migration_step)."""
+        for seq in [s for s in self.scheduler.running if s.migration is not None]:
+            m, req = seq.migration, seq.req
+            step = next_migration_step(m, req.num_computed_tokens, self.pool.page_size)
+            if step is MigrationStep.WAIT:
+                continue
+            if step is MigrationStep.GIVE_UP:
+                seq.migration = None
+                self._release_target(m.handoff)
+                self._on_migrated(req, MigrationOutcome.NO_CONVERGENCE, 0.0, m.handoff.num_copied_pages)
+                continue
+            h, transfer = m.handoff, self.transfers[m.handoff.target]
+            if step is MigrationStep.STOP:  # copy the rest, partial page included, and hand it off
+                self.scheduler.running.remove(seq)
+                seq.handoff, seq.migration = h, None
+                self._copy_pages(seq, h, -(-req.num_computed_tokens // self.pool.page_size))
+                self._hand_off(seq, migrated_at=time.monotonic())
+                continue
+            m.num_rounds += 1
+            m.round_done = False
+            self._copy_pages(seq, h, req.num_computed_tokens // self.pool.page_size)  # full pages only
+            transfer.after_copies(lambda landed, m=m: self._round_done(m))
+
+    def _round_done(self, m: Migration) -> None:
+        """From the copy thread: a round's copies are issued (on CPU: done); wake the loop for the next."""
+        m.round_done = True
+        self._inbox.put(None)
+
+    def _copy_pages(self, seq: Seq, h: Handoff, end: int) -> None:
+        """Copies pages [h.num_sent_pages, end) of a decoding request to its target, every layer (full pages are
+        never written again; a partial one is sent only when it stops here)."""
+        first = h.num_sent_pages
+        if end <= first:
+            return
+        transfer = self.transfers[h.target]
+        pages = transfer.page_indices(seq.block_table[first:end], h.pages[first:end], (seq.req.request_id,))
+        for layer in range(len(self.pool.layers)):
+            transfer.copy_layer(layer, pages)
+        h.num_sent_pages = end
+        h.num_copied_pages += end - first
+        self.num_migrated_pages += end - first
+
+    def _release_target(self, h: Handoff) -> None:
+        """Gives a move's pages on the target back, after every copy already queued into them."""
+        self.transfers[h.target].after_copies(lambda landed: h.target.send(FreePages(h.pages, landed)))
+
+    # ---- steps ---------------------------------------------------------------------------------------
+    def _step(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return
+        start = time.monotonic()
+        for seq in batch.seqs[batch.num_decodes:]:
+            seq.req.prefill_start = seq.req.prefill_start or start
+        outcomes = self._sample(batch, self._forward(batch))
+        end = time.monotonic()
+        decodes, prefills = batch.chunks[:batch.num_decodes], batch.chunks[batch.num_decodes:]
+        self.records.append(StepRecord(start, end, sum(len(c.token_ids) for c in prefills), batch.num_decodes,
+                                       sum(c.start_pos for c in decodes),
+                                       sum(len(c.token_ids) * (c.start_pos + len(c.token_ids) / 2) for c in prefills)))
+        self._finish(self.scheduler.postprocess(batch, outcomes, end))
+
+    def _forward(self, batch: Batch) -> list[torch.Tensor | Exception | None]:
+        """Per sequence: its logits row, None if it wants none, or the exception that failed it.
+
+        If the batch fails, each sequence is re-run alone, so a fault in one request fails that request only.
+        Re-running is safe: K/V writes go to the same slots with the same values. The pages a chunk sends to
+        another device count as sent only once its forward succeeded, so a retry sends them again.
+        """
+        chunks = batch.chunks
+        plan = self._copy_plan(batch, range(len(chunks)))
+        try:
+            rows = iter(self.runner.run(chunks, self._layer_hook(plan)))
+            results: list[torch.Tensor | Exception | None] = [next(rows) if c.want_logits else None for c in chunks]
+            plan.commit(range(len(chunks)))
+            return results
+        except Exception:
+            pass  # find which request fails, alone
+        results = []
+        for i, (seq, chunk) in enumerate(zip(batch.seqs, chunks)):
+            plan = self._copy_plan(batch, [i])
+            try:
+                logits = self.runner.run([chunk], self._layer_hook(plan))
+                results.append(logits[0] if chunk.want_logits else None)
+                plan.commit([i])
+            except Exception as e:
+                log.error("worker %s: request %s failed: %s\n%s", self.name, seq.req.request_id, e,
+                          "".join(traceback.format_exception(e)))
+                results.append(e)
+        return results
+
+    def _sample(self, batch: Batch, results: list[torch.Tensor | Exception | None]) -> list[TokenEvent | Exception | None]:
+        """One batched sampler call over the rows that have logits."""
+        rows = [i for i, r in enumerate(results) if isinstance(r, torch.Tensor)]
+        if not rows:
+            return list(results)
+        reqs = [batch.seqs[i].req for i in rows]
+        for req in reqs:
+            req.generator = self.sampler.request_generator(req.generator, req.params.seed, len(req.output_ids))
+        out = self.sampler(torch.stack([results[i] for i in rows]), [r.params for r in reqs],
+                           [r.prompt_ids for r in reqs], [r.output_ids for r in reqs], [r.generator for r in reqs],
+                           [r.grammar for r in reqs])
+        outcomes: list[TokenEvent | Exception | None] = list(results)
+        for k, i in enumerate(rows):
+            outcomes[i] = TokenEvent(out.token_ids[k], out.logprobs[k] if out.logprobs is not None else None,
+                                     out.top_logprobs[k] if out.top_logprobs is not None else None)
+        return outcomes
+
+    def _finish(self, out: StepOutput) -> None:
+        """Acts on a step's outcome: hands prefilled requests to their transfers, reports what ended."""
+        if out.num_prompt_tokens_done:
+            with self._lock:
+                self.num_outstanding_prefill_tokens -= out.num_prompt_tokens_done
+        for seq in out.handoffs:
+            self._hand_off(seq)
+        if out.events:
+            self._emit_batch(out.events)
+        for seq in out.migrations_ended:
+            self._on_migrated(seq.req, MigrationOutcome.FINISHED, 0.0, seq.handoff.num_copied_pages)
+        if out.released:
+            self._on_released(out.released)
+
+    def _copy_plan(self, batch: Batch, which) -> CopyPlan:
+        return copy_plan([(i, batch.seqs[i].req.request_id, batch.seqs[i].block_table, batch.seqs[i].handoff,
+                           batch.seqs[i].req.num_computed_tokens, len(batch.chunks[i].token_ids))
+                          for i in which if i >= batch.num_decodes and batch.seqs[i].handoff is not None],
+                         self.pool.page_size)
+
+    def _layer_hook(self, plan: CopyPlan) -> Callable[[int], None] | None:
+        """Per-layer copy of the pages each remote-bound prefill chunk writes, started as soon as the layer is done."""
+        if not plan.copies:
+            return None
+        page_maps = [(self.transfers[c.target], self.transfers[c.target].page_indices(c.src, c.dst,
+                                                                                         tuple(c.request_ids)))
+                     for c in plan.copies]
+
+        def on_layer_done(layer: int) -> None:
+            for transfer, pages in page_maps:
+                transfer.copy_layer(layer, pages)
+
+        return on_layer_done
+
+    def _hand_off(self, seq: Seq, migrated_at: float | None = None) -> None:
+        """Queues the end of a request's transfer, after every copy already queued for it: its pages here are
+        freed, and its target receives it (or, if it ended or a copy failed, frees its pages there)."""
+        h, req = seq.handoff, seq.req
+        src, seq.block_table = seq.block_table, []
+        self.transfers[h.target].finish(
+            req.request_id, src, lambda landed, error: h.target.send(
+                Arrival(req, h.pages, h.num_cached_pages, landed, error, migrated_at, h.num_copied_pages)),
+            h.num_copied_pages, h.num_cached_pages)

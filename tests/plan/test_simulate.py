@@ -1,0 +1,126 @@
+"""The simulator on synthetic profiles: a tiny case by hand, batching and the handoff as the worker does them,
+and goodput that moves the obvious ways."""
+
+from __future__ import annotations
+
+import pytest
+
+from nodeserve import workloads
+from nodeserve.core.cost_model import CostModel, StepModel
+from nodeserve.core.placement import SloTarget, StepLimits
+from nodeserve.plan.simulate import Mode, attainment, candidate_modes, predict_goodput, simulate
+
+LIMITS = StepLimits(max_num_batched_tokens=1024, max_num_seqs=64)
+SLO = SloTarget(ttft_s=2.5, tpot_s=0.1, ttft_per_token_s=0.01)
+CPU = [0.02, 0.005, 1e-7, 0.004, 2e-6]  # a CPU core: ~5 ms per prompt token, ~4 ms per decode row
+
+
+def cost(coef, names=("a", "b"), bandwidth=5e9, kv_bytes_per_token=46080, num_layers=30) -> CostModel:
+    return CostModel({n: StepModel(coef=list(coef)) for n in names},
+                     {(x, y): bandwidth for x in names for y in names if x != y}, kv_bytes_per_token, num_layers)
+
+
+COLOC1 = Mode("colocated", {"a": "colocated"})
+SPLIT = Mode("1P:1D", {"a": "prefill", "b": "decode"})
+
+
+def test_one_request_by_hand():
+    # 0.1 s a step + 0.01 s a prompt token: prefill 10 tokens = 0.2 s, then decode steps of 0.1 s.
+    c = cost([0.1, 0.01, 0, 0, 0], names=("a",))
+    [r] = simulate(c, COLOC1, LIMITS, SLO, [(10, 3)], [0.0])
+    assert r["ttft"] == pytest.approx(0.2) and r["e2e"] == pytest.approx(0.4) and r["tpot"] == pytest.approx(0.1)
+    assert r["n_out"] == 3 and r["ok"]
+
+
+def test_batching_and_chunking_by_hand():
+    # Budget 8 tokens a step. t=0: A (12 tokens) gets 8, B waits. 0.1+0.08 -> 0.18: A's last 4 + B's 4 = 8 tokens
+    # (0.18 s) -> 0.36: A's first token; B 2 more ... per-token cost only: decodes are free but 0.1 a step.
+    c = cost([0.1, 0.01, 0, 0, 0], names=("a",))
+    limits = StepLimits(max_num_batched_tokens=8, max_num_seqs=4)
+    ra, rb = simulate(c, COLOC1, limits, SLO, [(12, 2), (6, 2)], [0.0, 0.0])
+    # step 1 [0, .18]: A 8. step 2 [.18, .36]: A 4 + B 4 -> A's first token at .36.
+    # step 3 [.36, .48]: A decodes (1 row, budget 7) + B's last 2 tokens (0.1 + 0.02) -> A done, B first token.
+    # step 4 [.48, .58]: B decodes -> done.
+    assert ra["ttft"] == pytest.approx(0.36) and ra["e2e"] == pytest.approx(0.48)
+    assert rb["ttft"] == pytest.approx(0.48) and rb["e2e"] == pytest.approx(0.58)
+
+
+def test_a_request_dispatched_by_a_finish_waits_for_the_step_to_be_counted():
+    # Two seats, 8 tokens a step. A arrives first and steps alone [0, .12]. Step 2 [.12, .29]: A decodes + B's
+    # first 7 tokens; A ends and its seat goes to C, which must not start a step before B's 7 are counted.
+    # Step 3 [.29, .47]: B's last 5 + C's 3. Step 4 [.47, .58]: B decodes (ends) + C's last 1. Step 5: C.
+    c = cost([0.1, 0.01, 0, 0, 0], names=("a",))
+    limits = StepLimits(max_num_batched_tokens=8, max_num_seqs=2)
+    ra, rb, rc = simulate(c, COLOC1, limits, SLO, [(2, 2), (12, 2), (4, 2)], [0.0, 0.0, 0.0])
+    assert ra["e2e"] == pytest.approx(0.29) and rb["ttft"] == pytest.approx(0.47)
+    assert rb["e2e"] == pytest.approx(0.58) and rc["ttft"] == pytest.approx(0.58) and rc["e2e"] == pytest.approx(0.68)
+
+
+def test_handoff_waits_for_the_transfer_tail():
+    # 1,000 tokens x 1,000 B at 1 MB/s = 1 s of copy; the 0.2 s prefill hides 0.2 of it: a 0.8 s tail.
+    c = cost([0.1, 0.01, 0, 0, 0], bandwidth=1e6, kv_bytes_per_token=1000, num_layers=10)
+    [r] = simulate(c, SPLIT, LIMITS, SLO, [(10, 3)], [0.0])
+    assert r["ttft"] == pytest.approx(0.2)  # the first token comes from the prefill device at once
+    tail = max(10 * 1000 / 1e6 / 10, 10 * 1000 / 1e6 - 0.2)
+    assert r["e2e"] == pytest.approx(0.2 + tail + 0.2)
+
+
+def test_seats_bound_the_decode_batch():
+    c = cost([0.1, 0.0, 0, 0, 0], names=("a",))
+    limits = StepLimits(max_num_batched_tokens=64, max_num_seqs=1)
+    r1, r2 = simulate(c, COLOC1, limits, SLO, [(4, 2), (4, 2)], [0.0, 0.0])
+    assert r2["ttft"] == pytest.approx(r1["e2e"] + 0.1)  # waits in the router for the only seat
+
+
+def test_candidate_modes():
+    names = [m.name for m in candidate_modes(["cpu:0", "cpu:1", "cpu:2"])]
+    assert names == ["colocated", "1P:2D", "2P:1D", "adaptive"]
+    assert Mode("x", {"a": "prefill", "b": "decode"}).config_lines() == [
+        'mode = "disaggregated"', 'prefill = ["a"]', 'decode = ["b"]']
+
+
+def _work(name="bimodal", n=60):
+    return [(r.prompt_len, r.max_tokens) for r in workloads.generate(name, n, seed=1)]
+
+
+def test_attainment_falls_with_the_rate():
+    work, modes = _work(), candidate_modes(["a", "b"])
+    for mode in modes:
+        att = [attainment(cost(CPU), mode, LIMITS, SLO, work, workloads.arrival_times("poisson", len(work), r, 1))
+               for r in (0.05, 0.3, 2.0)]
+        assert att[0] >= att[1] >= att[2], (mode.name, att)
+        assert att[0] > att[2]
+
+
+def test_goodput_rises_with_a_faster_device_and_a_looser_slo():
+    work, mode = _work("agent"), candidate_modes(["a", "b"])[0]
+    base = predict_goodput(cost(CPU), mode, LIMITS, SLO, work).goodput
+    faster = predict_goodput(cost([c / 2 for c in CPU]), mode, LIMITS, SLO, work).goodput
+    looser = predict_goodput(cost(CPU), mode, LIMITS, SloTarget(5.0, 0.2, 0.02), work).goodput
+    assert 0 < base < faster and base < looser
+    # Every time and every SLO halved: the same schedule at twice the rate (arrivals of one seed scale with it).
+    scaled = predict_goodput(cost([c / 2 for c in CPU]), mode, LIMITS, SloTarget(1.25, 0.05, 0.005), work).goodput
+    assert scaled == pytest.approx(2 * base, rel=0.05)
+
+
+def test_short_uniform_chat_prefers_colocated_to_a_split():
+    work = _work("agent")
+    by = {m.name: predict_goodput(cost(CPU), m, LIMITS, SLO, work).goodput for m in candidate_modes(["a", "b"])}
+    assert by["colocated"] > by["1P:1D"]
+    assert by["adaptive"] >= 0.95 * by["colocated"]
+
+
+def _run(work, mode, rate, coef=CPU):
+    from nodeserve.plan.simulate import SimRequest, Simulation
+
+    sim = Simulation(cost(coef), mode, LIMITS, SLO)
+    sim.run([SimRequest(t, p, m) for (p, m), t in zip(work, workloads.arrival_times("poisson", len(work), rate))])
+    return sim
+
+
+def test_adaptive_dedicates_a_device_to_long_prompts_and_never_for_short_ones():
+    adaptive = candidate_modes(["a", "b"])[-1]
+    bimodal = _run(_work("bimodal"), adaptive, 0.2)
+    assert bimodal.role_changes and bimodal.role_changes[0].role == "prefill"
+    short = _run(_work("short"), adaptive, 0.5)
+    assert short.role_changes == []

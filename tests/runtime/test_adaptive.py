@@ -1,0 +1,74 @@
+"""Adaptive mode end to end on the real model: the same tokens as transformers while devices change role under
+requests in flight (a newly dedicated prefill device's decodes move to the other device mid-generation),
+prompts prefilled on one device and decoded on the other (both ways) or colocated, aborts among them, and no
+page leaked. The cost model is synthetic (these engines skip the start-up profile), so which
+prompts count as long is set by the test."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nodeserve.core.cost_model import CostModel, StepModel
+from nodeserve.core.placement import SloTarget, StepLimits
+from nodeserve.core.placer import AdaptivePlacer
+from nodeserve.core.roles import LONG_PREFILL_TPOTS
+from nodeserve.config import config_from_dict
+from nodeserve.runtime.engine import Engine
+from tests.runtime.test_engine import _greedy, _tokens, _wait_pools_whole
+
+SECONDS_PER_PROMPT_TOKEN = 1e-3
+
+
+def _install_placer(engine: Engine, long_from: int) -> AdaptivePlacer:
+    """A placer on a cost model where prompts of `long_from` tokens or more are long, and demand that fades at
+    once (so devices go back to adaptive within the test)."""
+    cost = CostModel({w.name: StepModel([0.0, SECONDS_PER_PROMPT_TOKEN, 0.0, 0.01, 0.0]) for w in engine.workers})
+    tpot = (long_from - 0.5) * SECONDS_PER_PROMPT_TOKEN / LONG_PREFILL_TPOTS
+    placer = AdaptivePlacer(lambda: cost, StepLimits(48, 64), SloTarget(1000.0, tpot), [w.name for w in engine.workers])
+    placer.policy.window_s, placer.policy.hold_s, placer.policy.idle_s = 0.5, 0.0, 0.5
+    engine.router.placer = placer
+    return placer
+
+
+def test_tokens_match_transformers_while_devices_change_role(loaded_fp32, prompt_ids, hf_greedy):
+    cfg = config_from_dict({"model": {"dtype": "float32"}, "devices": {"mode": "adaptive",
+                                                                        "devices": ["cpu:0", "cpu:1"]},
+                            "kv": {"memory_gib": 0.25, "page_size": 16}, "scheduler": {"max_num_batched_tokens": 48}})
+    lengths = sorted(len(p) for p in prompt_ids)
+    long_from = lengths[len(lengths) // 2]  # the longer half of the prompts are long
+    doomed_prompt = (prompt_ids[6] * 40)[:400]
+
+    async def main():
+        engine = Engine(cfg, loaded_fp32)
+        engine.start(asyncio.get_running_loop())
+        try:
+            placer = _install_placer(engine, long_from)
+            short = [i for i, p in enumerate(prompt_ids) if len(p) < long_from]
+            long = [i for i, p in enumerate(prompt_ids) if len(p) >= long_from]
+            # Short requests decode on both devices; long prompts then make one a prefill device under them,
+            # an abort lands mid-prefill, and after the demand fades the device takes decodes again.
+            streams = {i: engine.add_request(prompt_ids[i], _greedy()) for i in short}
+            await asyncio.sleep(0.3)
+            doomed = engine.add_request(doomed_prompt, _greedy())
+            streams |= {i: engine.add_request(prompt_ids[i], _greedy()) for i in long}
+            await asyncio.sleep(0.2)
+            engine.abort(doomed)
+            results = {i: await _tokens(s) for i, s in streams.items()}
+            await asyncio.sleep(0.6)
+            again = await _tokens(engine.add_request(prompt_ids[short[0]], _greedy()))
+            await _wait_pools_whole(engine)
+            copied = {t.name: len(t.records) for t in engine.transfers}
+            moved = engine.router.num_migrations["moved"]
+            return results, again, list(engine.router.role_changes), copied, engine.pool_stats(), moved
+        finally:
+            engine.stop()
+
+    results, again, changes, copied, stats, num_moved = asyncio.run(main())
+    assert [results[i][0] for i in range(len(prompt_ids))] == hf_greedy
+    assert again[0] == hf_greedy[sorted(i for i, p in enumerate(prompt_ids) if len(p) < long_from)[0]]
+    roles = [(c.device, c.role) for c in changes]
+    assert roles[0][1] == "prefill" and ("adaptive" in [r for _, r in roles[1:]])  # dedicated, then given back
+    assert sum(copied.values()) > 0  # long prompts moved their KV from the prefill device
+    assert num_moved > 0  # and the dedicated device's decodes moved to the other, mid-generation
+    assert all(s.num_free == s.num_pages for s in stats)
+    assert sum(s.num_role_changes for s in stats) == len(changes)
