@@ -221,7 +221,7 @@ class Bench:
             ids = [(7 + 31 * (i * 1000 + j)) % self.cfg.vocab_size for j in range(L)]
             chunks.append(SeqChunk(ids, 0, pages[off:off + n]))
             off += n
-        warm = [SeqChunk(c.token_ids[:32], 0, c.block_table) for c in chunks]
+        warm = [SeqChunk(c.token_ids[:32], 0, c.page_table) for c in chunks]
         times = time_runs(lambda: self.runner.run(chunks), lambda: self.runner.run(warm), budget, max_iters)
         self.pool.manager.free(pages)
         tokens = sum(lens)

@@ -22,15 +22,15 @@ class AttentionMetadata:
     """
 
     slot_mapping: torch.Tensor    # [T] int64: page * page_size + offset of each new token's K/V
-    block_tables: torch.Tensor    # [B, max_pages] int64, rows padded with page 0 (never read past seq_len)
+    page_tables: torch.Tensor    # [B, max_pages] int64, rows padded with page 0 (never read past seq_len)
     seq_lens: torch.Tensor        # [B] int64, KV length after this step
     query_lens: list[int]         # [B] on the host
     seq_lens_host: list[int]      # [B] on the host
     num_decodes: int
     page_size: int
     # [B] page lists on the host, when the builder has them: FlashInfer plans from host indices, and reading
-    # block_tables back from a GPU would cost a sync per step.
-    block_tables_host: Sequence[Sequence[int]] | None = None
+    # page_tables back from a GPU would cost a sync per step.
+    page_tables_host: Sequence[Sequence[int]] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -36,14 +36,14 @@ class PagedIndices:
     kv_last_page_len: torch.Tensor  # [B], each in [1, page_size]
 
 
-def paged_indices(block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], query_lens: Sequence[int],
+def paged_indices(page_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], query_lens: Sequence[int],
                   page_size: int) -> PagedIndices:
-    """Index tensors for sequences whose KV (after this step's write) is seq_lens[b] tokens on block_tables[b]."""
+    """Index tensors for sequences whose KV (after this step's write) is seq_lens[b] tokens on page_tables[b]."""
     qo, kv, indices, last = [0], [0], [], []
-    for table, seq_len, q_len in zip(block_tables, seq_lens, query_lens):
+    for table, seq_len, q_len in zip(page_tables, seq_lens, query_lens):
         num_pages = -(-seq_len // page_size)
         if len(table) < num_pages:
-            raise ValueError(f"a block table of {len(table)} pages cannot hold {seq_len} tokens")
+            raise ValueError(f"a page table of {len(table)} pages cannot hold {seq_len} tokens")
         indices.extend(table[:num_pages])
         kv.append(kv[-1] + num_pages)
         qo.append(qo[-1] + q_len)
@@ -75,7 +75,7 @@ def _recorded_cuda_event(device: torch.device) -> torch.cuda.Event:
 def split_indices(meta: AttentionMetadata) -> tuple[PagedIndices | None, PagedIndices | None]:
     """(decode rows [0, num_decodes), prefill rows [num_decodes, B)) of a step; None for an empty part.
     Prefill qo_indptr counts from the first prefill token, i.e. it indexes q[num_decodes:]."""
-    tables = meta.block_tables_host if meta.block_tables_host is not None else meta.block_tables.tolist()
+    tables = meta.page_tables_host if meta.page_tables_host is not None else meta.page_tables.tolist()
     nd, b = meta.num_decodes, meta.num_seqs
 
     def part(lo: int, hi: int) -> PagedIndices | None:

@@ -55,16 +55,16 @@ def fp8_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return table.index_select(0, x.view(torch.uint8).reshape(-1).int()).view(x.shape)
 
 
-def gather_kv(kv_layer: torch.Tensor, block_table: torch.Tensor, length: int,
+def gather_kv(kv_layer: torch.Tensor, page_table: torch.Tensor, length: int,
               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one or more sequences: block_table [B, P] -> ([B, length, KH, D], [B, length, KH, D]),
+    """K and V of one or more sequences: page_table [B, P] -> ([B, length, KH, D], [B, length, KH, D]),
     as stored (FP8 values are not multiplied by their scale), converted to `dtype` when given.
 
     index_select per K and V writes each straight into a contiguous [B, P * page_size, KH, D] buffer:
     4-8x faster on CPU than advanced indexing of the whole [.., 2, ..] page followed by a transpose copy.
     """
-    b, num_pages = block_table.shape
-    flat = block_table.reshape(-1)
+    b, num_pages = page_table.shape
+    flat = page_table.reshape(-1)
     shape = (b, num_pages * kv_layer.shape[2], *kv_layer.shape[3:])
     src = kv_layer.view(torch.uint8) if is_fp8(kv_layer) else kv_layer  # index_select lacks float8 on some devices
     k = src[:, 0].index_select(0, flat).view(shape).view(kv_layer.dtype)
@@ -116,7 +116,7 @@ def length_groups(seq_lens: list[int], max_waste: float = 2.0, min_len: int = 25
 @dataclass
 class _DecodeGroup:
     idx: torch.Tensor | slice  # the group's rows among the decodes
-    block_table: torch.Tensor  # [n, pages covering max_len]
+    page_table: torch.Tensor  # [n, pages covering max_len]
     max_len: int
     mask: torch.Tensor         # [n, 1, 1, max_len]: key positions each row may see
 
@@ -153,7 +153,7 @@ class TorchAttention(PagedAttention):
             idx = torch.tensor(rows, device=device) if len(groups) > 1 else slice(0, nd)
             positions = torch.arange(max_len, device=device)
             mask = (positions[None, :] < meta.seq_lens[idx, None])[:, None, None, :]
-            table = meta.block_tables[idx, :-(-max_len // meta.page_size)]
+            table = meta.page_tables[idx, :-(-max_len // meta.page_size)]
             planned.append(_DecodeGroup(idx, table, max_len, mask))
         return planned
 
@@ -171,16 +171,16 @@ class TorchAttention(PagedAttention):
         nd = meta.num_decodes
         if nd and kernels is not None:
             out[:nd] = kernels.paged_decode_attention(
-                q[:nd].contiguous(), kv_layer, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+                q[:nd].contiguous(), kv_layer, meta.page_tables[:nd], meta.seq_lens[:nd], scale)
         else:
             for g in self._groups:
-                kd, vd = gather_kv(kv_layer, g.block_table, g.max_len, dtype)  # [n, L, KH, D]
+                kd, vd = gather_kv(kv_layer, g.page_table, g.max_len, dtype)  # [n, L, KH, D]
                 out[g.idx] = attend_decode(q[g.idx], kd, vd, g.mask, scale)
         start = nd
         for b in range(nd, meta.num_seqs):
             q_len, seq_len = meta.query_lens[b], meta.seq_lens_host[b]
             num_pages = -(-seq_len // meta.page_size)
-            kp, vp = gather_kv(kv_layer, meta.block_tables[b:b + 1, :num_pages], seq_len, dtype)
+            kp, vp = gather_kv(kv_layer, meta.page_tables[b:b + 1, :num_pages], seq_len, dtype)
             qp = q[None, start:start + q_len]  # [1, q_len, H, D]
             if q_len == seq_len:
                 out[start:start + q_len] = attend(qp, kp, vp, None, True, scale)[0]

@@ -35,7 +35,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0       # tokens of this request whose KV is in the pool it is computing on
     num_cached_tokens: int = 0         # prompt tokens whose KV was found in the prefix cache where it prefilled
-    block_hashes: list[bytes] = field(default_factory=list, repr=False)  # per full page of its tokens, chained
+    page_hashes: list[bytes] = field(default_factory=list, repr=False)  # per full page of its tokens, chained
     finished: bool = False  # ended (stop, length, abort or error) and released by whoever held it
     grammar: Any = field(default=None, repr=False)  # structured output: its grammar matcher (the sampler's)
     aborted: bool = False

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from nodeserve.core.handoff import Handoff, Migration
-from nodeserve.kv.manager import KVManager, hash_blocks
+from nodeserve.kv.manager import KVManager, hash_pages
 from nodeserve.core.request import Request, TokenEvent
 
 FORWARD_FAILED = "the model's forward pass failed for this request (the error is in the server log)"
@@ -31,7 +31,7 @@ class SeqChunk:
 
     token_ids: Sequence[int]
     start_pos: int             # tokens of this sequence already in the pool (num_computed_tokens)
-    block_table: Sequence[int]  # its pages in this pool, covering at least start_pos + len tokens
+    page_table: Sequence[int]  # its pages in this pool, covering at least start_pos + len tokens
     want_logits: bool = True    # whether to return logits for the last token fed
 
 
@@ -41,7 +41,7 @@ class Seq:
     request) and, if its KV is bound for another device, where (handoff), or how its live move goes (migration)."""
 
     req: Request
-    block_table: list[int]
+    page_table: list[int]
     handoff: Handoff | None = None
     migration: Migration | None = None
     num_published: int = -1  # its pages below this are in the prefix cache (-1: those it found there)
@@ -57,7 +57,7 @@ class Batch:
 def chunk_of(seq: Seq, num_tokens: int) -> SeqChunk:
     req, c = seq.req, seq.req.num_computed_tokens
     ids = req.prompt_ids[c:c + num_tokens] if c < req.num_prompt_tokens else req.output_ids[-1:]
-    return SeqChunk(ids, c, seq.block_table, want_logits=c + num_tokens >= req.num_prompt_tokens)
+    return SeqChunk(ids, c, seq.page_table, want_logits=c + num_tokens >= req.num_prompt_tokens)
 
 
 @dataclass
@@ -139,15 +139,15 @@ class Scheduler:
     def _publish(self, seq: Seq) -> None:
         """Enters this sequence's newly full pages into the prefix cache: their KV is written here, every token."""
         req, page_size = seq.req, self.kv.page_size
-        num_full = min(req.num_computed_tokens // page_size, len(seq.block_table))
+        num_full = min(req.num_computed_tokens // page_size, len(seq.page_table))
         if seq.num_published < 0:
             seq.num_published = req.num_cached_tokens // page_size
         if num_full <= seq.num_published or not self.kv.prefix_cache:
             return
-        if len(req.block_hashes) < num_full:  # pages of generated tokens
-            tokens = (req.prompt_ids + req.output_ids)[len(req.block_hashes) * page_size:num_full * page_size]
-            req.block_hashes += hash_blocks(tokens, page_size, req.block_hashes[-1] if req.block_hashes else None)
-        self.kv.publish(seq.block_table[seq.num_published:num_full], req.block_hashes[seq.num_published:num_full])
+        if len(req.page_hashes) < num_full:  # pages of generated tokens
+            tokens = (req.prompt_ids + req.output_ids)[len(req.page_hashes) * page_size:num_full * page_size]
+            req.page_hashes += hash_pages(tokens, page_size, req.page_hashes[-1] if req.page_hashes else None)
+        self.kv.publish(seq.page_table[seq.num_published:num_full], req.page_hashes[seq.num_published:num_full])
         seq.num_published = num_full
 
     def _finish_reason(self, req: Request) -> str | None:
@@ -176,8 +176,8 @@ class Scheduler:
         if seq.handoff is not None:
             out.handoffs.append(seq)
             return
-        self.free(seq.block_table)
-        seq.block_table = []
+        self.free(seq.page_table)
+        seq.page_table = []
         out.released.append(seq.req)
 
     def drop_aborted(self) -> StepOutput:

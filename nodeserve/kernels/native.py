@@ -139,14 +139,14 @@ class NativeKernels:
         self.lib.ns_write_kv(kv_layer.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                              slots.data_ptr(), t, kh, d, kv_layer.shape[2])
 
-    def paged_decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+    def paged_decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, page_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, H, D] float32, kv_layer [P, 2, page_size, KH, D] float32, block_tables [B, max_pages] int64,
+        """q [B, H, D] float32, kv_layer [P, 2, page_size, KH, D] float32, page_tables [B, max_pages] int64,
         seq_lens [B] int64 -> [B, H, D]."""
         b, h, d = q.shape
         out = torch.empty_like(q)
         if self.lib.ns_paged_decode_attention(
-                q.data_ptr(), kv_layer.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                q.data_ptr(), kv_layer.data_ptr(), page_tables.data_ptr(), page_tables.shape[1],
                 seq_lens.data_ptr(), out.data_ptr(), b, h, kv_layer.shape[3], d, kv_layer.shape[2], scale):
             raise MemoryError("ns_paged_decode_attention: out of memory")
         return out

@@ -1,6 +1,6 @@
-"""KVManager: the one owner of a device's KV pages, and its prefix cache. Everything else holds block ids.
+"""KVManager: the one owner of a device's KV pages, and its prefix cache. Everything else holds page ids.
 
-Interface in block ids: allocate / free / reserve / can_allocate / num_free, reference-counted so that a page
+Interface in page ids: allocate / free / reserve / can_allocate / num_free, reference-counted so that a page
 can have several holders. The prefix cache sits behind the same calls, as in vLLM v1: a full page whose KV is
 written can be published under the hash of its tokens (chained over every earlier page, so a hash names the
 whole prefix); allocate_prompt() shares the longest run of a prompt's page hashes held here and allocates the
@@ -22,7 +22,7 @@ class OutOfPages(Exception):
     """Not enough free pages for an allocation; nothing was allocated."""
 
 
-def hash_blocks(token_ids: Sequence[int], page_size: int, parent: bytes | None = None) -> list[bytes]:
+def hash_pages(token_ids: Sequence[int], page_size: int, parent: bytes | None = None) -> list[bytes]:
     """The content hash of each full page of `token_ids`, each chained over the one before (`parent` before the
     first). A cryptographic hash: Python's hash() collides on purpose-built inputs, and a collision here would
     hand one request another's KV."""
@@ -71,56 +71,56 @@ class KVManager:
         """Pages some request holds (cached pages no one holds count as free)."""
         return self.num_usable - self.num_free
 
-    def blocks_for(self, num_tokens: int) -> int:
+    def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.num_free
+    def can_allocate(self, count: int) -> bool:
+        return count <= self.num_free
 
-    def allocate(self, num_blocks: int) -> list[int]:
-        """num_blocks page ids, each with one holder; raises OutOfPages (allocating nothing) if too few are free."""
+    def allocate(self, count: int) -> list[int]:
+        """`count` page ids, each with one holder; raises OutOfPages (allocating nothing) if too few are free."""
         with self._lock:
-            return self._allocate(num_blocks)
+            return self._allocate(count)
 
-    def _allocate(self, num_blocks: int) -> list[int]:
-        if num_blocks > self.num_free:
-            raise OutOfPages(f"need {num_blocks} pages, {self.num_free} free")
-        blocks = [self._free.popleft() if self._free else self._evict() for _ in range(num_blocks)]
-        for b in blocks:
+    def _allocate(self, count: int) -> list[int]:
+        if count > self.num_free:
+            raise OutOfPages(f"need {count} pages, {self.num_free} free")
+        pages = [self._free.popleft() if self._free else self._evict() for _ in range(count)]
+        for b in pages:
             self._refcount[b] = 1
-        return blocks
+        return pages
 
     @contextmanager
-    def borrow(self, num_blocks: int) -> Iterator[list[int]]:
+    def borrow(self, count: int) -> Iterator[list[int]]:
         """Pages for a throwaway sequence (warm-up, profiling, calibration), given back on exit."""
-        blocks = self.allocate(num_blocks)
+        pages = self.allocate(count)
         try:
-            yield blocks
+            yield pages
         finally:
-            self.free(blocks)
+            self.free(pages)
 
     def _evict(self) -> int:
-        block, _ = self._evictable.popitem(last=False)
-        del self._page_of[self._hash_of.pop(block)]
-        return block
+        page, _ = self._evictable.popitem(last=False)
+        del self._page_of[self._hash_of.pop(page)]
+        return page
 
-    def share(self, blocks: Iterable[int]) -> None:
+    def share(self, pages: Iterable[int]) -> None:
         """Adds a holder to pages that are allocated or cached."""
         with self._lock:
-            self._hold(blocks)
+            self._hold(pages)
 
-    def _hold(self, blocks: Iterable[int]) -> None:
-        for b in blocks:
+    def _hold(self, pages: Iterable[int]) -> None:
+        for b in pages:
             if self._refcount[b] == 0 and b not in self._evictable:
                 raise ValueError(f"page {b} is not allocated")
             self._evictable.pop(b, None)
             self._refcount[b] += 1
 
-    def free(self, blocks: Iterable[int]) -> None:
+    def free(self, pages: Iterable[int]) -> None:
         """Drops one holder of each page; a page with none left is free again, or, if published, cached.
         Last page first: a request's tail is then evicted before the prefix others are likelier to share."""
         with self._lock:
-            for b in reversed(list(blocks)):
+            for b in reversed(list(pages)):
                 if self._refcount[b] <= 0:
                     raise ValueError(f"page {b} freed twice")
                 self._refcount[b] -= 1
@@ -132,9 +132,9 @@ class KVManager:
 
     def reserve(self) -> int:
         """Takes one page out of circulation for the manager's lifetime (CUDA graph padding rows write there)."""
-        block = self.allocate(1)[0]
+        page = self.allocate(1)[0]
         self.num_reserved += 1
-        return block
+        return page
 
     # ---- the prefix cache ----------------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[bytes], num_prompt_tokens: int | None = None) -> list[int]:
@@ -143,40 +143,40 @@ class KVManager:
         with self._lock:
             return self._match(hashes, num_prompt_tokens)
 
-    def allocate_prompt(self, hashes: Sequence[bytes], num_prompt_tokens: int, num_blocks: int) -> tuple[list[int], int]:
-        """num_blocks pages for a request whose prompt has these page hashes: the first ones hold the longest prefix
-        cached here (shared: a holder added to each), the rest are fresh. Returns (blocks, cached prompt tokens).
-        Needs num_blocks free, as if nothing were cached; raises OutOfPages otherwise. Counts the prompt as
+    def allocate_prompt(self, hashes: Sequence[bytes], num_prompt_tokens: int, count: int) -> tuple[list[int], int]:
+        """`count` pages for a request whose prompt has these page hashes: the first ones hold the longest prefix
+        cached here (shared: a holder added to each), the rest are fresh. Returns (pages, cached prompt tokens).
+        Needs `count` free, as if nothing were cached; raises OutOfPages otherwise. Counts the prompt as
         queried and the cached part as hits (in tokens, as vLLM counts them)."""
         with self._lock:  # one step: no eviction between finding the prefix and holding it
-            if num_blocks > self.num_free:
-                raise OutOfPages(f"need {num_blocks} pages, {self.num_free} free")
+            if count > self.num_free:
+                raise OutOfPages(f"need {count} pages, {self.num_free} free")
             cached = self._match(hashes, num_prompt_tokens)
             self._hold(cached)
             if self.prefix_cache:
                 self.num_queried_tokens += num_prompt_tokens
                 self.num_hit_tokens += len(cached) * self.page_size
-            return cached + self._allocate(num_blocks - len(cached)), len(cached) * self.page_size
+            return cached + self._allocate(count - len(cached)), len(cached) * self.page_size
 
     def _match(self, hashes: Sequence[bytes], num_prompt_tokens: int | None = None) -> list[int]:
         """The pages of the longest cached prefix of `hashes`; with num_prompt_tokens, never the page holding the
         prompt's last token, which runs again for the first token's logits."""
         if num_prompt_tokens is not None:
             hashes = hashes[:(num_prompt_tokens - 1) // self.page_size]
-        blocks: list[int] = []
+        pages: list[int] = []
         for h in hashes if self.prefix_cache else ():
             if (b := self._page_of.get(h)) is None:
                 break
-            blocks.append(b)
-        return blocks
+            pages.append(b)
+        return pages
 
-    def publish(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
+    def publish(self, pages: Sequence[int], hashes: Sequence[bytes]) -> None:
         """Enters full pages whose KV is written into the cache, each under its hash. A hash already cached on
         another page (two requests computed the same prefix at once) keeps the first; this page stays private."""
         if not self.prefix_cache:
             return
         with self._lock:
-            for b, h in zip(blocks, hashes):
+            for b, h in zip(pages, hashes):
                 if self._refcount[b] <= 0:
                     raise ValueError(f"page {b} is not allocated")
                 if h not in self._page_of and b not in self._hash_of:

@@ -38,9 +38,6 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         return _kernels().dequantize(self.qtype, self.data, self.shape[1])
 
-    def permute_rows(self, order: torch.Tensor) -> QuantizedWeight:
-        return QuantizedWeight(self.qtype, self.data[order].contiguous(), self.shape)
-
 
 def _kernels() -> native.NativeKernels:
     kernels = native.load()

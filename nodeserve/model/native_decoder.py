@@ -29,7 +29,7 @@ class _Layer(ctypes.Structure):  # struct ns_layer
 
 class _Step(ctypes.Structure):  # struct ns_step
     _fields_ = [("num_rows", _i64), ("max_pages", _i64), ("page_size", _i64), ("positions", _p), ("slots", _p),
-                ("block_tables", _p), ("seq_lens", _p), ("cos_sin", _p), ("scale", _f32)]
+                ("page_tables", _p), ("seq_lens", _p), ("cos_sin", _p), ("scale", _f32)]
 
 
 class NativeDecoder:
@@ -82,7 +82,7 @@ class NativeDecoder:
         meta, kv_layers = backend.meta, backend.pool.layers
         x = x.contiguous()
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
-        tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
+        tables, seq_lens = meta.page_tables.contiguous(), meta.seq_lens.contiguous()
         step = _Step(x.shape[0], tables.shape[1], meta.page_size, positions.data_ptr(), slots.data_ptr(),
                      tables.data_ptr(), seq_lens.data_ptr(), self.cos_sin_cache.data_ptr(), self.scale)
         step_ptr, x_ptr = ctypes.byref(step), x.data_ptr()

@@ -49,18 +49,18 @@ def pad_decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, meta: Att
     def padded(t: torch.Tensor, value: int) -> torch.Tensor:
         return torch.cat([t, t.new_full((pad, *t.shape[1:]), value)])
 
-    tables = meta.block_tables_host if meta.block_tables_host is not None else meta.block_tables.tolist()
-    block_tables = padded(meta.block_tables, 0)
-    block_tables[n:, 0] = scratch_page
+    tables = meta.page_tables_host if meta.page_tables_host is not None else meta.page_tables.tolist()
+    page_tables = padded(meta.page_tables, 0)
+    page_tables[n:, 0] = scratch_page
     padded_meta = dataclasses.replace(
         meta,
         slot_mapping=padded(meta.slot_mapping, scratch_page * meta.page_size),
-        block_tables=block_tables,
+        page_tables=page_tables,
         seq_lens=padded(meta.seq_lens, 1),
         query_lens=list(meta.query_lens) + [1] * pad,
         seq_lens_host=list(meta.seq_lens_host) + [1] * pad,
         num_decodes=bucket,
-        block_tables_host=list(tables) + [[scratch_page]] * pad,
+        page_tables_host=list(tables) + [[scratch_page]] * pad,
     )
     return padded(input_ids, 0), padded(positions, 0), padded_meta
 
@@ -101,10 +101,10 @@ class DecodeGraphs:
             for bucket in reversed(self.buckets):
                 meta = AttentionMetadata(
                     slot_mapping=self.slot_mapping[:bucket],
-                    block_tables=torch.full((bucket, 1), self.scratch_page, dtype=torch.int64, device=self.device),
+                    page_tables=torch.full((bucket, 1), self.scratch_page, dtype=torch.int64, device=self.device),
                     seq_lens=torch.ones(bucket, dtype=torch.int64, device=self.device),
                     query_lens=[1] * bucket, seq_lens_host=[1] * bucket, num_decodes=bucket,
-                    page_size=self.pool.page_size, block_tables_host=[[self.scratch_page]] * bucket)
+                    page_size=self.pool.page_size, page_tables_host=[[self.scratch_page]] * bucket)
                 self.slot_mapping[:bucket] = self.scratch_page * self.pool.page_size
                 backend = self.backends[bucket]
                 args = (self.input_ids[:bucket], self.positions[:bucket], backend)

@@ -127,12 +127,12 @@ class Engine:
         adaptive = cfg.devices.mode == "adaptive"
         role = Role.DECODE if self.prefill_workers else Role.ADAPTIVE if adaptive else Role.COLOCATED
         self.decode_workers = [make_worker(n, role) for n in cfg.decode_devices]
-        # Adaptive mode: any device may prefill for any other.
-        pairs = [(p, d) for p in (self.decode_workers if adaptive else self.prefill_workers)
-                 for d in self.decode_workers if p is not d]
+        # Prefill devices send to decode devices; decode devices to each other (a request moved between them, and
+        # in adaptive mode any device prefilling for another).
+        pairs = [(p, d) for p in self.prefill_workers + self.decode_workers for d in self.decode_workers if p is not d]
         for p, d in pairs:
             t = KVTransfer(p.device, p.pool, d.device, d.pool,
-                           lambda blocks, read, p=p: p.send(FreePages(blocks, read)), self.on_transfer)
+                           lambda pages, read, p=p: p.send(FreePages(pages, read)), self.on_transfer)
             p.transfers[d] = t
             self.transfers.append(t)
         self.router = Router(self.prefill_workers, self.decode_workers,

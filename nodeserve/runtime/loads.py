@@ -39,7 +39,7 @@ def worker_load(w: Worker, now: float, seated: Sequence[Request], req: Request |
     running = list(w.scheduler.running)
     decoding = {s.req.request_id for s in running}
     incoming = [r for r in seated if r.request_id not in decoding and not r.finished]
-    cached = len(w.kv.lookup(req.block_hashes, req.num_prompt_tokens)) * w.kv.page_size if req is not None else 0
+    cached = len(w.kv.lookup(req.page_hashes, req.num_prompt_tokens)) * w.kv.page_size if req is not None else 0
     return DeviceLoad(w.name, w.role, w.num_outstanding_prefill_tokens, len(running),
                       sum(s.req.num_tokens for s in running), w.limits.max_num_seqs - len(seated),
                       prefill_share(w.records, now), w.kv.num_free * w.kv.page_size,

@@ -29,16 +29,16 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_lens, seq_lens, logits_rows = [], [], []
-        max_pages = max(len(c.block_table) for c in chunks)
-        block_tables = torch.zeros(len(chunks), max_pages, dtype=torch.int64)
+        max_pages = max(len(c.page_table) for c in chunks)
+        page_tables = torch.zeros(len(chunks), max_pages, dtype=torch.int64)
         for b, c in enumerate(chunks):
             n = len(c.token_ids)
             input_ids.extend(c.token_ids)
             pos = range(c.start_pos, c.start_pos + n)
             positions.extend(pos)
-            table = c.block_table
+            table = c.page_table
             slots.extend(table[p // page_size] * page_size + p % page_size for p in pos)
-            block_tables[b, :len(table)] = torch.as_tensor(table, dtype=torch.int64)
+            page_tables[b, :len(table)] = torch.as_tensor(table, dtype=torch.int64)
             query_lens.append(n)
             seq_lens.append(c.start_pos + n)
             if c.want_logits:
@@ -48,13 +48,13 @@ class ModelRunner:
             num_decodes += 1
         meta = AttentionMetadata(
             slot_mapping=upload(slots, self.device, torch.int64),
-            block_tables=upload(block_tables, self.device),
+            page_tables=upload(page_tables, self.device),
             seq_lens=upload(seq_lens, self.device, torch.int64),
             query_lens=query_lens,
             seq_lens_host=seq_lens,
             num_decodes=num_decodes,
             page_size=page_size,
-            block_tables_host=[c.block_table for c in chunks],
+            page_tables_host=[c.page_table for c in chunks],
         )
         ids = upload(input_ids, self.device, torch.int64)
         pos_t = upload(positions, self.device, torch.int64)

@@ -63,7 +63,7 @@ def profile_runner(worker: Worker, budget_s: float, steps=PROFILE_STEPS) -> list
         if len(chunks) + len(decodes) > limits.max_num_seqs or num_tokens > limits.max_num_batched_tokens:
             continue
         lengths = [c + 1 for c in decodes] + [s + n for n, s in chunks]
-        sizes = [kv.blocks_for(n) for n in lengths]
+        sizes = [kv.pages_for(n) for n in lengths]
         if max(lengths) > limits.max_model_len or not kv.can_allocate(sum(sizes)):
             continue
         with kv.borrow(sum(sizes)) as pages:

@@ -22,7 +22,7 @@ from nodeserve.core.load import DeviceLoad, Role
 from nodeserve.core.placer import Decision, Placer, Seated, StaticPlacer, plan_moves
 from nodeserve.core.request import Request
 from nodeserve.core.roles import RoleChange
-from nodeserve.kv.manager import OutOfPages, hash_blocks
+from nodeserve.kv.manager import OutOfPages, hash_pages
 from nodeserve.runtime.loads import snapshot
 from nodeserve.runtime.worker import Worker
 
@@ -93,7 +93,7 @@ class Router:
             raise QueueFull(f"{len(self.pending)} requests are already waiting")
         if self.num_queued_tokens + req.num_prompt_tokens > self.max_queued_tokens:
             raise QueueFull(f"{self.num_queued_tokens} prompt tokens are already queued")
-        req.block_hashes = hash_blocks(req.prompt_ids, self.page_size)
+        req.page_hashes = hash_pages(req.prompt_ids, self.page_size)
         now = time.monotonic()
         self.placer.observe(now, req)
         if self.admission is not None:
@@ -133,14 +133,14 @@ class Router:
     def _reserve(self, req: Request, decision: Decision) -> bool:
         """Takes the pages the decision needs and sends the prompt; False (nothing taken) if they are gone."""
         decode, prefill = self.workers[decision.decode], self.workers[decision.prefill]
-        hashes, n = req.block_hashes, req.num_prompt_tokens
+        hashes, n = req.page_hashes, req.num_prompt_tokens
         try:
-            pages, num_cached_tokens = decode.kv.allocate_prompt(hashes, n, decode.kv.blocks_for(req.max_total_tokens))
+            pages, num_cached_tokens = decode.kv.allocate_prompt(hashes, n, decode.kv.pages_for(req.max_total_tokens))
         except OutOfPages:  # a worker's thread freed or took pages since the snapshot: try again later
             return False
         if prefill is not decode:
             try:
-                prompt_pages, num_prompt_cached = prefill.kv.allocate_prompt(hashes, n, prefill.kv.blocks_for(n))
+                prompt_pages, num_prompt_cached = prefill.kv.allocate_prompt(hashes, n, prefill.kv.pages_for(n))
             except OutOfPages:
                 decode.kv.free(pages)  # never written: nothing to wait for
                 return False
@@ -176,7 +176,7 @@ class Router:
     def move_decodes(self, source: Worker) -> int:
         """`source` was just dedicated to prefill: every request holding a decode seat there moves to an adaptive
         device with a seat and room for it (core.placer.plan_moves), live. Returns how many moves started."""
-        seated = [Seated(rid, source.kv.blocks_for(self.placed[rid].max_total_tokens) * self.page_size)
+        seated = [Seated(rid, source.kv.pages_for(self.placed[rid].max_total_tokens) * self.page_size)
                   for rid, w in self.placements.items() if w is source and rid not in self.moving
                   and not self.placed[rid].finished and not self.placed[rid].aborted]
         moves = plan_moves(seated, self.loads(time.monotonic()))
@@ -191,7 +191,7 @@ class Router:
         if self.num_seats_taken[target] >= target.limits.max_num_seqs:
             return False
         try:
-            pages = target.kv.allocate(target.kv.blocks_for(req.max_total_tokens))
+            pages = target.kv.allocate(target.kv.pages_for(req.max_total_tokens))
         except OutOfPages:
             return False
         self.moving[req.request_id] = target

@@ -88,9 +88,9 @@ class _AfterCopies:
 @dataclass
 class _Finish:
     request_id: str
-    src_blocks: list[int]                    # the request's pages in the source pool, freed after the copies
-    num_copied_blocks: int                   # pages its copies carried, and pages the destination already held
-    num_cached_blocks: int
+    src_pages: list[int]                    # the request's pages in the source pool, freed after the copies
+    num_copied_pages: int                   # pages its copies carried, and pages the destination already held
+    num_cached_pages: int
     on_done: Callable[[Any, str | None], None]  # (event the decode stream must wait on, error of a failed copy)
     queued_at: float
 
@@ -151,10 +151,10 @@ class KVTransfer:
         their end on the destination stream (a live migration's round, or pages of an abandoned move)."""
         self._jobs.put(_AfterCopies(on_done))
 
-    def finish(self, request_id: str, src_blocks: list[int], on_done: Callable[[Any, str | None], None],
-               num_copied_blocks: int = 0, num_cached_blocks: int = 0) -> None:
-        """num_copied_blocks, num_cached_blocks: for the transfer metrics (pages sent, pages the decode side had)."""
-        self._jobs.put(_Finish(request_id, src_blocks, num_copied_blocks, num_cached_blocks, on_done,
+    def finish(self, request_id: str, src_pages: list[int], on_done: Callable[[Any, str | None], None],
+               num_copied_pages: int = 0, num_cached_pages: int = 0) -> None:
+        """num_copied_pages, num_cached_pages: for the transfer metrics (pages sent, pages the decode side had)."""
+        self._jobs.put(_Finish(request_id, src_pages, num_copied_pages, num_cached_pages, on_done,
                                time.monotonic()))
 
     def _run(self) -> None:
@@ -210,15 +210,15 @@ class KVTransfer:
     def _finish(self, job: _Finish) -> None:
         read = self.src_device.record_event()     # on the source stream, after every copy reading the pages
         landed = self.dst_device.record_event()   # on the destination stream, after every write of them
-        self.free_src_pages(job.src_blocks, read)
-        job.src_blocks = []  # given back: a failure from here on must not free them twice
+        self.free_src_pages(job.src_pages, read)
+        job.src_pages = []  # given back: a failure from here on must not free them twice
         error = self._failed.pop(job.request_id, None)
         if error is None and self.on_transfer is not None:
             # Time from the last prefill step to the handoff: the part of the copy the layer-by-layer overlap did
             # not hide on CPU. On CUDA it is the host side only (no sync here).
             page_bytes = self.src_pool.bytes_per_page_per_layer * len(self.src_pool.layers)
-            self.on_transfer(time.monotonic() - job.queued_at, job.num_copied_blocks * page_bytes,
-                             job.num_cached_blocks * page_bytes)
+            self.on_transfer(time.monotonic() - job.queued_at, job.num_copied_pages * page_bytes,
+                             job.num_cached_pages * page_bytes)
         job.on_done(landed, error)
 
     def _events(self) -> tuple[Any, Any]:
@@ -237,7 +237,7 @@ class KVTransfer:
         """The handoff itself raised: free the source pages and let the decode side fail the request."""
         self._failed.pop(job.request_id, None)
         read, landed = self._events()
-        free = (lambda: self.free_src_pages(job.src_blocks, read)) if job.src_blocks else (lambda: None)
+        free = (lambda: self.free_src_pages(job.src_pages, read)) if job.src_pages else (lambda: None)
         for step in (free, lambda: job.on_done(landed, error)):
             try:
                 step()

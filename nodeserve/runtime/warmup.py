@@ -27,7 +27,7 @@ def warmup_runner(runner: ModelRunner) -> None:
     start = time.monotonic()
     num_tokens = WARMUP_PROMPT_TOKENS
     kv = runner.pool.manager
-    with kv.borrow(kv.blocks_for(num_tokens + 1)) as pages, torch.cuda.device(runner.device):
+    with kv.borrow(kv.pages_for(num_tokens + 1)) as pages, torch.cuda.device(runner.device):
         runner.run([SeqChunk([0] * num_tokens, 0, pages)])      # prefill kernels
         runner.run([SeqChunk([0], num_tokens, pages)])          # decode kernels (eager)
         if runner.graphs is not None:

@@ -228,7 +228,7 @@ class Worker:
         if end <= first:
             return
         transfer = self.transfers[h.target]
-        pages = transfer.page_indices(seq.block_table[first:end], h.pages[first:end], (seq.req.request_id,))
+        pages = transfer.page_indices(seq.page_table[first:end], h.pages[first:end], (seq.req.request_id,))
         for layer in range(len(self.pool.layers)):
             transfer.copy_layer(layer, pages)
         h.num_sent_pages = end
@@ -316,7 +316,7 @@ class Worker:
             self._on_released(out.released)
 
     def _copy_plan(self, batch: Batch, which) -> CopyPlan:
-        return copy_plan([(i, batch.seqs[i].req.request_id, batch.seqs[i].block_table, batch.seqs[i].handoff,
+        return copy_plan([(i, batch.seqs[i].req.request_id, batch.seqs[i].page_table, batch.seqs[i].handoff,
                            batch.seqs[i].req.num_computed_tokens, len(batch.chunks[i].token_ids))
                           for i in which if i >= batch.num_decodes and batch.seqs[i].handoff is not None],
                          self.pool.page_size)
@@ -339,7 +339,7 @@ class Worker:
         """Queues the end of a request's transfer, after every copy already queued for it: its pages here are
         freed, and its target receives it (or, if it ended or a copy failed, frees its pages there)."""
         h, req = seq.handoff, seq.req
-        src, seq.block_table = seq.block_table, []
+        src, seq.page_table = seq.page_table, []
         self.transfers[h.target].finish(
             req.request_id, src, lambda landed, error: h.target.send(
                 Arrival(req, h.pages, h.num_cached_pages, landed, error, migrated_at, h.num_copied_pages)),

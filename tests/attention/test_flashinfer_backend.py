@@ -19,16 +19,16 @@ CFG = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=8)
 
 
 def _meta(rows: list[tuple[list[int], int, int]], num_decodes: int, host_tables: bool = True) -> AttentionMetadata:
-    """rows: (block table, cached tokens, new tokens) per sequence, decodes first."""
+    """rows: (page table, cached tokens, new tokens) per sequence, decodes first."""
     max_pages = max(len(t) for t, _, _ in rows)
     tables = torch.zeros(len(rows), max_pages, dtype=torch.int64)
     for b, (t, _, _) in enumerate(rows):
         tables[b, :len(t)] = torch.tensor(t)
     seq_lens = [c + n for _, c, n in rows]
     return AttentionMetadata(slot_mapping=torch.zeros(sum(n for _, _, n in rows), dtype=torch.int64),
-                             block_tables=tables, seq_lens=torch.tensor(seq_lens), query_lens=[n for _, _, n in rows],
+                             page_tables=tables, seq_lens=torch.tensor(seq_lens), query_lens=[n for _, _, n in rows],
                              seq_lens_host=seq_lens, num_decodes=num_decodes, page_size=PAGE_SIZE,
-                             block_tables_host=[t for t, _, _ in rows] if host_tables else None)
+                             page_tables_host=[t for t, _, _ in rows] if host_tables else None)
 
 
 # Two decodes and two prefill chunks, page size 4:
@@ -67,7 +67,7 @@ def test_last_page_len_at_page_edges(seq_len, pages, last):
     assert p.kv_indices.tolist() == [10, 11, 12][:pages] and p.kv_last_page_len.tolist() == [last]
 
 
-def test_block_table_too_short_is_an_error():
+def test_page_table_too_short_is_an_error():
     with pytest.raises(ValueError, match="cannot hold"):
         paged_indices([[0]], [5], [5], PAGE_SIZE)
 

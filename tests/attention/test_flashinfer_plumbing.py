@@ -110,13 +110,13 @@ def _ragged(page_size: int, seed: int):
         tables.append(table)
         slots += [table[i // page_size] * page_size + i % page_size for i in range(c, c + n)]
     total = sum(n for _, n in seqs)
-    block_tables = torch.zeros(len(seqs), max(need), dtype=torch.int64)
+    page_tables = torch.zeros(len(seqs), max(need), dtype=torch.int64)
     for b, t in enumerate(tables):
-        block_tables[b, :len(t)] = torch.tensor(t)
+        page_tables[b, :len(t)] = torch.tensor(t)
     seq_lens = [c + n for c, n in seqs]
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=block_tables,
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), page_tables=page_tables,
                              seq_lens=torch.tensor(seq_lens), query_lens=[n for _, n in seqs],
-                             seq_lens_host=seq_lens, num_decodes=3, page_size=page_size, block_tables_host=tables)
+                             seq_lens_host=seq_lens, num_decodes=3, page_size=page_size, page_tables_host=tables)
     q = torch.randn(total, H, D, generator=gen)
     k = torch.randn(total, KH, D, generator=gen)
     v = torch.randn(total, KH, D, generator=gen)
@@ -194,7 +194,7 @@ def test_fp8_pool_passes_scales(fake_flashinfer):
 
 
 def test_model_runner_greedy_tokens_equal_torch_backend(fake_flashinfer, loaded_fp32, prompt_ids, one_thread):
-    """The real model through ModelRunner: the metadata hook (host block tables, one plan per step) end to end."""
+    """The real model through ModelRunner: the metadata hook (host page tables, one plan per step) end to end."""
     def greedy(make) -> list[list[int]]:
         pool = KVPool(loaded_fp32.config, 128, 16, torch.float32, CPU)
         runner = ModelRunner(loaded_fp32.model, make(pool, loaded_fp32.config, torch.float32))

@@ -70,13 +70,13 @@ def _run(seqs: list[tuple[int, int]], page_size: int, seed: int):
         new_v.append(v[cached:])
         slots.extend(seq_slots[cached:])
     max_pages = max(len(t) for t in tables)
-    block_tables = torch.zeros(len(seqs), max_pages, dtype=torch.int64)
+    page_tables = torch.zeros(len(seqs), max_pages, dtype=torch.int64)
     for b, t in enumerate(tables):
-        block_tables[b, :len(t)] = torch.tensor(t)
+        page_tables[b, :len(t)] = torch.tensor(t)
     seq_lens = [c + n for c, n in seqs]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_tables=block_tables,
+        page_tables=page_tables,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
         query_lens=[n for _, n in seqs],
         seq_lens_host=seq_lens,
@@ -98,7 +98,7 @@ def _run(seqs: list[tuple[int, int]], page_size: int, seed: int):
                                    msg=lambda m: f"seq {b} (cached={cached}, new={new}): {m}")
         start += new
         # This step's K/V landed in the pool: the whole sequence reads back from its pages.
-        k_back, v_back = gather_kv(kv_layer, block_tables[b:b + 1, :pages_needed[b]], cached + new)
+        k_back, v_back = gather_kv(kv_layer, page_tables[b:b + 1, :pages_needed[b]], cached + new)
         torch.testing.assert_close(k_back[0], full_k[b], atol=0, rtol=0)
         torch.testing.assert_close(v_back[0], full_v[b], atol=0, rtol=0)
     assert torch.equal(kv_layer[sorted(untouched)], before), "wrote to pages no sequence owns"

@@ -18,7 +18,7 @@ def _scheduler(max_num_seqs=4, max_num_batched_tokens=16, num_pages=16) -> Sched
 def _local(s: Scheduler, num_prompt_tokens: int, max_tokens: int = 8) -> Seq:
     """A request prefilled and decoded here, on the pages the router reserved."""
     req = Request(f"r{len(s.waiting)}", list(range(1, num_prompt_tokens + 1)), SamplingParams(max_tokens=max_tokens))
-    seq = Seq(req, s.kv.allocate(s.kv.blocks_for(req.max_total_tokens)))
+    seq = Seq(req, s.kv.allocate(s.kv.pages_for(req.max_total_tokens)))
     s.waiting.append(seq)
     return seq
 
@@ -74,7 +74,7 @@ def test_a_failed_sequence_ends_alone_with_a_safe_message():
     batch = s.schedule()
     out = s.postprocess(batch, [TokenEvent(5), RuntimeError("secret details")], 1.0)
     assert out.events[1] == (bad.req, TokenEvent(None, finish_reason="error", error=FORWARD_FAILED))
-    assert out.released == [bad.req] and s.running == [good] and s.kv.num_used == s.kv.blocks_for(10)
+    assert out.released == [bad.req] and s.running == [good] and s.kv.num_used == s.kv.pages_for(10)
 
 
 def test_a_remote_prefill_runs_on_the_pages_placed_for_it_and_is_handed_off_after_its_first_token():

@@ -53,14 +53,14 @@ def _step(seqs, page_size: int, device: torch.device, seed: int):
         qs.append(torch.randn(new, H, D, generator=gen))
         ks.append(torch.randn(new, KH, D, generator=gen))
         vs.append(torch.randn(new, KH, D, generator=gen))
-    block_tables = torch.zeros(len(seqs), max(pages_needed), dtype=torch.int64)
+    page_tables = torch.zeros(len(seqs), max(pages_needed), dtype=torch.int64)
     for b, t in enumerate(tables):
-        block_tables[b, :len(t)] = torch.tensor(t)
+        page_tables[b, :len(t)] = torch.tensor(t)
     seq_lens = [c + n for c, n in seqs]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=device), block_tables=block_tables.to(device),
+        slot_mapping=torch.tensor(slots, device=device), page_tables=page_tables.to(device),
         seq_lens=torch.tensor(seq_lens, device=device), query_lens=[n for _, n in seqs], seq_lens_host=seq_lens,
-        num_decodes=sum(1 for _, n in seqs if n == 1), page_size=page_size, block_tables_host=tables)
+        num_decodes=sum(1 for _, n in seqs if n == 1), page_size=page_size, page_tables_host=tables)
     to = dict(device=device, dtype=torch.bfloat16)
     return kv_layer.to(**to), torch.cat(qs).to(**to), torch.cat(ks).to(**to), torch.cat(vs).to(**to), meta
 

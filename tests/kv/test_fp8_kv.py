@@ -73,14 +73,14 @@ def _step_meta(seqs, page_size, table_ids):
         seq = [table[p // page_size] * page_size + p % page_size for p in range(cached + new)]
         slots += seq[cached:]
         all_slots += seq
-    block_tables = torch.zeros(len(seqs), max(len(t) for t in tables), dtype=torch.int64)
+    page_tables = torch.zeros(len(seqs), max(len(t) for t in tables), dtype=torch.int64)
     for b, t in enumerate(tables):
-        block_tables[b, :len(t)] = torch.tensor(t)
+        page_tables[b, :len(t)] = torch.tensor(t)
     seq_lens = [c + n for c, n in seqs]
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=block_tables,
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), page_tables=page_tables,
                              seq_lens=torch.tensor(seq_lens), query_lens=[n for _, n in seqs],
                              seq_lens_host=seq_lens, num_decodes=sum(n == 1 for _, n in seqs), page_size=page_size,
-                             block_tables_host=tables)
+                             page_tables_host=tables)
     return meta, torch.tensor(all_slots)
 
 

@@ -29,7 +29,7 @@ def test_allocate_free_round_trip():
 
 def test_reserved_pages_leave_circulation_and_the_leak_count_sees_holders():
     kv = KVManager(8, 16)
-    assert kv.blocks_for(33) == 3 and kv.can_allocate(8) and not kv.can_allocate(9)
+    assert kv.pages_for(33) == 3 and kv.can_allocate(8) and not kv.can_allocate(9)
     scratch = kv.reserve()
     assert (kv.num_usable, kv.num_free, kv.num_used) == (7, 7, 0)
     held = kv.allocate(3)

@@ -36,12 +36,12 @@ def test_bucket_for():
 def _decode_meta(tables: list[list[int]], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     slots = [t[(n - 1) // PAGE_SIZE] * PAGE_SIZE + (n - 1) % PAGE_SIZE for t, n in zip(tables, seq_lens)]
     max_pages = max(len(t) for t in tables)
-    block_tables = torch.zeros(len(tables), max_pages, dtype=torch.int64)
+    page_tables = torch.zeros(len(tables), max_pages, dtype=torch.int64)
     for b, t in enumerate(tables):
-        block_tables[b, :len(t)] = torch.tensor(t)
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=block_tables,
+        page_tables[b, :len(t)] = torch.tensor(t)
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), page_tables=page_tables,
                              seq_lens=torch.tensor(seq_lens), query_lens=[1] * len(tables), seq_lens_host=seq_lens,
-                             num_decodes=len(tables), page_size=PAGE_SIZE, block_tables_host=tables)
+                             num_decodes=len(tables), page_size=PAGE_SIZE, page_tables_host=tables)
     ids = torch.tensor([11, 12, 13][:len(tables)])
     return ids, torch.tensor([n - 1 for n in seq_lens]), meta
 
@@ -57,14 +57,14 @@ def test_pad_decode_batch_to_bucket():
     assert p_meta.slot_mapping.tolist() == meta.slot_mapping.tolist() + [scratch * PAGE_SIZE]
     assert p_meta.num_seqs == p_meta.num_decodes == 4 and p_meta.query_lens == [1, 1, 1, 1]
     assert p_meta.seq_lens_host == [6, 2, 4, 1] and p_meta.seq_lens.tolist() == [6, 2, 4, 1]
-    assert p_meta.block_tables.tolist() == [[3, 5], [7, 0], [1, 0], [scratch, 0]]
+    assert p_meta.page_tables.tolist() == [[3, 5], [7, 0], [1, 0], [scratch, 0]]
     # What FlashInfer is planned with: the padding row attends over its one slot of the scratch page.
     decode, prefill = split_indices(p_meta)
     assert prefill is None
     assert decode.kv_indptr.tolist() == [0, 2, 3, 4, 5] and decode.kv_indices.tolist() == [3, 5, 7, 1, scratch]
     assert decode.kv_last_page_len.tolist() == [2, 2, 4, 1]
     # The input metadata is not modified.
-    assert meta.num_seqs == 3 and meta.block_tables_host == [[3, 5], [7], [1]]
+    assert meta.num_seqs == 3 and meta.page_tables_host == [[3, 5], [7], [1]]
 
 
 def test_pad_decode_batch_exact_bucket_and_errors():

@@ -31,9 +31,9 @@ class StubWorker:
         self.num_outstanding_prefill_tokens = 0
         self.prefills: list[tuple[Request, list[int], Handoff | None]] = []
 
-    def add_prefill(self, req: Request, blocks: list[int], handoff: Handoff | None = None) -> None:
+    def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None) -> None:
         self.num_outstanding_prefill_tokens += req.num_prompt_tokens
-        self.prefills.append((req, blocks, handoff))
+        self.prefills.append((req, pages, handoff))
 
     def __repr__(self) -> str:
         return self.name
@@ -43,9 +43,9 @@ def _req(rid: str, num_prompt_tokens: int, max_tokens: int = 16) -> Request:
     return Request(rid, [1] * num_prompt_tokens, SamplingParams(max_tokens=max_tokens))
 
 
-def _finish(router: Router, worker: StubWorker, req: Request, blocks: list[int]) -> None:
+def _finish(router: Router, worker: StubWorker, req: Request, pages: list[int]) -> None:
     """What the decode worker holding a finished request does: free its pages and report the release."""
-    worker.kv.free(blocks)
+    worker.kv.free(pages)
     router.release(req)
     router.dispatch()
 
@@ -62,9 +62,9 @@ def test_a_decode_device_takes_no_more_requests_than_it_can_batch():
     assert router.num_seats_taken[decode] == 2 and router.num_pending == 2
     assert [p[0] for p in prefill.prefills] == longs[:2] and decode.prefills == []
     # A remote prefill carries its decode pages in its handoff, and its prompt pages there are taken with them.
-    req, blocks, handoff = prefill.prefills[0]
-    assert len(blocks) == prefill.kv.blocks_for(100) and handoff.target is decode
-    assert len(handoff.pages) == decode.kv.blocks_for(115)
+    req, pages, handoff = prefill.prefills[0]
+    assert len(pages) == prefill.kv.pages_for(100) and handoff.target is decode
+    assert len(handoff.pages) == decode.kv.pages_for(115)
     _finish(router, decode, longs[0], handoff.pages)
     assert router.num_seats_taken[decode] == 2 and [p[0] for p in prefill.prefills] == longs
     assert router.num_pending == 1
@@ -99,19 +99,19 @@ def test_admission_refuses_what_can_never_fit_and_what_would_overflow_the_queue(
 
 
 def test_a_request_goes_where_its_prefix_is_cached_and_shares_those_pages():
-    from nodeserve.kv.manager import hash_blocks
+    from nodeserve.kv.manager import hash_pages
 
     a, b = StubWorker("cpu:0", 40), StubWorker("cpu:1", 30)
     for w in (a, b):
         w.kv.prefix_cache = True
     prompt = list(range(100))  # 6 full pages of 16, and 4 tokens
     held = b.kv.allocate(7)
-    b.kv.publish(held[:6], hash_blocks(prompt, 16))
+    b.kv.publish(held[:6], hash_pages(prompt, 16))
     b.kv.free(held)
     router = Router([], [a, b], local_prefill_threshold=0, max_waiting=8, max_queued_tokens=10_000)
     req = Request("r", prompt + [7] * 20, SamplingParams(max_tokens=16))
     router.admit(req)
-    # cpu:1 has fewer free pages but holds the first 6 pages of the prompt: they are its first 6 blocks.
+    # cpu:1 has fewer free pages but holds the first 6 pages of the prompt: they are its first 6 pages.
     assert b.prefills == [(req, held[:6] + b.prefills[0][1][6:], None)] and a.prefills == []
     assert req.num_cached_tokens == req.num_computed_tokens == 96 and b.kv.num_hit_tokens == 96
     # A prefill placed elsewhere carries the decode side's hit in its handoff, so only the rest is copied.
@@ -145,8 +145,8 @@ def test_a_placer_picks_both_devices_and_a_cross_placement_carries_the_decode_pa
     local = _req("l", 40)
     router.admit(local)
     assert router.placer.observed == ["x", "l"]
-    [(req, blocks, handoff)] = a.prefills
-    assert req is cross and len(blocks) == 3 and handoff.target is b and len(handoff.pages) == b.kv.blocks_for(55)
+    [(req, pages, handoff)] = a.prefills
+    assert req is cross and len(pages) == 3 and handoff.target is b and len(handoff.pages) == b.kv.pages_for(55)
     assert [(p[0], p[2]) for p in b.prefills] == [(local, None)]
     assert router.placements == {"x": b, "l": b} and router.num_seats_taken[b] == 2 and a.kv.num_used == 3
 
@@ -167,7 +167,7 @@ def test_move_decodes_reserves_on_the_target_and_holds_both_seats_until_the_sour
     moves = a.sent
     assert [m.req for m in moves] == reqs[:2] and all(isinstance(m, Migrate) and m.live for m in moves)
     # b has the most free pages for both (c is smaller); a seat is held on both sides while they move.
-    assert [m.handoff.target for m in moves] == [b, b] and b.kv.num_used == 2 * b.kv.blocks_for(55)
+    assert [m.handoff.target for m in moves] == [b, b] and b.kv.num_used == 2 * b.kv.pages_for(55)
     assert router.placements == {"0": a, "1": a, "2": a}
     assert router.num_seats_taken[a] == 3 and router.num_seats_taken[b] == 2
     router.on_migrated(reqs[0], MigrationOutcome.MOVED, 0.02)
@@ -195,7 +195,7 @@ class RacingKV(KVManager):
     """A pool whose pages another thread takes between the snapshot and the allocation (adaptive mode: the worker
     thread allocates too): num_free says there is room, the allocation raises."""
 
-    def allocate_prompt(self, hashes, num_prompt_tokens, num_blocks):
+    def allocate_prompt(self, hashes, num_prompt_tokens, count):
         raise OutOfPages("taken meanwhile")
 
 

@@ -46,7 +46,7 @@ def _worker(max_num_seqs: int = 8, max_num_batched_tokens: int = 16, num_pages: 
 def _admit(worker: Worker, prompt: list[int], max_tokens: int) -> Request:
     """What the router does for a request prefilled on its decode device."""
     req = Request(f"r{len(prompt)}-{prompt[0]}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
-    worker.add_prefill(req, worker.kv.allocate(worker.kv.blocks_for(req.max_total_tokens)))
+    worker.add_prefill(req, worker.kv.allocate(worker.kv.pages_for(req.max_total_tokens)))
     return req
 
 
@@ -198,7 +198,7 @@ def test_a_live_migration_precopies_full_pages_while_decoding_then_stops_for_the
     for _ in range(5):  # prefill (16-token chunks), then a decode step: 61 tokens of KV, on 4 pages
         _turn(worker)
     seq = worker.scheduler.running[0]
-    pages = list(seq.block_table)
+    pages = list(seq.page_table)
     worker.send(Migrate(req, Handoff(target, list(range(100, 110)))))
     _turn(worker)
     # Round 1: the 3 full pages, every layer, while the request stays in the batch and keeps decoding.
@@ -237,7 +237,7 @@ def test_a_stop_and_copy_migration_moves_at_once():
     req = _admit(worker, [1 + i % 20 for i in range(40)], max_tokens=20)
     for _ in range(4):
         _turn(worker)
-    pages = list(worker.scheduler.running[0].block_table)
+    pages = list(worker.scheduler.running[0].page_table)
     worker.send(Migrate(req, Handoff(target, [100, 101, 102, 103]), live=False))
     _turn(worker)
     assert worker.scheduler.running == [] and [j[0] for j in jobs] == ["copy"] * 3 + ["finish"]
