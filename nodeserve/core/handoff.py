@@ -16,7 +16,6 @@ batch's solo retry sends them again.
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +56,6 @@ class Migration:
     live: bool = True           # False: stop and copy at once (the old behaviour, for comparison)
     num_rounds: int = 0
     round_done: bool = True     # the last round's copies have run (set from the copy thread)
-    started: float = field(default_factory=time.monotonic)
 
 
 class MigrationStep(enum.Enum):

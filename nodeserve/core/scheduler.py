@@ -132,7 +132,8 @@ class Scheduler:
         return out
 
     def start_decode(self, seq: Seq, now: float) -> None:
-        seq.req.decode_start = seq.req.decode_start or now
+        if seq.req.decode_start is None:
+            seq.req.decode_start = now
         self.running.append(seq)
         self._publish(seq)
 

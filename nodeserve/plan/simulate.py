@@ -1,33 +1,53 @@
-"""A discrete-event simulation of nodeserve's workers on a measured cost model, behind `nodeserve plan`.
+"""A discrete-event simulation of nodeserve's router and workers on a measured cost model, behind `nodeserve plan`.
 
-It replays what runtime/router.py and runtime/worker.py do, with step times from the cost model instead of a model:
-the router reserves a decode seat and `prompt + max_tokens - 1` tokens of KV (the device with the most free,
-then the fewest requests; FIFO when none has room), sends the prompt to the prefill device with the fewest
-queued prompt tokens (or prefills it on the decode device: colocated, or under the conditional threshold), or,
-in adaptive mode, places it as core/placer.py does (placement.choose_placement on the roles.RolePolicy
-roles, a newly dedicated device's decodes moved to the others). Each device runs steps back to back while it has
-work: every running decode (up to max_num_seqs) plus prefill chunks FIFO within max_num_batched_tokens. A
-prefill's last chunk gives the first token at the step's end; its KV then lands on the decode device after the
-transfer's tail. Requests produce exactly max_tokens tokens (the benchmark sends ignore_eos). Scored with
-goodput.py exactly as bench/serve.py scores a live server, on the same workloads (workloads.py).
+It runs the engine's own policy core on a virtual clock, with no copy of its rules: requests wait in the core's
+PendingQueue (core/pending.py: its dispatch order, MAX_SCAN, MAX_OVERTAKES), placement is a core placer
+(core/placer.py: StaticPlacer for colocated and disaggregated modes, AdaptivePlacer for adaptive mode) deciding on
+DeviceLoads built by the runtime's own runtime/loads.py from the virtual devices, each device batches with a core
+Scheduler (core/scheduler.py) over a KVManager (kv/manager.py) holding its pages, a dedicated device's decodes go
+where core.placer.plan_moves sends them, and a live move goes round by round as core.handoff.next_migration_step
+says. What is simulated here is only what the runtime does around them, mirrored from runtime/router.py (admit's
+size refusals, the page reservations of a placement, roles and moves) and runtime/worker.py (a turn: inbox,
+migrations, one step; what a step's StepOutput does): every step's duration is CostModel.step_time of its shape,
+a prefill's KV lands on its decode device CostModel.transfer_tail after the prefill ends, a pre-copy round or a
+move's last copy takes CostModel.transfer_time of its pages.
 
-Not modelled: the event loop, tokenization and HTTP; CPU shared with the copy thread; prefill-pool pages.
+Requests are core Requests of dummy token ids; every sampled token is token 0 and requests run to max_tokens
+(ignore_eos, as the benchmark sends them). Scored with goodput.py exactly as bench/serve.py scores a live server,
+on the same workloads (workloads.py).
+
+Not modelled: the event loop, tokenization and HTTP; the server's queue limits and SLO admission; the CPU the copy
+thread shares; copies on one link running one after another (each copy takes its own time, in parallel); the
+prefix cache (off); the router running as soon as a worker reports (here it runs at the end of the step that
+released, before that device's next step). With capacity_tokens infinite, each device's pool is sized so that
+pages never run out (equal on every device, so the placers choose as with infinite pools).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from nodeserve import goodput
 from nodeserve.core.cost_model import CostModel, StepShape
-from nodeserve.core.placement import DeviceLoad, SloTarget, StepLimits, choose_placement
-from nodeserve.core.roles import RoleChange, RolePolicy
+from nodeserve.core.handoff import (Handoff, Migrate, Migration, MigrationOutcome, MigrationStep,
+                                    next_migration_step)
+from nodeserve.core.load import DeviceLoad, Role, SloTarget, StepLimits
+from nodeserve.core.pending import PendingQueue
+from nodeserve.core.placer import AdaptivePlacer, Decision, Placer, Seated, StaticPlacer, plan_moves
+from nodeserve.core.request import Request, TokenEvent
+from nodeserve.core.roles import RoleChange
+from nodeserve.core.sampling_params import SamplingParams
+from nodeserve.core.scheduler import Batch, Scheduler, Seq, StepOutput, WorkerLimits
+from nodeserve.kv.manager import KVManager, OutOfPages
+from nodeserve.runtime.loads import snapshot
 
-PREFILL_WINDOW_S = 10.0  # as admission.PREFILL_WINDOW_S: the adaptive rule sees the same prefill share
+PAGE_SIZE = 16                  # config's kv.page_size default
+MAX_MODEL_LEN = 1 << 62         # a request ends at max_tokens only
+TOKEN = 0                       # what every step samples
 
 
 @dataclass(frozen=True)
@@ -63,57 +83,87 @@ def candidate_modes(devices: Sequence[str]) -> list[Mode]:
 
 @dataclass
 class SimRequest:
+    """One request to simulate, and what happened to it (filled in by Simulation.run)."""
+
     arrival: float
     prompt_len: int
     max_tokens: int
-    prefill_dev: str = ""
-    decode_dev: str = ""
-    computed: int = 0                 # prompt tokens prefilled
-    num_out: int = 0                  # tokens produced
-    prefill_start: float | None = None
+    prefill_dev: str = ""               # where it was placed
+    decode_dev: str = ""                # where it decoded last
+    num_out: int = 0                    # tokens produced
     first_token: float | None = None
     end: float | None = None
-
-    @property
-    def context(self) -> int:
-        return self.prompt_len + self.num_out
-
-    @property
-    def reserved_tokens(self) -> int:
-        return self.prompt_len + self.max_tokens - 1
+    refused: bool = False               # the router refused it (it can never fit a device's KV)
+    request: Request | None = field(default=None, repr=False)
 
 
-@dataclass
+class StepRecord(NamedTuple):
+    """What runtime/loads.prefill_share reads of a worker's step records."""
+
+    start: float
+    end: float
+    num_prefill_tokens: int
+
+
 class SimDevice:
-    name: str
-    role: str
-    capacity_tokens: float
-    waiting: deque = field(default_factory=deque)    # to prefill here, FIFO
-    running: list = field(default_factory=list)      # decoding here
-    num_assigned: int = 0
-    reserved_tokens: int = 0
-    queued_prefill_tokens: int = 0
-    busy: bool = False
-    moving: bool = False                             # dedicated to prefill: move its decodes at its step's end
-    steps: deque = field(default_factory=deque)      # (start, end, had prefill) within PREFILL_WINDOW_S
+    """A virtual device: what runtime/loads.worker_load reads of a Worker (name, role, limits, scheduler, kv,
+    num_outstanding_prefill_tokens, records), and its inbox of moves (handled between steps, as a worker does)."""
 
-    def prefill_share(self, now: float) -> float:
-        while self.steps and self.steps[0][1] < now - PREFILL_WINDOW_S:
-            self.steps.popleft()
-        busy = sum(e - max(s, now - PREFILL_WINDOW_S) for s, e, p in self.steps if p)
-        return min(busy / PREFILL_WINDOW_S, 1.0)
+    def __init__(self, name: str, role: Role, limits: WorkerLimits, num_pages: int):
+        self.name, self.role, self.limits = name, role, limits
+        self.kv = KVManager(num_pages, PAGE_SIZE)
+        self.scheduler = Scheduler(self.kv, limits, frozenset())
+        self.num_outstanding_prefill_tokens = 0
+        self.records: deque[StepRecord] = deque()
+        self.inbox: list[Migrate] = []
+        self.migrating: list[Seq] = []   # its requests that were asked to move live (some may have ended)
+        self.busy = False   # in a turn or a step: what arrives now is seen at its next turn
+
+    def __repr__(self) -> str:
+        return f"SimDevice({self.name!r}, {self.role!s})"
+
+
+def pool_pages(capacity_tokens: float, num_devices: int, limits: StepLimits,
+               requests: Sequence[SimRequest]) -> int:
+    """Pages per device: capacity_tokens' worth; when infinite, more than can ever be held at once (a device holds
+    at most its own decode seats' pages and, prefilling, the prompts of seats elsewhere: every seat's pages in
+    all, moves included, and never more than every request's pages together)."""
+    if capacity_tokens != float("inf"):
+        return int(capacity_tokens // PAGE_SIZE)
+    pages = [-(-(r.prompt_len + r.max_tokens - 1) // PAGE_SIZE) + -(-r.prompt_len // PAGE_SIZE) for r in requests]
+    seats = (num_devices + 1) * limits.max_num_seqs * max(pages, default=1)
+    return max(min(seats, sum(pages)), 1)
 
 
 class Simulation:
     def __init__(self, cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget,
                  local_prefill_threshold: int = 0, capacity_tokens: float = float("inf")):
         self.cost, self.mode, self.limits, self.slo = cost, mode, limits, slo
-        self.threshold = local_prefill_threshold
-        self.devices = {d: SimDevice(d, r, capacity_tokens) for d, r in mode.roles.items()}
-        adaptive = [d for d, r in mode.roles.items() if r == "adaptive"]
-        self.policy = RolePolicy(cost, limits, slo, adaptive) if adaptive else None
+        self.threshold, self.capacity_tokens = local_prefill_threshold, capacity_tokens
+        # As the engine orders its workers: prefill devices first.
+        roles = {d: Role(r) for d, r in mode.roles.items()}
+        self.names = [d for d, r in roles.items() if r == Role.PREFILL] + [d for d, r in roles.items()
+                                                                              if r != Role.PREFILL]
+        self.roles = roles
+        self.placer: Placer
+        if Role.ADAPTIVE in roles.values():
+            self.placer = AdaptivePlacer(lambda: cost, limits, slo, self.names)
+        else:
+            self.placer = StaticPlacer(local_prefill_threshold)
+        self.devices: dict[str, SimDevice] = {}
         self.role_changes: list[RoleChange] = []
-        self.pending: deque[SimRequest] = deque()
+        self.num_migrations: Counter[str] = Counter()  # by MigrationOutcome, as the router counts them
+        self.migration_downtimes: list[float] = []     # seconds, of moves that resumed (0: moved before decoding)
+        # The router's state (runtime/router.py).
+        self.pending: PendingQueue[Request] = PendingQueue()
+        self.placements: dict[str, SimDevice] = {}   # request id -> its decode device, from placement to release
+        self.placed: dict[str, Request] = {}
+        self.moving: dict[str, SimDevice] = {}       # request id -> the device it is moving to
+        self.num_seats_taken: Counter[SimDevice] = Counter()
+        self._dispatching = self._dispatch_again = False
+        self._loads: list[DeviceLoad] | None = None  # within one dispatch: until something changed
+        self._sim: dict[str, SimRequest] = {}
+        self._step_times: dict[tuple[str, StepShape], float] = {}  # the cost model's, for shapes seen before
         self._events: list = []
         self._seq = itertools.count()
         self.now = 0.0
@@ -122,158 +172,295 @@ class Simulation:
         heapq.heappush(self._events, (t, next(self._seq), fn, args))
 
     def run(self, requests: Sequence[SimRequest]) -> list[SimRequest]:
-        for r in requests:
-            self._at(r.arrival, self._arrive, r)
+        num_pages = pool_pages(self.capacity_tokens, len(self.names), self.limits, requests)
+        wl = WorkerLimits(self.limits.max_num_seqs, self.limits.max_num_batched_tokens, MAX_MODEL_LEN)
+        self.devices = {n: SimDevice(n, self.roles[n], wl, num_pages) for n in self.names}
+        self.workers = list(self.devices.values())
+        decoders = [d for d in self.workers if d.role != Role.PREFILL]
+        prefillers = [d for d in self.workers if d.role == Role.PREFILL]
+        self.max_seq_tokens = max(d.kv.num_usable * PAGE_SIZE for d in decoders)
+        self.max_prompt_tokens = min((d.kv.num_usable * PAGE_SIZE for d in prefillers), default=None)
+        for i, r in enumerate(requests):
+            r.request = Request(str(i), [1] * r.prompt_len,
+                                SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True),
+                                arrival_time=r.arrival)
+            self._sim[r.request.request_id] = r
+            self._at(r.arrival, self._admit, r.request)
         while self._events:
             self.now, _, fn, args = heapq.heappop(self._events)
             fn(*args)
+        for r in requests:
+            req = r.request
+            r.num_out, r.first_token = len(req.output_ids), req.prefill_end
         return list(requests)
 
-    # ---- router ------------------------------------------------------------------------------------------
-    def _arrive(self, r: SimRequest) -> None:
-        if self.policy is not None:
-            self.policy.observe(self.now, r.prompt_len)
-        self.pending.append(r)
+    # ---- the router (runtime/router.py) ------------------------------------------------------------------
+    def loads(self) -> list[DeviceLoad]:
+        """Every device's load now, as Router.loads builds it (runtime/loads.snapshot); no prefix cache."""
+        seats = [(w, self.placed[rid]) for rid, w in [*self.placements.items(), *self.moving.items()]]
+        return snapshot(self.workers, seats, self.now)
+
+    def _admit(self, req: Request) -> None:
+        # Router.admit's TooLarge: never fits a device's KV. (Its queue limits and SLO admission are not modelled.)
+        if req.max_total_tokens > self.max_seq_tokens or (
+                self.max_prompt_tokens is not None and req.num_prompt_tokens >= self.threshold
+                and req.num_prompt_tokens > self.max_prompt_tokens):
+            self._sim[req.request_id].refused = True
+            return
+        self.placer.observe(self.now, req)
+        self.pending.append(req)
         self._dispatch()
-
-    def _fits(self, d: SimDevice, r: SimRequest) -> bool:
-        return (d.num_assigned < self.limits.max_num_seqs
-                and d.reserved_tokens + r.reserved_tokens <= d.capacity_tokens)
-
-    def _place(self, r: SimRequest) -> tuple[str, str] | None:
-        devs = list(self.devices.values())
-        if self.policy is not None:  # as core/placer.py places
-            def loads() -> list[DeviceLoad]:
-                # Incoming: seated there, not decoding yet (those still waiting for their prefill are counted
-                # with their prompts; a KV copy in flight only by number).
-                waiting = [x for p in devs for x in p.waiting]
-                return [DeviceLoad(d.name, d.role, d.queued_prefill_tokens, len(d.running),
-                                   sum(x.context for x in d.running),
-                                   self.limits.max_num_seqs - d.num_assigned if self._fits(d, r) else 0,
-                                   d.prefill_share(self.now), d.capacity_tokens - d.reserved_tokens,
-                                   d.num_assigned - len(d.running),
-                                   sum(x.prompt_len for x in waiting if x.decode_dev == d.name)) for d in devs]
-            self._apply(self.policy.update(self.now, loads()))
-            while True:
-                pl = choose_placement(self.cost, self.limits, self.slo,
-                                      self.policy.request_loads(loads(), self.policy.is_long(r.prompt_len)),
-                                      r.prompt_len, r.max_tokens)
-                if pl is not None:
-                    return pl.prefill, pl.decode
-                change = self.policy.free_a_seat(self.now, loads())
-                if change is None:
-                    return None
-                self._apply([change])
-        decoders = [d for d in devs if d.role in ("decode", "colocated") and self._fits(d, r)]
-        if not decoders:
-            return None
-        dec = min(decoders, key=lambda d: (-(d.capacity_tokens - d.reserved_tokens), d.num_assigned))
-        prefillers = [d for d in devs if d.role == "prefill"]
-        if prefillers and r.prompt_len >= self.threshold:
-            return min(prefillers, key=lambda d: d.queued_prefill_tokens).name, dec.name
-        return dec.name, dec.name
-
-    def _apply(self, changes: list[RoleChange]) -> None:
-        for c in changes:
-            d = self.devices[c.device]
-            d.role = c.role
-            self.role_changes.append(c)
-            if c.role == "prefill":  # as Router.move_decodes: what it was to decode moves, at its step's end
-                d.moving = True
-                if not d.busy:
-                    self._move_decodes(d)
-
-    def _move_decodes(self, d: SimDevice) -> None:
-        d.moving = False
-        for r in [*d.running, *(x for x in d.waiting if x.decode_dev == d.name)]:
-            fits = [t for t in self.devices.values() if t.role == "adaptive" and self._fits(t, r)]
-            if not fits:
-                continue
-            t = max(fits, key=lambda t: t.capacity_tokens - t.reserved_tokens)
-            d.num_assigned, d.reserved_tokens = d.num_assigned - 1, d.reserved_tokens - r.reserved_tokens
-            t.num_assigned, t.reserved_tokens = t.num_assigned + 1, t.reserved_tokens + r.reserved_tokens
-            r.decode_dev = t.name
-            if r in d.running:  # its whole KV is copied, then it decodes there
-                d.running.remove(r)
-                self._at(self.now + self.cost.transfer_time(d.name, t.name, r.context), self._land, r)
 
     def _dispatch(self) -> None:
-        while self.pending:
-            r = self.pending[0]
-            placed = self._place(r)
-            if placed is None:
-                return
-            self.pending.popleft()
-            r.prefill_dev, r.decode_dev = placed
-            d, p = self.devices[r.decode_dev], self.devices[r.prefill_dev]
-            d.num_assigned += 1
-            d.reserved_tokens += r.reserved_tokens
-            p.waiting.append(r)
-            p.queued_prefill_tokens += r.prompt_len
-            self._kick(p)
+        """Router.dispatch: the pending queue's order (core/pending.py) over Router._place."""
+        if self._dispatching:  # called back from a move it started: once more when it is done (the router's
+            self._dispatch_again = True  # event loop runs that call after this one)
+            return
+        self._dispatching = True
+        try:
+            self._dispatch_again = True
+            while self._dispatch_again:
+                self._dispatch_again = False
+                self._loads = None
+                self.pending.dispatch(self._place)
+        finally:
+            self._dispatching = False
 
-    # ---- workers -----------------------------------------------------------------------------------------
-    def _kick(self, d: SimDevice) -> None:
+    def _place(self, req: Request) -> bool:
+        """Router._place. The loads are built again only once something changed: a request that could not be placed
+        and changed no role leaves them as they were (the virtual clock stands still within a dispatch)."""
+        if self._loads is None:
+            self._loads = self.loads()
+        decision = self.placer.place(self.now, self._loads, req)
+        if decision.role_changes or decision.moves_from:
+            self._loads = None
+        self._apply_roles(decision)
+        if decision.placed and self._reserve(req, decision):
+            self._loads = None
+            return True
+        return False
+
+    def _reserve(self, req: Request, decision: Decision) -> bool:
+        """Router._reserve: its decode pages on the decode device, its prompt's on the prefill device if another."""
+        decode, prefill = self.devices[decision.decode], self.devices[decision.prefill]
+        n = req.num_prompt_tokens
+        try:
+            pages, num_cached_tokens = decode.kv.allocate_prompt(req.page_hashes, n,
+                                                                 decode.kv.pages_for(req.max_total_tokens))
+        except OutOfPages:
+            return False
+        if prefill is not decode:
+            try:
+                prompt_pages, num_prompt_cached = prefill.kv.allocate_prompt(req.page_hashes, n,
+                                                                             prefill.kv.pages_for(n))
+            except OutOfPages:
+                decode.kv.free(pages)
+                return False
+        self.placements[req.request_id], self.placed[req.request_id] = decode, req
+        self.num_seats_taken[decode] += 1
+        sim = self._sim[req.request_id]
+        sim.prefill_dev, sim.decode_dev = prefill.name, decode.name
+        if prefill is decode:
+            req.num_computed_tokens = req.num_cached_tokens = num_cached_tokens
+            self._add_prefill(decode, Seq(req, pages))
+        else:
+            req.num_computed_tokens = req.num_cached_tokens = num_prompt_cached
+            self._add_prefill(prefill, Seq(req, prompt_pages, Handoff(decode.name, pages,
+                                                                      num_cached_tokens // PAGE_SIZE)))
+        return True
+
+    def _release(self, reqs: Sequence[Request]) -> None:
+        """Router.release of each (its decode device gave back every page it held), then dispatch."""
+        for req in reqs:
+            worker = self.placements.pop(req.request_id, None)
+            self.placed.pop(req.request_id, None)
+            if worker is not None:
+                self.num_seats_taken[worker] -= 1
+            target = self.moving.pop(req.request_id, None)
+            if target is not None:
+                self.num_seats_taken[target] -= 1
+        self._dispatch()
+
+    def _apply_roles(self, decision: Decision) -> None:
+        for c in decision.role_changes:
+            self.devices[c.device].role = Role(c.role)
+            self.role_changes.append(c)
+        for name in decision.moves_from:
+            self._move_decodes(self.devices[name])
+
+    def _move_decodes(self, source: SimDevice) -> None:
+        """Router.move_decodes: every request holding a decode seat on `source` moves where plan_moves says."""
+        seated = [Seated(rid, source.kv.pages_for(self.placed[rid].max_total_tokens) * PAGE_SIZE)
+                  for rid, w in self.placements.items() if w is source and rid not in self.moving
+                  and not self.placed[rid].finished]
+        for rid, target in plan_moves(seated, self.loads()):
+            self._migrate(self.placed[rid], self.devices[target])
+
+    def _migrate(self, req: Request, target: SimDevice) -> bool:
+        """Router.migrate: reserves its pages on `target` and asks its source to move it."""
+        source = self.placements.get(req.request_id)
+        if source is None or source is target or req.request_id in self.moving or req.finished:
+            return False
+        if self.num_seats_taken[target] >= target.limits.max_num_seqs:
+            return False
+        try:
+            pages = target.kv.allocate(target.kv.pages_for(req.max_total_tokens))
+        except OutOfPages:
+            return False
+        self.moving[req.request_id] = target
+        self.num_seats_taken[target] += 1
+        source.inbox.append(Migrate(req, Handoff(target.name, pages)))
+        self._turn(source)
+        return True
+
+    def _on_migrated(self, req: Request, outcome: MigrationOutcome, downtime: float = 0.0) -> None:
+        """Router.on_migrated."""
+        self.num_migrations[outcome] += 1
+        rid = req.request_id
+        if outcome is MigrationOutcome.MOVED and rid in self.moving:
+            self.migration_downtimes.append(downtime)
+            self.num_seats_taken[self.placements[rid]] -= 1
+            self.placements[rid] = self.moving.pop(rid)
+            self._sim[rid].decode_dev = self.placements[rid].name
+        elif outcome in (MigrationOutcome.NOT_RUNNING, MigrationOutcome.NO_CONVERGENCE) and rid in self.moving:
+            self.num_seats_taken[self.moving.pop(rid)] -= 1
+        self._dispatch()
+
+    # ---- the workers (runtime/worker.py) -----------------------------------------------------------------
+    def _add_prefill(self, d: SimDevice, seq: Seq) -> None:
+        d.num_outstanding_prefill_tokens += seq.req.num_prompt_tokens
+        d.scheduler.waiting.append(seq)
+        self._turn(d)
+
+    def _turn(self, d: SimDevice) -> None:
+        """One turn of an idle worker's loop: its inbox (moves), its migrations, then a step if it has work. A
+        busy one sees what arrived at its next turn, after its step."""
         if d.busy:
             return
-        decodes = d.running[: self.limits.max_num_seqs]
-        budget = self.limits.max_num_batched_tokens - len(decodes)
-        chunks: list[tuple[SimRequest, int]] = []
-        for r in d.waiting:
-            if budget <= 0 or len(decodes) + len(chunks) >= self.limits.max_num_seqs:
-                break
-            n = min(r.prompt_len - r.computed, budget)
-            if r.prefill_start is None:
-                r.prefill_start = self.now
-            chunks.append((r, n))
-            budget -= n
-        if not decodes and not chunks:
-            return
-        shape = StepShape.of([(n, r.computed) for r, n in chunks], [r.context for r in decodes])
-        end = self.now + self.cost.step_time(d.name, shape)
         d.busy = True
-        d.steps.append((self.now, end, bool(chunks)))
-        self._at(end, self._step_done, d, list(decodes), chunks)
+        while d.inbox:
+            self._migrate_here(d, d.inbox.pop(0))
+        if d.migrating:
+            self._advance_migrations(d)
+        batch = d.scheduler.schedule()
+        if batch is None:
+            d.busy = False
+            return
+        chunks, nd = batch.chunks, batch.num_decodes
+        prefill = ()
+        if nd < len(chunks):
+            for seq in batch.seqs[nd:]:
+                if seq.req.prefill_start is None:
+                    seq.req.prefill_start = self.now
+            prefill = [(len(c.token_ids), c.start_pos) for c in chunks[nd:]]
+        shape = StepShape.of(prefill, [c.start_pos for c in chunks[:nd]])
+        key = (d.name, shape)
+        seconds = self._step_times.get(key)
+        if seconds is None:
+            seconds = self._step_times[key] = self.cost.step_time(d.name, shape)
+        self._at(self.now + seconds, self._step_done, d, batch, self.now, shape.num_prefill_tokens)
 
-    def _step_done(self, d: SimDevice, decodes: list[SimRequest], chunks: list[tuple[SimRequest, int]]) -> None:
-        # Busy until this step is accounted: a request that finishes here dispatches the next, which must not
-        # start a step on this device before the chunks below are counted (it would prefill them twice).
-        for r in decodes:
-            r.num_out += 1
-            if r.num_out >= r.max_tokens:
-                self._finish(r)
-        for r, n in chunks:
-            r.computed += n
-            d.queued_prefill_tokens -= n
-            if r.computed < r.prompt_len:
-                continue
-            d.waiting.remove(r)
-            r.first_token, r.num_out = self.now, 1
-            if r.max_tokens <= 1:
-                self._finish(r)
-            elif r.decode_dev == d.name:
-                d.running.append(r)
-            else:
-                tail = self.cost.transfer_tail(d.name, r.decode_dev, r.prompt_len, self.now - r.prefill_start)
-                self._at(self.now + tail, self._land, r)
-        if d.moving:
-            self._move_decodes(d)
+    def _step_done(self, d: SimDevice, batch: Batch, start: float, num_prefill_tokens: int) -> None:
+        if num_prefill_tokens:  # prefill_share counts these only (the others add nothing to it)
+            d.records.append(StepRecord(start, self.now, num_prefill_tokens))
+            if len(d.records) > 4096:  # it reads the last 10 s only
+                for _ in range(2048):
+                    d.records.popleft()
+        outcomes = [TokenEvent(TOKEN) if c.want_logits else None for c in batch.chunks]
+        self._finish(d, d.scheduler.postprocess(batch, outcomes, self.now))
         d.busy = False
-        self._kick(d)
+        self._turn(d)
 
-    def _land(self, r: SimRequest) -> None:
-        d = self.devices[r.decode_dev]
-        d.running.append(r)
-        self._kick(d)
+    def _finish(self, d: SimDevice, out: StepOutput) -> None:
+        """Worker._finish: hands prefilled requests over, notes what ended, reports moves ended and releases."""
+        d.num_outstanding_prefill_tokens -= out.num_prompt_tokens_done
+        for req in out.released:  # what ended: released here, or handed over having ended
+            self._sim[req.request_id].end = self.now
+        ended = {id(s) for s in out.migrations_ended}
+        for seq in out.handoffs:
+            if seq.req.finished:
+                self._sim[seq.req.request_id].end = self.now
+            if id(seq) in ended:  # ended while moving: nothing left to copy but what is in flight (not timed)
+                self._hand_off(d, seq, 0.0)
+            else:  # prefilled here: the layers' copies ran with the prefill, the tail is left
+                self._hand_off(d, seq, self.cost.transfer_tail(d.name, seq.handoff.target, seq.req.num_prompt_tokens,
+                                                               self.now - seq.req.prefill_start))
+        for seq in out.migrations_ended:
+            self._on_migrated(seq.req, MigrationOutcome.FINISHED)
+        if out.released:
+            self._release(out.released)
 
-    def _finish(self, r: SimRequest) -> None:
-        r.end = self.now
-        d = self.devices[r.decode_dev]
-        if r in d.running:
-            d.running.remove(r)
-        d.num_assigned -= 1
-        d.reserved_tokens -= r.reserved_tokens
-        self._dispatch()
+    def _hand_off(self, d: SimDevice, seq: Seq, delay: float, migrated_at: float | None = None) -> None:
+        """Worker._hand_off: after `delay` the KV is on the target, and its pages here are given back."""
+        src, seq.page_table = seq.page_table, []
+        self._at(self.now + delay, self._receive, d, self.devices[seq.handoff.target], seq.req, seq.handoff, src,
+                 migrated_at)
+
+    def _receive(self, source: SimDevice, d: SimDevice, req: Request, h: Handoff, src_pages: list[int],
+                 migrated_at: float | None) -> None:
+        """Worker._receive: it decodes here from now; one that ended meanwhile gives its pages here back."""
+        source.kv.free(src_pages)
+        if not req.finished:
+            d.scheduler.start_decode(Seq(req, h.pages, num_published=h.num_cached_pages), self.now)
+            if migrated_at is not None:
+                self._on_migrated(req, MigrationOutcome.MOVED, self.now - migrated_at)
+            self._turn(d)
+            return
+        d.kv.free(h.pages)
+        self._release([req])
+
+    def _migrate_here(self, d: SimDevice, msg: Migrate) -> None:
+        """Worker._migrate: decoding here, it moves live; still prefilling here, its KV goes to the target when
+        the prefill ends; not here (its KV on its way) or ended, it stays."""
+        req, h = msg.req, msg.handoff
+        sched = d.scheduler
+        seq = next((s for s in [*sched.running, *sched.waiting] if s.req is req), None)
+        if seq is None or seq.handoff is not None or seq.migration is not None or req.finished:
+            self.devices[h.target].kv.free(h.pages)
+            if not req.finished:
+                self._on_migrated(req, MigrationOutcome.NOT_RUNNING)
+            return
+        if seq in sched.running:
+            seq.migration = Migration(h, live=msg.live)
+            d.migrating.append(seq)
+            return  # its rounds start in this turn's _advance_migrations
+        seq.handoff = h
+        self._on_migrated(req, MigrationOutcome.MOVED)
+
+    def _advance_migrations(self, d: SimDevice) -> None:
+        """Worker._advance_migrations: between two steps, each moving request pre-copies the pages it filled since
+        the last round (it keeps decoding here meanwhile), or, once next_migration_step says so, stops here; its
+        last pages' copy is its downtime, then it decodes on the target."""
+        d.migrating = [s for s in d.migrating if s.migration is not None and s in d.scheduler.running]
+        for seq in list(d.migrating):
+            m, req = seq.migration, seq.req
+            step = next_migration_step(m, req.num_computed_tokens, PAGE_SIZE)
+            if step is MigrationStep.WAIT:
+                continue
+            h = m.handoff
+            if step is MigrationStep.GIVE_UP:
+                seq.migration = None
+                self.devices[h.target].kv.free(h.pages)
+                self._on_migrated(req, MigrationOutcome.NO_CONVERGENCE)
+                continue
+            end = (-(-req.num_computed_tokens // PAGE_SIZE) if step is MigrationStep.STOP
+                   else req.num_computed_tokens // PAGE_SIZE)  # a round sends full pages only
+            copy = self.cost.transfer_time(d.name, h.target, max(end - h.num_sent_pages, 0) * PAGE_SIZE)
+            if end > h.num_sent_pages:
+                h.num_copied_pages += end - h.num_sent_pages
+                h.num_sent_pages = end
+            if step is MigrationStep.STOP:
+                d.scheduler.running.remove(seq)
+                seq.handoff, seq.migration = h, None
+                self._hand_off(d, seq, copy, migrated_at=self.now)
+                continue
+            m.num_rounds += 1
+            m.round_done = False
+            self._at(self.now + copy, self._round_done, d, m)
+
+    def _round_done(self, d: SimDevice, m: Migration) -> None:
+        m.round_done = True
+        self._turn(d)
 
 
 def records(requests: Sequence[SimRequest]) -> list[dict]:

@@ -35,13 +35,14 @@ def prefill_share(records, now: float, window: float = PREFILL_WINDOW_S) -> floa
 
 def worker_load(w: Worker, now: float, seated: Sequence[Request], req: Request | None = None) -> DeviceLoad:
     """A worker's live load; `seated`: the requests holding a decode seat there (placed there, or moving there);
-    `req`: the request being placed, whose cached prefix there is counted."""
+    `req`: the request being placed, whose cached prefix there is counted. A decode row's context is its computed
+    tokens, as the step records the cost model is fitted on count it (start_pos)."""
     running = list(w.scheduler.running)
     decoding = {s.req.request_id for s in running}
     incoming = [r for r in seated if r.request_id not in decoding and not r.finished]
     cached = len(w.kv.lookup(req.page_hashes, req.num_prompt_tokens)) * w.kv.page_size if req is not None else 0
     return DeviceLoad(w.name, w.role, w.num_outstanding_prefill_tokens, len(running),
-                      sum(s.req.num_tokens for s in running), w.limits.max_num_seqs - len(seated),
+                      sum(s.req.num_computed_tokens for s in running), w.limits.max_num_seqs - len(seated),
                       prefill_share(w.records, now), w.kv.num_free * w.kv.page_size,
                       len(incoming), sum(r.num_prompt_tokens for r in incoming), cached)
 

@@ -19,6 +19,7 @@ from typing import Sequence
 from nodeserve.core.admission import QueueFull, SloAdmission, TooLarge
 from nodeserve.core.handoff import Handoff, Migrate, MigrationOutcome
 from nodeserve.core.load import DeviceLoad, Role
+from nodeserve.core.pending import PendingQueue
 from nodeserve.core.placer import Decision, Placer, Seated, StaticPlacer, plan_moves
 from nodeserve.core.request import Request
 from nodeserve.core.roles import RoleChange
@@ -28,8 +29,6 @@ from nodeserve.runtime.worker import Worker
 
 __all__ = ["QueueFull", "Router", "TooLarge"]
 
-MAX_SCAN = 16         # requests dispatch tries past the first one that cannot be placed now
-MAX_OVERTAKES = 64    # a request overtaken this often holds the queue until it is placed (no starvation)
 MAX_ROLE_CHANGES = 10_000  # kept for /debug/steps (the timeline); older ones are dropped
 
 
@@ -43,13 +42,12 @@ class Router:
         self.max_queued_tokens = max_queued_tokens
         self.placer: Placer = placer or StaticPlacer(local_prefill_threshold)
         self.admission = admission
-        self.pending: deque[Request] = deque()
+        self.pending: PendingQueue[Request] = PendingQueue()
         self.page_size = decode_workers[0].kv.page_size  # one page size on every device (kv.page_size)
         self.placements: dict[str, Worker] = {}  # request id -> its decode worker, from placement to release
         self.placed: dict[str, Request] = {}     # request id -> the request, for the same time
         self.moving: dict[str, Worker] = {}      # request id -> the worker it is moving to (a seat held there too)
         self.num_seats_taken: Counter[Worker] = Counter()  # per worker: decode seats held, moves included
-        self._overtaken: Counter[str] = Counter()  # request id -> placements made past it while it waited
         self.role_changes: deque[RoleChange] = deque(maxlen=MAX_ROLE_CHANGES)
         self.num_role_changes: Counter[str] = Counter()
         self.num_migrations: Counter[str] = Counter()  # by MigrationOutcome
@@ -106,29 +104,18 @@ class Router:
         if req not in self.pending:
             return False
         self.pending.remove(req)
-        self._overtaken.pop(req.request_id, None)
         return True
 
     # ---- placement -----------------------------------------------------------------------------------
     def dispatch(self) -> None:
-        """Places waiting requests, oldest first. One that cannot be placed now (no seat, or not its pages) is
-        passed over for up to MAX_SCAN later ones, so a request with a huge max_tokens does not hold up the
-        small ones behind it; once MAX_OVERTAKES placements have passed it, it holds the queue until it fits."""
-        i = 0
-        while i < len(self.pending) and i <= MAX_SCAN:
-            req = self.pending[i]
-            now = time.monotonic()
-            decision = self.placer.place(now, self.loads(now, req), req)
-            self._apply_roles(decision)
-            if decision.placed and self._reserve(req, decision):
-                del self.pending[i]
-                self._overtaken.pop(req.request_id, None)
-                for r in list(self.pending)[:i]:
-                    self._overtaken[r.request_id] += 1
-                continue
-            if self._overtaken[req.request_id] >= MAX_OVERTAKES:
-                return
-            i += 1
+        """Places waiting requests in the pending queue's order (core/pending.py)."""
+        self.pending.dispatch(self._place)
+
+    def _place(self, req: Request) -> bool:
+        now = time.monotonic()
+        decision = self.placer.place(now, self.loads(now, req), req)
+        self._apply_roles(decision)
+        return decision.placed and self._reserve(req, decision)
 
     def _reserve(self, req: Request, decision: Decision) -> bool:
         """Takes the pages the decision needs and sends the prompt; False (nothing taken) if they are gone."""

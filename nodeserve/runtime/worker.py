@@ -246,7 +246,8 @@ class Worker:
             return
         start = time.monotonic()
         for seq in batch.seqs[batch.num_decodes:]:
-            seq.req.prefill_start = seq.req.prefill_start or start
+            if seq.req.prefill_start is None:
+                seq.req.prefill_start = start
         outcomes = self._sample(batch, self._forward(batch))
         end = time.monotonic()
         decodes, prefills = batch.chunks[:batch.num_decodes], batch.chunks[batch.num_decodes:]

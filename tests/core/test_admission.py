@@ -113,6 +113,7 @@ def test_rejects_at_once_when_no_seat_is_left_and_queues_when_off():
 
 def test_snapshot_reads_workers():
     a, b = request(50, request_id="a"), request(300, request_id="b")
+    a.num_computed_tokens = 50  # prefilled: its next decode row attends these
     p, d = worker("cpu:0", "prefill", 700), worker("cpu:1", "decode")
     d.scheduler.running = [Seq(a, [])]  # "a" decodes; "b" prefills on cpu:0
     p, d = snapshot([p, d], [(d, a), (d, b)], now=0.0)

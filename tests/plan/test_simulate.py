@@ -1,5 +1,6 @@
 """The simulator on synthetic profiles: a tiny case by hand, batching and the handoff as the worker does them,
-and goodput that moves the obvious ways."""
+goodput that moves the obvious ways, and the policy core it runs: the placers on the runtime's load snapshots, the
+pending queue's order, moves, and every page given back."""
 
 from __future__ import annotations
 
@@ -7,8 +8,13 @@ import pytest
 
 from nodeserve import workloads
 from nodeserve.core.cost_model import CostModel, StepModel
+from nodeserve.core.handoff import STOP_PAGES, MigrationOutcome
+from nodeserve.core.load import DeviceLoad, Role
+from nodeserve.core.pending import MAX_OVERTAKES
 from nodeserve.core.placement import SloTarget, StepLimits
-from nodeserve.plan.simulate import Mode, attainment, candidate_modes, predict_goodput, simulate
+from nodeserve.core.placer import AdaptivePlacer, StaticPlacer
+from nodeserve.plan.simulate import (PAGE_SIZE, Mode, SimRequest, Simulation, attainment, candidate_modes,
+                                     predict_goodput, records, simulate)
 
 LIMITS = StepLimits(max_num_batched_tokens=1024, max_num_seqs=64)
 SLO = SloTarget(ttft_s=2.5, tpot_s=0.1, ttft_per_token_s=0.01)
@@ -111,8 +117,6 @@ def test_short_uniform_chat_prefers_colocated_to_a_split():
 
 
 def _run(work, mode, rate, coef=CPU):
-    from nodeserve.plan.simulate import SimRequest, Simulation
-
     sim = Simulation(cost(coef), mode, LIMITS, SLO)
     sim.run([SimRequest(t, p, m) for (p, m), t in zip(work, workloads.arrival_times("poisson", len(work), rate))])
     return sim
@@ -124,3 +128,88 @@ def test_adaptive_dedicates_a_device_to_long_prompts_and_never_for_short_ones():
     assert bimodal.role_changes and bimodal.role_changes[0].role == "prefill"
     short = _run(_work("short"), adaptive, 0.5)
     assert short.role_changes == []
+
+
+# ---- the simulator runs the engine's policy core -------------------------------------------------------------
+
+def _sim(mode, work, arrivals, limits=LIMITS, coef=(0.1, 0.01, 0, 0, 0), **kw):
+    sim = Simulation(cost(coef, names=tuple(mode.roles)), mode, limits, SLO, **kw)
+    return sim, sim.run([SimRequest(t, p, m) for (p, m), t in zip(work, arrivals)])
+
+
+def test_the_placer_is_the_cores_on_the_loads_the_runtime_builds():
+    # B is placed while A's prompt is still queued on the prefill device and A holds a seat on the decode device.
+    sim = Simulation(cost([0.1, 0.01, 0, 0, 0]), SPLIT, LIMITS, SLO, capacity_tokens=100 * PAGE_SIZE)
+    assert isinstance(sim.placer, StaticPlacer)
+    seen, place = [], sim.placer.place
+
+    def spy(now, loads, req):
+        seen.append((now, loads, req.num_prompt_tokens))
+        return place(now, loads, req)
+
+    sim.placer.place = spy
+    sim.run([SimRequest(0.0, 10, 3), SimRequest(0.05, 20, 5)])
+    assert [(now, n) for now, _, n in seen] == [(0.0, 10), (0.05, 20)]
+    assert seen[1][1] == [  # A's prompt pages taken on a, its decode pages (12 tokens) on b
+        DeviceLoad("a", Role.PREFILL, queued_prefill_tokens=10, free_seats=64, free_tokens=99 * PAGE_SIZE),
+        DeviceLoad("b", Role.DECODE, free_seats=63, free_tokens=99 * PAGE_SIZE, num_incoming=1, incoming_context=10)]
+    assert isinstance(Simulation(cost(CPU), candidate_modes(["a", "b"])[-1], LIMITS, SLO).placer, AdaptivePlacer)
+
+
+def test_the_decode_device_is_the_static_placers_most_free_kv():
+    # A holds 14 pages on d1, B one on d2: C goes where the most KV is free (d2 again), not where fewer requests are.
+    mode = Mode("1P:2D", {"p": "prefill", "d1": "decode", "d2": "decode"})
+    _, (a, b, c) = _sim(mode, [(10, 200), (10, 5), (10, 5)], [0.0, 0.01, 0.02])
+    assert (a.decode_dev, b.decode_dev, c.decode_dev) == ("d1", "d2", "d2")
+    assert a.prefill_dev == b.prefill_dev == c.prefill_dev == "p"
+
+
+def test_a_request_that_does_not_fit_yet_is_passed_over_by_smaller_ones():
+    # 10 pages of 16 tokens. A takes 4 (16 + 40 - 1 tokens), B would need 7: it waits for A's end while C (1 page)
+    # is placed past it, as the runtime router passes it over.
+    limits = StepLimits(max_num_batched_tokens=64, max_num_seqs=8)
+    _, (a, b, c) = _sim(COLOC1, [(16, 40), (16, 90), (8, 4)], [0.0, 0.01, 0.02], limits, capacity_tokens=160)
+    assert c.end < a.end < b.first_token
+    assert b.first_token == pytest.approx(a.end + 0.1 + 16 * 0.01)  # placed at A's release, prefilled alone
+
+
+def test_a_request_passed_over_max_overtakes_times_holds_the_queue():
+    # A holds 64 of 70 pages for a long decode; B needs 14 and waits for A's end. Small requests (1 page each) go
+    # past B until MAX_OVERTAKES have (and those placed in the same pass); the rest wait behind B.
+    limits = StepLimits(max_num_batched_tokens=256, max_num_seqs=256)
+    smalls = [(8, 2)] * (MAX_OVERTAKES + 10)
+    _, (a, b, *s) = _sim(COLOC1, [(16, 1000), (16, 200)] + smalls, [0.0, 0.0005] + [0.001] * len(smalls), limits,
+                         coef=(0.01, 0.001, 0, 0, 0), capacity_tokens=70 * PAGE_SIZE)
+    before = [r for r in s if r.first_token < b.first_token]
+    assert a.end < b.first_token
+    assert MAX_OVERTAKES <= len(before) < len(s)
+    assert all(r.end <= a.end for r in before) and all(r.first_token > a.end for r in s[len(before):])
+
+
+def test_a_request_that_can_never_fit_is_refused_not_queued():
+    # As the router's TooLarge: before, it held the queue forever and every request behind it.
+    _, (big, small) = _sim(COLOC1, [(100, 4), (10, 4)], [0.0, 0.0], capacity_tokens=64)
+    assert big.refused and small.end is not None
+    assert [r["ok"] for r in records([big, small])] == [False, True]
+
+
+@pytest.mark.parametrize("capacity", [float("inf"), 40_000])
+def test_every_page_and_seat_is_given_back(capacity):
+    work = _work("bimodal", 80)
+    for mode in candidate_modes(["a", "b", "c"]):
+        sim, reqs = _sim(mode, work, workloads.arrival_times("poisson", len(work), 0.6, 1), coef=CPU,
+                         capacity_tokens=capacity)
+        assert all(r.end is not None and r.num_out == r.max_tokens for r in reqs), mode.name
+        assert [d.kv.num_used for d in sim.devices.values()] == [0, 0, 0], mode.name
+        assert not sim.placements and not sim.moving and not sim.pending and not +sim.num_seats_taken
+
+
+def test_a_device_dedicated_to_prefill_moves_its_decodes_live():
+    # A slow link (a 50-token context takes 12 ms to copy): the pre-copy rounds run while the request keeps decoding
+    # on the source, and only its last pages' copy stops it.
+    work, c = _work("bimodal"), cost(CPU, bandwidth=2e8)
+    sim = Simulation(c, candidate_modes(["a", "b"])[-1], LIMITS, SLO)
+    sim.run([SimRequest(t, p, m) for (p, m), t in zip(work, workloads.arrival_times("poisson", len(work), 0.3))])
+    assert sim.role_changes[0].role == "prefill"
+    assert sim.num_migrations[MigrationOutcome.MOVED] == len(sim.migration_downtimes) > 0
+    assert all(0 < t <= c.transfer_time("a", "b", STOP_PAGES * PAGE_SIZE) for t in sim.migration_downtimes)

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 from nodeserve.core.handoff import Handoff, Migrate, MigrationOutcome
 from nodeserve.core.load import Role
 from nodeserve.core.placer import Decision
-from nodeserve.runtime.router import MAX_OVERTAKES, QueueFull, Router, TooLarge
+from nodeserve.core.pending import MAX_OVERTAKES
+from nodeserve.runtime.router import QueueFull, Router, TooLarge
 from nodeserve.runtime.worker import WorkerLimits
 from nodeserve.kv.manager import KVManager, OutOfPages
 from nodeserve.core.request import Request
@@ -237,6 +238,6 @@ def test_a_request_that_does_not_fit_now_does_not_hold_up_those_behind_it_for_ev
         router.admit(r)
     assert [p[0].request_id for p in a.prefills] == ["first", "s0", "s1"] and list(router.pending) == [huge, small[2]]
     # Passed over MAX_OVERTAKES times, it holds the queue: later requests wait behind it until it fits.
-    router._overtaken["huge"] = MAX_OVERTAKES
+    router.pending.num_overtaken[id(huge)] = MAX_OVERTAKES
     _finish(router, a, small[0], a.prefills[1][1])
     assert list(router.pending) == [huge, small[2]]
