@@ -12,6 +12,7 @@ devices until the source reports how it ended (on_migrated()).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, deque
 from typing import Sequence
@@ -28,6 +29,8 @@ from nodeserve.runtime.loads import snapshot
 from nodeserve.runtime.worker import Worker
 
 __all__ = ["QueueFull", "Router", "TooLarge"]
+
+log = logging.getLogger(__name__)
 
 MAX_ROLE_CHANGES = 10_000  # kept for /debug/steps (the timeline); older ones are dropped
 
@@ -157,8 +160,11 @@ class Router:
             self.workers[c.device].role = Role(c.role)
             self.role_changes.append(c)
             self.num_role_changes[c.device] += 1
+            log.info("adaptive: %s -> %s (%s)", c.device, c.role, c.reason)
         for name in decision.moves_from:
-            self.move_decodes(self.workers[name])
+            moved = self.move_decodes(self.workers[name])
+            if moved:
+                log.info("adaptive: %d requests move from %s to decode elsewhere", moved, name)
 
     def move_decodes(self, source: Worker) -> int:
         """`source` was just dedicated to prefill: every request holding a decode seat there moves to an adaptive

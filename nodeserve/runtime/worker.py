@@ -71,7 +71,6 @@ class Worker:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.num_outstanding_prefill_tokens = 0        # router's load signal for prefill placement
-        self.num_migrated_pages = 0                    # pages live migrations copied from here (metrics)
         self.records: deque[StepRecord] = deque(maxlen=100_000)
         self._last_turn = time.monotonic()             # for the watchdog: updated every loop turn
         self._stop = False
@@ -233,7 +232,6 @@ class Worker:
             transfer.copy_layer(layer, pages)
         h.num_sent_pages = end
         h.num_copied_pages += end - first
-        self.num_migrated_pages += end - first
 
     def _release_target(self, h: Handoff) -> None:
         """Gives a move's pages on the target back, after every copy already queued into them."""
