@@ -1,16 +1,14 @@
-"""A discrete-event simulation of nodeserve's router and workers on a measured cost model, behind `nodeserve plan`.
+"""A discrete-event simulation of nodeserve on a measured cost model, behind `nodeserve plan`.
 
-It runs the engine's own policy core on a virtual clock, with no copy of its rules: requests wait in the core's
-PendingQueue (core/pending.py: its dispatch order, MAX_SCAN, MAX_OVERTAKES), placement is a core placer
-(core/placer.py: StaticPlacer for colocated and disaggregated modes, AdaptivePlacer for adaptive mode) deciding on
-DeviceLoads built by the runtime's own runtime/loads.py from the virtual devices, each device batches with a core
-Scheduler (core/scheduler.py) over a KVManager (kv/manager.py) holding its pages, a dedicated device's decodes go
-where core.placer.plan_moves sends them, and a live move goes round by round as core.handoff.next_migration_step
-says. What is simulated here is only what the runtime does around them, mirrored from runtime/router.py (admit's
-size refusals, the page reservations of a placement, roles and moves) and runtime/worker.py (a turn: inbox,
-migrations, one step; what a step's StepOutput does): every step's duration is CostModel.step_time of its shape,
-a prefill's KV lands on its decode device CostModel.transfer_tail after the prefill ends, a pre-copy round or a
-move's last copy takes CostModel.transfer_time of its pages.
+It runs the engine's own control plane on a virtual clock, with no copy of its rules: the runtime's Router
+(runtime/router.py: admission's size checks, the core's PendingQueue order, the core placer's decisions, page
+reservations, role changes, moves and seats), given `clock=` this simulation's time, over virtual devices that
+offer it what a Worker does; each device batches with a core Scheduler (core/scheduler.py) over a KVManager
+(kv/manager.py) holding its pages, and a live move goes round by round as core.handoff.next_migration_step says.
+What is simulated here is only what a worker does around them (runtime/worker.py: a turn is inbox, migrations, one
+step; what a step's StepOutput does): every step's duration is CostModel.step_time of its shape, a prefill's KV
+lands on its decode device CostModel.transfer_tail after the prefill ends, a pre-copy round or a move's last copy
+takes CostModel.transfer_time of its pages.
 
 Requests are core Requests of dummy token ids; every sampled token is token 0 and requests run to max_tokens
 (ignore_eos, as the benchmark sends them). Scored with goodput.py exactly as bench/serve.py scores a live server,
@@ -18,9 +16,8 @@ on the same workloads (workloads.py).
 
 Not modelled: the event loop, tokenization and HTTP; the server's queue limits and SLO admission; the CPU the copy
 thread shares; copies on one link running one after another (each copy takes its own time, in parallel); the
-prefix cache (off); the router running as soon as a worker reports (here it runs at the end of the step that
-released, before that device's next step). With capacity_tokens infinite, each device's pool is sized so that
-pages never run out (equal on every device, so the placers choose as with infinite pools).
+prefix cache (off). With capacity_tokens infinite, each device's pool is sized so that pages never run out (equal
+on every device, so the placers choose as with infinite pools).
 """
 
 from __future__ import annotations
@@ -32,18 +29,17 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 from nodeserve import goodput
+from nodeserve.core.admission import TooLarge
 from nodeserve.core.cost_model import CostModel, StepShape
-from nodeserve.core.handoff import (Handoff, Migrate, Migration, MigrationOutcome, MigrationStep,
-                                    next_migration_step)
-from nodeserve.core.load import DeviceLoad, Role, SloTarget, StepLimits
-from nodeserve.core.pending import PendingQueue
-from nodeserve.core.placer import AdaptivePlacer, Decision, Placer, Seated, StaticPlacer, plan_moves
+from nodeserve.core.handoff import Handoff, Migrate, Migration, MigrationOutcome, MigrationStep, next_migration_step
+from nodeserve.core.load import Role, SloTarget, StepLimits
+from nodeserve.core.placer import AdaptivePlacer, Placer, StaticPlacer
 from nodeserve.core.request import Request, TokenEvent
 from nodeserve.core.roles import RoleChange
 from nodeserve.core.sampling_params import SamplingParams
 from nodeserve.core.scheduler import Batch, Scheduler, Seq, StepOutput, WorkerLimits
-from nodeserve.kv.manager import KVManager, OutOfPages
-from nodeserve.runtime.loads import snapshot
+from nodeserve.kv.manager import KVManager
+from nodeserve.runtime.router import Router
 
 PAGE_SIZE = 16                  # config's kv.page_size default
 MAX_MODEL_LEN = 1 << 62         # a request ends at max_tokens only
@@ -106,11 +102,13 @@ class StepRecord(NamedTuple):
 
 
 class SimDevice:
-    """A virtual device: what runtime/loads.worker_load reads of a Worker (name, role, limits, scheduler, kv,
-    num_outstanding_prefill_tokens, records), and its inbox of moves (handled between steps, as a worker does)."""
+    """A virtual device: what the runtime's Router and runtime/loads.worker_load use of a Worker (name, role, limits,
+    scheduler, kv, num_outstanding_prefill_tokens, records, add_prefill, send), and its inbox of moves (handled
+    between steps, as a worker does). What the router sends it is seen at a later event, as a worker sees what the
+    event loop sends it, so the router is never re-entered from inside its own dispatch."""
 
-    def __init__(self, name: str, role: Role, limits: WorkerLimits, num_pages: int):
-        self.name, self.role, self.limits = name, role, limits
+    def __init__(self, sim: Simulation, name: str, role: Role, limits: WorkerLimits, num_pages: int):
+        self.sim, self.name, self.role, self.limits = sim, name, role, limits
         self.kv = KVManager(num_pages, PAGE_SIZE)
         self.scheduler = Scheduler(self.kv, limits, frozenset())
         self.num_outstanding_prefill_tokens = 0
@@ -118,6 +116,17 @@ class SimDevice:
         self.inbox: list[Migrate] = []
         self.migrating: list[Seq] = []   # its requests that were asked to move live (some may have ended)
         self.busy = False   # in a turn or a step: what arrives now is seen at its next turn
+
+    def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None) -> None:
+        self.num_outstanding_prefill_tokens += req.num_prompt_tokens
+        self.scheduler.waiting.append(Seq(req, pages, handoff))
+        sim = self.sim._sim[req.request_id]
+        sim.prefill_dev, sim.decode_dev = self.name, (handoff.target if handoff else self).name
+        self.sim._at(self.sim.now, self.sim._turn, self)
+
+    def send(self, msg: Migrate) -> None:
+        self.inbox.append(msg)
+        self.sim._at(self.sim.now, self.sim._turn, self)
 
     def __repr__(self) -> str:
         return f"SimDevice({self.name!r}, {self.role!s})"
@@ -140,33 +149,31 @@ class Simulation:
                  local_prefill_threshold: int = 0, capacity_tokens: float = float("inf")):
         self.cost, self.mode, self.limits, self.slo = cost, mode, limits, slo
         self.threshold, self.capacity_tokens = local_prefill_threshold, capacity_tokens
+        self.roles = {d: Role(r) for d, r in mode.roles.items()}
         # As the engine orders its workers: prefill devices first.
-        roles = {d: Role(r) for d, r in mode.roles.items()}
-        self.names = [d for d, r in roles.items() if r == Role.PREFILL] + [d for d, r in roles.items()
-                                                                              if r != Role.PREFILL]
-        self.roles = roles
-        self.placer: Placer
-        if Role.ADAPTIVE in roles.values():
+        self.names = sorted(self.roles, key=lambda d: self.roles[d] != Role.PREFILL)
+        self.placer: Placer = StaticPlacer(local_prefill_threshold)
+        if Role.ADAPTIVE in self.roles.values():
             self.placer = AdaptivePlacer(lambda: cost, limits, slo, self.names)
-        else:
-            self.placer = StaticPlacer(local_prefill_threshold)
         self.devices: dict[str, SimDevice] = {}
-        self.role_changes: list[RoleChange] = []
-        self.num_migrations: Counter[str] = Counter()  # by MigrationOutcome, as the router counts them
-        self.migration_downtimes: list[float] = []     # seconds, of moves that resumed (0: moved before decoding)
-        # The router's state (runtime/router.py).
-        self.pending: PendingQueue[Request] = PendingQueue()
-        self.placements: dict[str, SimDevice] = {}   # request id -> its decode device, from placement to release
-        self.placed: dict[str, Request] = {}
-        self.moving: dict[str, SimDevice] = {}       # request id -> the device it is moving to
-        self.num_seats_taken: Counter[SimDevice] = Counter()
-        self._dispatching = self._dispatch_again = False
-        self._loads: list[DeviceLoad] | None = None  # within one dispatch: until something changed
+        self.router: Router | None = None
         self._sim: dict[str, SimRequest] = {}
         self._step_times: dict[tuple[str, StepShape], float] = {}  # the cost model's, for shapes seen before
         self._events: list = []
         self._seq = itertools.count()
         self.now = 0.0
+
+    @property
+    def role_changes(self) -> list[RoleChange]:
+        return list(self.router.role_changes) if self.router else []
+
+    @property
+    def num_migrations(self) -> Counter[str]:
+        return self.router.num_migrations if self.router else Counter()
+
+    @property
+    def migration_downtimes(self) -> list[float]:
+        return list(self.router.migration_downtimes) if self.router else []
 
     def _at(self, t: float, fn, *args) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn, args))
@@ -174,18 +181,20 @@ class Simulation:
     def run(self, requests: Sequence[SimRequest]) -> list[SimRequest]:
         num_pages = pool_pages(self.capacity_tokens, len(self.names), self.limits, requests)
         wl = WorkerLimits(self.limits.max_num_seqs, self.limits.max_num_batched_tokens, MAX_MODEL_LEN)
-        self.devices = {n: SimDevice(n, self.roles[n], wl, num_pages) for n in self.names}
-        self.workers = list(self.devices.values())
-        decoders = [d for d in self.workers if d.role != Role.PREFILL]
-        prefillers = [d for d in self.workers if d.role == Role.PREFILL]
-        self.max_seq_tokens = max(d.kv.num_usable * PAGE_SIZE for d in decoders)
-        self.max_prompt_tokens = min((d.kv.num_usable * PAGE_SIZE for d in prefillers), default=None)
+        self.devices = {n: SimDevice(self, n, self.roles[n], wl, num_pages) for n in self.names}
+        workers = list(self.devices.values())
+        # The engine's own router, on the virtual clock; its queue limits are not modelled (no request refused
+        # for them), its size checks are (TooLarge).
+        self.router = Router([w for w in workers if w.role == Role.PREFILL],
+                             [w for w in workers if w.role != Role.PREFILL], self.threshold,
+                             max_waiting=len(requests) + 1, max_queued_tokens=1 << 62, placer=self.placer,
+                             clock=lambda: self.now)
         for i, r in enumerate(requests):
             r.request = Request(str(i), [1] * r.prompt_len,
                                 SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True),
                                 arrival_time=r.arrival)
             self._sim[r.request.request_id] = r
-            self._at(r.arrival, self._admit, r.request)
+            self._at(r.arrival, self._admit, r)
         while self._events:
             self.now, _, fn, args = heapq.heappop(self._events)
             fn(*args)
@@ -194,144 +203,22 @@ class Simulation:
             r.num_out, r.first_token = len(req.output_ids), req.prefill_end
         return list(requests)
 
-    # ---- the router (runtime/router.py) ------------------------------------------------------------------
-    def loads(self) -> list[DeviceLoad]:
-        """Every device's load now, as Router.loads builds it (runtime/loads.snapshot); no prefix cache."""
-        seats = [(w, self.placed[rid]) for rid, w in [*self.placements.items(), *self.moving.items()]]
-        return snapshot(self.workers, seats, self.now)
-
-    def _admit(self, req: Request) -> None:
-        # Router.admit's TooLarge: never fits a device's KV. (Its queue limits and SLO admission are not modelled.)
-        if req.max_total_tokens > self.max_seq_tokens or (
-                self.max_prompt_tokens is not None and req.num_prompt_tokens >= self.threshold
-                and req.num_prompt_tokens > self.max_prompt_tokens):
-            self._sim[req.request_id].refused = True
-            return
-        self.placer.observe(self.now, req)
-        self.pending.append(req)
-        self._dispatch()
-
-    def _dispatch(self) -> None:
-        """Router.dispatch: the pending queue's order (core/pending.py) over Router._place."""
-        if self._dispatching:  # called back from a move it started: once more when it is done (the router's
-            self._dispatch_again = True  # event loop runs that call after this one)
-            return
-        self._dispatching = True
+    def _admit(self, r: SimRequest) -> None:
         try:
-            self._dispatch_again = True
-            while self._dispatch_again:
-                self._dispatch_again = False
-                self._loads = None
-                self.pending.dispatch(self._place)
-        finally:
-            self._dispatching = False
-
-    def _place(self, req: Request) -> bool:
-        """Router._place. The loads are built again only once something changed: a request that could not be placed
-        and changed no role leaves them as they were (the virtual clock stands still within a dispatch)."""
-        if self._loads is None:
-            self._loads = self.loads()
-        decision = self.placer.place(self.now, self._loads, req)
-        if decision.role_changes or decision.moves_from:
-            self._loads = None
-        self._apply_roles(decision)
-        if decision.placed and self._reserve(req, decision):
-            self._loads = None
-            return True
-        return False
-
-    def _reserve(self, req: Request, decision: Decision) -> bool:
-        """Router._reserve: its decode pages on the decode device, its prompt's on the prefill device if another."""
-        decode, prefill = self.devices[decision.decode], self.devices[decision.prefill]
-        n = req.num_prompt_tokens
-        try:
-            pages, num_cached_tokens = decode.kv.allocate_prompt(req.page_hashes, n,
-                                                                 decode.kv.pages_for(req.max_total_tokens))
-        except OutOfPages:
-            return False
-        if prefill is not decode:
-            try:
-                prompt_pages, num_prompt_cached = prefill.kv.allocate_prompt(req.page_hashes, n,
-                                                                             prefill.kv.pages_for(n))
-            except OutOfPages:
-                decode.kv.free(pages)
-                return False
-        self.placements[req.request_id], self.placed[req.request_id] = decode, req
-        self.num_seats_taken[decode] += 1
-        sim = self._sim[req.request_id]
-        sim.prefill_dev, sim.decode_dev = prefill.name, decode.name
-        if prefill is decode:
-            req.num_computed_tokens = req.num_cached_tokens = num_cached_tokens
-            self._add_prefill(decode, Seq(req, pages))
-        else:
-            req.num_computed_tokens = req.num_cached_tokens = num_prompt_cached
-            self._add_prefill(prefill, Seq(req, prompt_pages, Handoff(decode.name, pages,
-                                                                      num_cached_tokens // PAGE_SIZE)))
-        return True
+            self.router.admit(r.request)
+        except TooLarge:  # it can never fit a device's KV
+            r.refused = True
 
     def _release(self, reqs: Sequence[Request]) -> None:
-        """Router.release of each (its decode device gave back every page it held), then dispatch."""
+        """What the engine does when a worker reports requests released: Router.release each, then dispatch."""
         for req in reqs:
-            worker = self.placements.pop(req.request_id, None)
-            self.placed.pop(req.request_id, None)
-            if worker is not None:
-                self.num_seats_taken[worker] -= 1
-            target = self.moving.pop(req.request_id, None)
-            if target is not None:
-                self.num_seats_taken[target] -= 1
-        self._dispatch()
-
-    def _apply_roles(self, decision: Decision) -> None:
-        for c in decision.role_changes:
-            self.devices[c.device].role = Role(c.role)
-            self.role_changes.append(c)
-        for name in decision.moves_from:
-            self._move_decodes(self.devices[name])
-
-    def _move_decodes(self, source: SimDevice) -> None:
-        """Router.move_decodes: every request holding a decode seat on `source` moves where plan_moves says."""
-        seated = [Seated(rid, source.kv.pages_for(self.placed[rid].max_total_tokens) * PAGE_SIZE)
-                  for rid, w in self.placements.items() if w is source and rid not in self.moving
-                  and not self.placed[rid].finished]
-        for rid, target in plan_moves(seated, self.loads()):
-            self._migrate(self.placed[rid], self.devices[target])
-
-    def _migrate(self, req: Request, target: SimDevice) -> bool:
-        """Router.migrate: reserves its pages on `target` and asks its source to move it."""
-        source = self.placements.get(req.request_id)
-        if source is None or source is target or req.request_id in self.moving or req.finished:
-            return False
-        if self.num_seats_taken[target] >= target.limits.max_num_seqs:
-            return False
-        try:
-            pages = target.kv.allocate(target.kv.pages_for(req.max_total_tokens))
-        except OutOfPages:
-            return False
-        self.moving[req.request_id] = target
-        self.num_seats_taken[target] += 1
-        source.inbox.append(Migrate(req, Handoff(target.name, pages)))
-        self._turn(source)
-        return True
+            self.router.release(req)
+        self.router.dispatch()
 
     def _on_migrated(self, req: Request, outcome: MigrationOutcome, downtime: float = 0.0) -> None:
-        """Router.on_migrated."""
-        self.num_migrations[outcome] += 1
-        rid = req.request_id
-        if outcome is MigrationOutcome.MOVED and rid in self.moving:
-            self.migration_downtimes.append(downtime)
-            self.num_seats_taken[self.placements[rid]] -= 1
-            self.placements[rid] = self.moving.pop(rid)
-            self._sim[rid].decode_dev = self.placements[rid].name
-        elif outcome in (MigrationOutcome.NOT_RUNNING, MigrationOutcome.NO_CONVERGENCE) and rid in self.moving:
-            self.num_seats_taken[self.moving.pop(rid)] -= 1
-        self._dispatch()
+        self.router.on_migrated(req, outcome, downtime)
 
     # ---- the workers (runtime/worker.py) -----------------------------------------------------------------
-    def _add_prefill(self, d: SimDevice, seq: Seq) -> None:
-        d.num_outstanding_prefill_tokens += seq.req.num_prompt_tokens
-        d.scheduler.waiting.append(seq)
-        self._turn(d)
-
     def _turn(self, d: SimDevice) -> None:
         """One turn of an idle worker's loop: its inbox (moves), its migrations, then a step if it has work. A
         busy one sees what arrived at its next turn, after its step."""
@@ -383,7 +270,8 @@ class Simulation:
             if id(seq) in ended:  # ended while moving: nothing left to copy but what is in flight (not timed)
                 self._hand_off(d, seq, 0.0)
             else:  # prefilled here: the layers' copies ran with the prefill, the tail is left
-                self._hand_off(d, seq, self.cost.transfer_tail(d.name, seq.handoff.target, seq.req.num_prompt_tokens,
+                self._hand_off(d, seq, self.cost.transfer_tail(d.name, seq.handoff.target.name,
+                                                               seq.req.num_prompt_tokens,
                                                                self.now - seq.req.prefill_start))
         for seq in out.migrations_ended:
             self._on_migrated(seq.req, MigrationOutcome.FINISHED)
@@ -393,8 +281,7 @@ class Simulation:
     def _hand_off(self, d: SimDevice, seq: Seq, delay: float, migrated_at: float | None = None) -> None:
         """Worker._hand_off: after `delay` the KV is on the target, and its pages here are given back."""
         src, seq.page_table = seq.page_table, []
-        self._at(self.now + delay, self._receive, d, self.devices[seq.handoff.target], seq.req, seq.handoff, src,
-                 migrated_at)
+        self._at(self.now + delay, self._receive, d, seq.handoff.target, seq.req, seq.handoff, src, migrated_at)
 
     def _receive(self, source: SimDevice, d: SimDevice, req: Request, h: Handoff, src_pages: list[int],
                  migrated_at: float | None) -> None:
@@ -402,6 +289,7 @@ class Simulation:
         source.kv.free(src_pages)
         if not req.finished:
             d.scheduler.start_decode(Seq(req, h.pages, num_published=h.num_cached_pages), self.now)
+            self._sim[req.request_id].decode_dev = d.name
             if migrated_at is not None:
                 self._on_migrated(req, MigrationOutcome.MOVED, self.now - migrated_at)
             self._turn(d)
@@ -416,7 +304,7 @@ class Simulation:
         sched = d.scheduler
         seq = next((s for s in [*sched.running, *sched.waiting] if s.req is req), None)
         if seq is None or seq.handoff is not None or seq.migration is not None or req.finished:
-            self.devices[h.target].kv.free(h.pages)
+            h.target.kv.free(h.pages)
             if not req.finished:
                 self._on_migrated(req, MigrationOutcome.NOT_RUNNING)
             return
@@ -440,12 +328,12 @@ class Simulation:
             h = m.handoff
             if step is MigrationStep.GIVE_UP:
                 seq.migration = None
-                self.devices[h.target].kv.free(h.pages)
+                h.target.kv.free(h.pages)
                 self._on_migrated(req, MigrationOutcome.NO_CONVERGENCE)
                 continue
             end = (-(-req.num_computed_tokens // PAGE_SIZE) if step is MigrationStep.STOP
                    else req.num_computed_tokens // PAGE_SIZE)  # a round sends full pages only
-            copy = self.cost.transfer_time(d.name, h.target, max(end - h.num_sent_pages, 0) * PAGE_SIZE)
+            copy = self.cost.transfer_time(d.name, h.target.name, max(end - h.num_sent_pages, 0) * PAGE_SIZE)
             if end > h.num_sent_pages:
                 h.num_copied_pages += end - h.num_sent_pages
                 h.num_sent_pages = end

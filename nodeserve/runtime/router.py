@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from nodeserve.core.admission import QueueFull, SloAdmission, TooLarge
 from nodeserve.core.handoff import Handoff, Migrate, MigrationOutcome
@@ -26,7 +26,9 @@ from nodeserve.core.request import Request
 from nodeserve.core.roles import RoleChange
 from nodeserve.kv.manager import OutOfPages, hash_pages
 from nodeserve.runtime.loads import snapshot
-from nodeserve.runtime.worker import Worker
+
+if TYPE_CHECKING:
+    from nodeserve.runtime.worker import Worker
 
 __all__ = ["QueueFull", "Router", "TooLarge"]
 
@@ -38,13 +40,18 @@ MAX_ROLE_CHANGES = 10_000  # kept for /debug/steps (the timeline); older ones ar
 class Router:
     def __init__(self, prefill_workers: list[Worker], decode_workers: list[Worker],
                  local_prefill_threshold: int, max_waiting: int, max_queued_tokens: int,
-                 placer: Placer | None = None, admission: SloAdmission | None = None):
+                 placer: Placer | None = None, admission: SloAdmission | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        """Workers: anything with a worker's name, role, limits, kv, scheduler, records, prefill backlog,
+        add_prefill() and send(): the engine's threads, or the simulator's virtual devices (plan/simulate.py),
+        which run this same router on a virtual `clock`."""
         self.prefill_workers, self.decode_workers = prefill_workers, decode_workers
         self.workers = {w.name: w for w in prefill_workers + decode_workers}
         self.local_prefill_threshold, self.max_waiting = local_prefill_threshold, max_waiting
         self.max_queued_tokens = max_queued_tokens
         self.placer: Placer = placer or StaticPlacer(local_prefill_threshold)
         self.admission = admission
+        self.clock = clock
         self.pending: PendingQueue[Request] = PendingQueue()
         self.page_size = decode_workers[0].kv.page_size  # one page size on every device (kv.page_size)
         self.placements: dict[str, Worker] = {}  # request id -> its decode worker, from placement to release
@@ -95,7 +102,7 @@ class Router:
         if self.num_queued_tokens + req.num_prompt_tokens > self.max_queued_tokens:
             raise QueueFull(f"{self.num_queued_tokens} prompt tokens are already queued")
         req.page_hashes = hash_pages(req.prompt_ids, self.page_size)
-        now = time.monotonic()
+        now = self.clock()
         self.placer.observe(now, req)
         if self.admission is not None:
             self.admission.check(self.loads(now, req), req, sum(r.num_prompt_tokens for r in self.pending))
@@ -115,7 +122,7 @@ class Router:
         self.pending.dispatch(self._place)
 
     def _place(self, req: Request) -> bool:
-        now = time.monotonic()
+        now = self.clock()
         decision = self.placer.place(now, self.loads(now, req), req)
         self._apply_roles(decision)
         return decision.placed and self._reserve(req, decision)
@@ -172,7 +179,7 @@ class Router:
         seated = [Seated(rid, source.kv.pages_for(self.placed[rid].max_total_tokens) * self.page_size)
                   for rid, w in self.placements.items() if w is source and rid not in self.moving
                   and not self.placed[rid].finished and not self.placed[rid].aborted]
-        moves = plan_moves(seated, self.loads(time.monotonic()))
+        moves = plan_moves(seated, self.loads(self.clock()))
         return sum(self.migrate(self.placed[rid], self.workers[target]) for rid, target in moves)
 
     def migrate(self, req: Request, target: Worker, live: bool = True) -> bool:
