@@ -74,6 +74,7 @@ class DeviceState:
     num_prefix_queried_tokens: int = 0  # cumulative, per device: prompt tokens looked up in its prefix cache
     num_prefix_hit_tokens: int = 0      # ... and found there
     num_role_changes: int = 0           # cumulative: role changes (adaptive mode)
+    num_batch_failures: int = 0         # cumulative: batched forwards that raised (each request then re-run alone)
 
 
 class _StateCollector(Collector):
@@ -103,6 +104,9 @@ class _StateCollector(Collector):
                                 labels=d),
             CounterMetricFamily(PREFIX + "device_role_changes", "Role changes of a device (adaptive mode).",
                                 labels=d),
+            CounterMetricFamily(PREFIX + "batch_failures", "Batched forwards on a device that raised; each of their "
+                                "requests was then run alone (slower), and only those failing again ended.",
+                                labels=d),
         )
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
@@ -110,7 +114,7 @@ class _StateCollector(Collector):
         return self._families()
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        running, waiting, used, free, usage, queries, hits, role_changes = fams = self._families()
+        running, waiting, used, free, usage, queries, hits, role_changes, batch_failures = fams = self._families()
         states: Sequence[Any] = ()
         num_pending = None
         if self.source is not None:
@@ -123,24 +127,26 @@ class _StateCollector(Collector):
             waiting.add_metric([self.model_name, "router", "admission"], num_pending)
         # Sum by label set: one sample per series even if a device ever hosts two workers.
         by_role: dict[tuple[str, str], list[int]] = {}
-        by_dev: dict[str, list[int]] = {}  # pages, free, queried tokens, hit tokens, role changes
+        by_dev: dict[str, list[int]] = {}  # pages, free, queried tokens, hit tokens, role changes, batch failures
         for s in states:
             r = by_role.setdefault((s.device, s.role), [0, 0])
             r[0] += s.num_running
             r[1] += s.num_waiting
-            p = by_dev.setdefault(s.device, [0, 0, 0, 0, 0])
+            p = by_dev.setdefault(s.device, [0, 0, 0, 0, 0, 0])
             p[0] += s.num_pages
             p[1] += s.num_free
             p[2] += getattr(s, "num_prefix_queried_tokens", 0)
             p[3] += getattr(s, "num_prefix_hit_tokens", 0)
             p[4] += getattr(s, "num_role_changes", 0)
+            p[5] += getattr(s, "num_batch_failures", 0)
         for (dev, role), (n_run, n_wait) in by_role.items():
             running.add_metric([self.model_name, dev, role], n_run)
             waiting.add_metric([self.model_name, dev, role], n_wait)
-        for dev, (n_pages, n_free, n_queried, n_hit, n_roles) in by_dev.items():
+        for dev, (n_pages, n_free, n_queried, n_hit, n_roles, n_failures) in by_dev.items():
             queries.add_metric([self.model_name, dev], n_queried)
             hits.add_metric([self.model_name, dev], n_hit)
             role_changes.add_metric([self.model_name, dev], n_roles)
+            batch_failures.add_metric([self.model_name, dev], n_failures)
             used.add_metric([self.model_name, dev], n_pages - n_free)
             free.add_metric([self.model_name, dev], n_free)
             usage.add_metric([self.model_name, dev], (n_pages - n_free) / n_pages if n_pages else 0.0)

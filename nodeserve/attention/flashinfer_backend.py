@@ -116,7 +116,9 @@ class FlashInferAttention(PagedAttention):
             torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         graph = {}
         if graph_batch_size is not None:
-            max_num_pages = pool.num_pages + graph_batch_size
+            # Pages may repeat within a step (requests sharing a cached prefix list the same pages), so the index
+            # buffer is sized for every row at the model's longest context, not for the pool: ~128 KiB at 64 rows.
+            max_num_pages = graph_batch_size * -(-cfg.max_position_embeddings // pool.page_size) + graph_batch_size
             graph = dict(use_cuda_graph=True,
                          paged_kv_indptr_buffer=torch.zeros(graph_batch_size + 1, dtype=torch.int32, device=device),
                          paged_kv_indices_buffer=torch.zeros(max_num_pages, dtype=torch.int32, device=device),

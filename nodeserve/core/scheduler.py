@@ -16,6 +16,11 @@ from nodeserve.kv.manager import KVManager, hash_pages
 from nodeserve.core.request import Request, TokenEvent
 
 FORWARD_FAILED = "the model's forward pass failed for this request (the error is in the server log)"
+SAMPLING_FAILED = "sampling the next token failed for this request (the error is in the server log)"
+
+
+class SamplingFailed(Exception):
+    """A request's sampling raised (its own parameters or grammar); the others in its batch were sampled."""
 
 
 @dataclass
@@ -106,7 +111,8 @@ class Scheduler:
             req, n = seq.req, len(chunk.token_ids)
             if isinstance(outcome, Exception):
                 # The exception is in the server log; the client gets no raw exception text.
-                out.events.append((req, TokenEvent(None, finish_reason="error", error=FORWARD_FAILED)))
+                error = SAMPLING_FAILED if isinstance(outcome, SamplingFailed) else FORWARD_FAILED
+                out.events.append((req, TokenEvent(None, finish_reason="error", error=error)))
                 self._retire(seq, out)
                 continue
             if i >= batch.num_decodes:  # the first chunk also settles what the cache spared

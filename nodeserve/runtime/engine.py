@@ -57,6 +57,7 @@ class PoolStats:
     num_prefix_queried_tokens: int
     num_prefix_hit_tokens: int
     num_role_changes: int
+    num_batch_failures: int
 
 
 class Engine:
@@ -288,7 +289,7 @@ class Engine:
         changes = self.router.num_role_changes if self.router else {}
         return [PoolStats(w.name, str(w.role), w.kv.num_usable, w.kv.num_free, len(w.scheduler.running),
                           len(w.scheduler.waiting), w.kv.num_queried_tokens, w.kv.num_hit_tokens,
-                          changes.get(w.name, 0)) for w in self.workers]
+                          changes.get(w.name, 0), w.num_batch_failures) for w in self.workers]
 
     def role_changes(self, since: float = 0.0) -> list[list]:
         """Adaptive mode's role changes at or after `since`: [time, device, new role, reason] (server clock)."""

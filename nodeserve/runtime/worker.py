@@ -28,7 +28,7 @@ from nodeserve.core.handoff import (Arrival, CopyPlan, FreePages, Handoff, Migra
                                     MigrationStep, Prefill, copy_plan, next_migration_step)
 from nodeserve.core.load import Role
 from nodeserve.core.request import Request, TokenEvent
-from nodeserve.core.scheduler import Batch, Scheduler, Seq, StepOutput, WorkerLimits
+from nodeserve.core.scheduler import Batch, SamplingFailed, Scheduler, Seq, StepOutput, WorkerLimits
 from nodeserve.device import Device
 from nodeserve.runtime.model_runner import ModelRunner
 from nodeserve.sampling.sampler import Sampler
@@ -71,6 +71,7 @@ class Worker:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.num_outstanding_prefill_tokens = 0        # router's load signal for prefill placement
+        self.num_batch_failures = 0                    # batched forwards that raised (/metrics)
         self.records: deque[StepRecord] = deque(maxlen=100_000)
         self._last_turn = time.monotonic()             # for the watchdog: updated every loop turn
         self._stop = False
@@ -268,8 +269,10 @@ class Worker:
             results: list[torch.Tensor | Exception | None] = [next(rows) if c.want_logits else None for c in chunks]
             plan.commit(range(len(chunks)))
             return results
-        except Exception:
-            pass  # find which request fails, alone
+        except Exception as e:  # find which request fails, alone: slower, so say so every time
+            self.num_batch_failures += 1
+            log.warning("worker %s: a batch of %d sequences failed (%s: %s); running each alone", self.name,
+                        len(chunks), type(e).__name__, e)
         results = []
         for i, (seq, chunk) in enumerate(zip(batch.seqs, chunks)):
             plan = self._copy_plan(batch, [i])
@@ -284,21 +287,37 @@ class Worker:
         return results
 
     def _sample(self, batch: Batch, results: list[torch.Tensor | Exception | None]) -> list[TokenEvent | Exception | None]:
-        """One batched sampler call over the rows that have logits."""
+        """One batched sampler call over the rows that have logits. If it raises, each row is sampled alone, so a
+        request whose sampling fails (its parameters, its grammar) fails alone, as a failed forward does."""
         rows = [i for i, r in enumerate(results) if isinstance(r, torch.Tensor)]
+        outcomes: list[TokenEvent | Exception | None] = list(results)
         if not rows:
-            return list(results)
+            return outcomes
+        try:
+            outcomes_of = self._sample_rows(batch, results, rows)
+        except Exception:
+            outcomes_of = {}
+            for i in rows:
+                try:
+                    outcomes_of.update(self._sample_rows(batch, results, [i]))
+                except Exception as e:
+                    log.error("worker %s: sampling request %s failed: %s\n%s", self.name,
+                              batch.seqs[i].req.request_id, e, "".join(traceback.format_exception(e)))
+                    outcomes_of[i] = SamplingFailed(str(e))
+        for i, outcome in outcomes_of.items():
+            outcomes[i] = outcome
+        return outcomes
+
+    def _sample_rows(self, batch: Batch, results: list, rows: list[int]) -> dict[int, TokenEvent]:
         reqs = [batch.seqs[i].req for i in rows]
         for req in reqs:
             req.generator = self.sampler.request_generator(req.generator, req.params.seed, len(req.output_ids))
         out = self.sampler(torch.stack([results[i] for i in rows]), [r.params for r in reqs],
                            [r.prompt_ids for r in reqs], [r.output_ids for r in reqs], [r.generator for r in reqs],
                            [r.grammar for r in reqs])
-        outcomes: list[TokenEvent | Exception | None] = list(results)
-        for k, i in enumerate(rows):
-            outcomes[i] = TokenEvent(out.token_ids[k], out.logprobs[k] if out.logprobs is not None else None,
-                                     out.top_logprobs[k] if out.top_logprobs is not None else None)
-        return outcomes
+        return {i: TokenEvent(out.token_ids[k], out.logprobs[k] if out.logprobs is not None else None,
+                              out.top_logprobs[k] if out.top_logprobs is not None else None)
+                for k, i in enumerate(rows)}
 
     def _finish(self, out: StepOutput) -> None:
         """Acts on a step's outcome: hands prefilled requests to their transfers, reports what ended."""

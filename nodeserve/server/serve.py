@@ -172,7 +172,8 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     state.engine = engine
     state.metrics.set_state_source(lambda: [DeviceState(s.device, s.role, s.num_running, s.num_waiting,
                                                         s.num_pages, s.num_free, s.num_prefix_queried_tokens,
-                                                        s.num_prefix_hit_tokens, s.num_role_changes)
+                                                        s.num_prefix_hit_tokens, s.num_role_changes,
+                                                        s.num_batch_failures)
                                                         for s in engine.pool_stats()],
                                    pending=lambda: engine.num_pending)
     state.status = "ready"

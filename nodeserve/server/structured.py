@@ -23,7 +23,8 @@ from nodeserve.server.protocol import APIError, ChatRequest
 from nodeserve.server.tool_parsers import ToolFormat
 from nodeserve.tokenizer import Tokenizer
 
-MAX_CACHED_GRAMMARS = 256
+MAX_CACHED_GRAMMARS = 256              # compiled grammars kept, least recently used out first
+MAX_CACHED_GRAMMAR_BYTES = 256 * 2**20  # and their memory at most (a big schema's compiled form is MBs)
 
 
 def grammar_spec(req: ChatRequest, fmt: ToolFormat | None) -> tuple[str, str, Any] | None:
@@ -47,13 +48,18 @@ def grammar_spec(req: ChatRequest, fmt: ToolFormat | None) -> tuple[str, str, An
 
 
 class Grammars:
-    """Compiles grammars for one model's vocabulary (once each: an LRU cache) and makes matchers."""
+    """Compiles grammars for one model's vocabulary (once each: an LRU cache bounded in count and bytes) and makes
+    matchers. xgrammar's own compile cache is off: unbounded by default and keyed by the grammar, it kept every
+    distinct client schema for good, whatever this LRU evicted."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_cached: int = MAX_CACHED_GRAMMARS,
+                 max_cached_bytes: int = MAX_CACHED_GRAMMAR_BYTES):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.max_cached, self.max_cached_bytes = max_cached, max_cached_bytes
         self._compiler = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Any] = OrderedDict()
+        self.num_cached_bytes = 0
 
     def compiler(self):
         with self._lock:
@@ -62,7 +68,7 @@ class Grammars:
 
                 info = xgr.TokenizerInfo(self.tokenizer.token_bytes(), xgr.VocabType.RAW, vocab_size=self.vocab_size,
                                          stop_token_ids=sorted(self.tokenizer.eos_token_ids))
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def compile(self, spec: tuple[str, str, Any]) -> Any:
@@ -92,9 +98,13 @@ class Grammars:
             raise APIError(400, f"'{param}' is not a JSON schema nodeserve can enforce: {_reason(e)}",
                            param=param) from None
         with self._lock:
-            self._cache[key] = compiled
-            if len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
+            if key not in self._cache:  # (another thread may have compiled it meanwhile)
+                self._cache[key] = compiled
+                self.num_cached_bytes += compiled.memory_size_bytes
+            while len(self._cache) > 1 and (len(self._cache) > self.max_cached
+                                            or self.num_cached_bytes > self.max_cached_bytes):
+                _, old = self._cache.popitem(last=False)
+                self.num_cached_bytes -= old.memory_size_bytes
         return compiled
 
     @staticmethod

@@ -71,7 +71,7 @@ def _backend(cls, kv: torch.Tensor, num_layers: int = 1, dtype: torch.dtype = to
 
     from nodeserve.kv.pool import KVPool
 
-    cfg = SimpleNamespace(num_layers=num_layers, num_heads=H, num_kv_heads=KH, head_dim=D)
+    cfg = SimpleNamespace(num_layers=num_layers, num_heads=H, num_kv_heads=KH, head_dim=D, max_position_embeddings=4096)
     pool = KVPool(cfg, kv.shape[0], kv.shape[2], dtype, kv.device)
     for layer in pool.layers:
         layer.copy_(kv)
@@ -476,6 +476,25 @@ def test_graph_plan_does_not_wait_for_queued_gpu_work():
     done = time.perf_counter()
     assert busy, "the matmuls finished before plan returned: the test cannot tell blocking from not"
     assert returned - queued < (done - start) / 2, (returned - queued, done - start)
+
+
+@needs_flashinfer
+def test_a_graph_decode_batch_may_list_the_same_pages_many_times():
+    """Requests sharing a cached prefix list the same pages: 4 rows x 10 pages on a 12-page pool are 40 indices,
+    more than the pool's pages + the bucket (the buffer size before), which made plan() raise in every such step
+    (then each request ran alone, silently)."""
+    from nodeserve.attention.base import AttentionMetadata
+    from nodeserve.attention.flashinfer_backend import FlashInferAttention
+
+    device = torch.device("cuda", 0)
+    kv = torch.randn(12, 2, 16, KH, D, device=device, dtype=torch.bfloat16)
+    backend = _backend(FlashInferAttention, kv, graph_batch_size=4)
+    tables = [list(range(10))] * 4
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([9 * 16 + 5] * 4, device=device),
+        page_tables=torch.tensor(tables, device=device), seq_lens=torch.tensor([150] * 4, device=device),
+        query_lens=[1] * 4, seq_lens_host=[150] * 4, num_decodes=4, page_size=16, page_tables_host=tables)
+    backend.prepare(meta)  # raised before
 
 
 @needs_flashinfer

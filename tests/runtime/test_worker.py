@@ -90,6 +90,7 @@ def test_a_fault_in_one_request_fails_only_that_request():
         _turn(worker)
     assert [ev.token_id for req, ev in events if req is good] == [4, 5, 6, 7]
     assert worker.kv.num_used == 0 and set(released) == {good, bad}
+    assert worker.num_batch_failures == 1  # counted (nodeserve:batch_failures_total) and logged, never silent
 
 
 def test_an_aborted_request_gives_its_pages_back_at_the_next_turn():
@@ -267,3 +268,32 @@ def test_a_failed_batch_does_not_count_its_pages_as_sent_so_the_solo_retry_sends
     copies = [j for j in jobs if j[0] == "copy"]
     assert copies == [("copy", layer, ([table[0]], [100], ("remote",))) for layer in range(3)]
     assert jobs[-1] == ("finish", "remote", table, 1)  # handed off with its one (partial) page copied once
+
+
+def test_a_request_whose_sampling_raises_fails_alone():
+    """An exception in the batched sampler failed every request on the device (fail_all); now the rows are sampled
+    one by one and only the one that raises ends, with a message that names sampling."""
+    from nodeserve.core.scheduler import SAMPLING_FAILED
+
+    worker, runner, events, released = _worker()
+    sample = worker.sampler.__call__
+
+    class Picky:  # raises for any batch holding a request seeded 13
+        def __call__(self, logits, params, *args):
+            if any(p.seed == 13 for p in params):
+                raise RuntimeError("injected sampling fault")
+            return sample(logits, params, *args)
+
+        def request_generator(self, *args):
+            return None
+
+    worker.sampler = Picky()
+    good = _admit(worker, [1, 2, 3], max_tokens=3)
+    bad = Request("bad", [5, 6], SamplingParams(max_tokens=3, temperature=0, seed=13))
+    worker.add_prefill(bad, worker.kv.allocate(worker.kv.pages_for(bad.max_total_tokens)))
+    for _ in range(4):
+        _turn(worker)
+    assert [ev.token_id for r, ev in events if r is good] == [4, 5, 6]
+    ends = {r.request_id: ev for r, ev in events if ev.finish_reason is not None}
+    assert ends["bad"].finish_reason == "error" and ends["bad"].error == SAMPLING_FAILED
+    assert ends[good.request_id].finish_reason == "length" and worker.kv.num_used == 0

@@ -58,3 +58,19 @@ def test_forced_call_grammar_accepts_exactly_the_call(smollm2_tokenizer):
     assert m.is_completed()
     for bad in ('<tool_call>\n{"name": "g", ', '{"name"', '<tool_call>\n{"name": "f", "arguments": {"x": "3"'):
         assert not grammars.matcher(grammars.compile(spec)).accept_string(bad)
+
+
+def test_the_compile_cache_is_bounded_in_count_and_bytes_and_xgrammar_keeps_nothing(smollm2_tokenizer):
+    """xgrammar's GrammarCompiler caches every grammar it compiles, unbounded, by default: the LRU around it
+    limited nothing. Its cache is off, and the LRU holds at most max_cached grammars and max_cached_bytes."""
+    specs = [("json", "response_format", {"type": "object", "properties": {f"k{i}": {"type": "integer"}}})
+             for i in range(4)]
+    grammars = Grammars(smollm2_tokenizer, 49152, max_cached=3)
+    first = [grammars.compile(s) for s in specs]
+    assert len(grammars._cache) == 3 and grammars.compiler().get_cache_size_bytes() == 0
+    assert grammars.compile(specs[3]) is first[3] and grammars.compile(specs[0]) is not first[0]  # evicted, made again
+    one = first[0].memory_size_bytes
+    small = Grammars(smollm2_tokenizer, 49152, max_cached_bytes=int(2.5 * one))
+    for s in specs:
+        small.compile(s)
+    assert len(small._cache) == 2 and small.num_cached_bytes <= 2.5 * one
