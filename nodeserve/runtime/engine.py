@@ -296,8 +296,10 @@ class Engine:
         return role_changes_since(self.router.role_changes, since) if self.router else []
 
     def dead_threads(self) -> list[str]:
-        """Workers and transfers whose thread died: what they hold never moves again (/health answers 503)."""
-        return [x.name for x in [*self.workers, *self.transfers] if x.dead]
+        """Workers and transfers whose thread died (what they hold never moves again), and workers whose device
+        was taken for dead, with why: /health answers 503."""
+        return [x.name + (f": {x.failure}" if getattr(x, "failure", None) else "")
+                for x in [*self.workers, *self.transfers] if x.dead]
 
     @property
     def num_pending(self) -> int:

@@ -41,9 +41,10 @@ def worker_load(w: Worker, now: float, seated: Sequence[Request], req: Request |
     decoding = {s.req.request_id for s in running}
     incoming = [r for r in seated if r.request_id not in decoding and not r.finished]
     cached = len(w.kv.lookup(req.page_hashes, req.num_prompt_tokens)) * w.kv.page_size if req is not None else 0
+    dead = getattr(w, "failure", None) is not None  # nothing more is placed on a device taken for dead
     return DeviceLoad(w.name, w.role, w.num_outstanding_prefill_tokens, len(running),
-                      sum(s.req.num_computed_tokens for s in running), w.limits.max_num_seqs - len(seated),
-                      prefill_share(w.records, now), w.kv.num_free * w.kv.page_size,
+                      sum(s.req.num_computed_tokens for s in running), 0 if dead else w.limits.max_num_seqs - len(seated),
+                      prefill_share(w.records, now), 0 if dead else w.kv.num_free * w.kv.page_size,
                       len(incoming), sum(r.num_prompt_tokens for r in incoming), cached)
 
 

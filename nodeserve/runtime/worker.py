@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MAX_FAILED_STEPS = 3  # consecutive steps in which every request failed: the device is taken for dead
+
 __all__ = ["Arrival", "FreePages", "Handoff", "Migrate", "Role", "StepRecord", "Worker", "WorkerLimits"]
 
 
@@ -72,6 +74,8 @@ class Worker:
         self._lock = threading.Lock()
         self.num_outstanding_prefill_tokens = 0        # router's load signal for prefill placement
         self.num_batch_failures = 0                    # batched forwards that raised (/metrics)
+        self.num_failed_steps = 0                      # consecutive steps in which every request failed
+        self.failure: str | None = None                # why this device is taken for dead
         self.records: deque[StepRecord] = deque(maxlen=100_000)
         self._last_turn = time.monotonic()             # for the watchdog: updated every loop turn
         self._stop = False
@@ -89,8 +93,11 @@ class Worker:
 
     @property
     def dead(self) -> bool:
-        """Its thread ended without being stopped: nothing it holds will move again."""
-        return self._thread.ident is not None and not self._thread.is_alive() and not self._stop
+        """Its thread ended without being stopped (nothing it holds will move again), or its device failed every
+        request of MAX_FAILED_STEPS steps in a row (a sticky device error: illegal address, ECC): /health answers
+        503, the watchdog stops, systemd restarts the service."""
+        return self.failure is not None or (self._thread.ident is not None and not self._thread.is_alive()
+                                            and not self._stop)
 
     # ---- called from other threads -------------------------------------------------------------------
     def start(self) -> None:
@@ -123,9 +130,10 @@ class Worker:
                     self._finish(self.scheduler.drop_aborted())
                     self._advance_migrations()
                     self._step()
-            except Exception:  # a bug outside any one request's forward: fail what is in flight, keep serving
+            except Exception as e:  # a bug outside any one request's forward: fail what is in flight, keep serving
                 log.exception("worker %s: step failed", self.name)
                 self._finish(self.scheduler.fail_all("internal error in the worker step"))
+                self._count_failed_step(True, e)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -247,13 +255,26 @@ class Worker:
         for seq in batch.seqs[batch.num_decodes:]:
             if seq.req.prefill_start is None:
                 seq.req.prefill_start = start
+        if self.failure is not None:  # what the router placed here before it saw the device dead
+            self._finish(self.scheduler.fail_all(f"device {self.name} failed (the error is in the server log)"))
+            return
         outcomes = self._sample(batch, self._forward(batch))
+        self._count_failed_step(all(isinstance(o, Exception) for o in outcomes),
+                                next((o for o in outcomes if isinstance(o, Exception)), None))
         end = time.monotonic()
         decodes, prefills = batch.chunks[:batch.num_decodes], batch.chunks[batch.num_decodes:]
         self.records.append(StepRecord(start, end, sum(len(c.token_ids) for c in prefills), batch.num_decodes,
                                        sum(c.start_pos for c in decodes),
                                        sum(len(c.token_ids) * (c.start_pos + len(c.token_ids) / 2) for c in prefills)))
         self._finish(self.scheduler.postprocess(batch, outcomes, end))
+
+    def _count_failed_step(self, failed: bool, error: BaseException | None) -> None:
+        self.num_failed_steps = self.num_failed_steps + 1 if failed else 0
+        if self.num_failed_steps >= MAX_FAILED_STEPS and self.failure is None:
+            self.failure = f"every request of its last {MAX_FAILED_STEPS} steps failed ({type(error).__name__}: " \
+                           f"{error})"
+            log.error("worker %s: device taken for dead: %s; /health now answers 503 and the watchdog stops, so "
+                      "systemd restarts the service", self.name, self.failure)
 
     def _forward(self, batch: Batch) -> list[torch.Tensor | Exception | None]:
         """Per sequence: its logits row, None if it wants none, or the exception that failed it.

@@ -139,9 +139,10 @@ class _HasProgress(Protocol):
 
 
 class WorkersHealth:
-    """The check `workers_healthy` returns: True while every worker made progress within `max_stall` s.
+    """The check `workers_healthy` returns: True while every worker made progress within `max_stall` s and none has
+    its device taken for dead (`failure`: every request of its last few steps failed).
 
-    After a failing call, `last_reason` names the stalled workers, for `watchdog_loop`'s warning.
+    After a failing call, `last_reason` names the stalled or failed workers, for `watchdog_loop`'s warning.
     """
 
     def __init__(self, workers: Iterable[_HasProgress], max_stall: float) -> None:
@@ -153,11 +154,12 @@ class WorkersHealth:
         now = time.monotonic()
         stalled = [(getattr(w, "name", repr(w)), now - w.last_progress) for w in self.workers
                    if now - w.last_progress > self.max_stall]
-        if not stalled:
+        failed = [(getattr(w, "name", repr(w)), w.failure) for w in self.workers if getattr(w, "failure", None)]
+        if not stalled and not failed:
             self.last_reason = None
             return True
-        self.last_reason = ", ".join(f"worker {name} made no progress for {age:.1f}s" for name, age in stalled) \
-            + f" (limit {self.max_stall:g}s)"
+        reasons = [f"worker {name} made no progress for {age:.1f}s (limit {self.max_stall:g}s)" for name, age in stalled]
+        self.last_reason = ", ".join(reasons + [f"worker {name}'s device failed: {why}" for name, why in failed])
         return False
 
 

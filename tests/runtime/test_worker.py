@@ -297,3 +297,47 @@ def test_a_request_whose_sampling_raises_fails_alone():
     ends = {r.request_id: ev for r, ev in events if ev.finish_reason is not None}
     assert ends["bad"].finish_reason == "error" and ends["bad"].error == SAMPLING_FAILED
     assert ends[good.request_id].finish_reason == "length" and worker.kv.num_used == 0
+
+
+def test_a_device_that_fails_every_request_step_after_step_is_taken_for_dead():
+    """A sticky device error (illegal address, ECC on CUDA; injected here) left the worker alive, failing
+    everything, while /health said ready and the watchdog kept being fed. After MAX_FAILED_STEPS steps in which
+    every request failed the device is dead: `dead` (so /health's dead_threads), the watchdog's check fails naming
+    it, later requests fail at once, and every page still comes back."""
+    from nodeserve.runtime.worker import MAX_FAILED_STEPS
+    from nodeserve.server.systemd import workers_healthy
+
+    worker, runner, events, released = _worker()
+    calls = []
+
+    def sticky(chunks, on_layer_done=None):
+        calls.append(len(chunks))
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    runner.run = sticky
+    check = workers_healthy([worker], max_stall=60.0)
+    reqs = []
+    for _ in range(MAX_FAILED_STEPS):
+        assert not worker.dead and check()
+        reqs.append(_admit(worker, [1, 2, 3], max_tokens=4))
+        _turn(worker)
+    assert worker.dead and "illegal memory access" in worker.failure
+    assert not check() and "device failed" in check.last_reason
+    num_calls = len(calls)
+    late = _admit(worker, [4, 5], max_tokens=4)
+    _turn(worker)
+    ends = {r.request_id: ev for r, ev in events if ev.finish_reason is not None}
+    assert len(calls) == num_calls  # a dead device runs nothing more
+    assert ends[late.request_id].error == "device cpu:0 failed (the error is in the server log)"
+    assert worker.kv.num_used == 0 and set(released) == set(reqs) | {late}
+
+
+def test_one_failing_request_among_good_ones_does_not_kill_the_device():
+    from nodeserve.runtime.worker import MAX_FAILED_STEPS
+
+    worker, runner, events, released = _worker()
+    for i in range(MAX_FAILED_STEPS + 2):
+        _admit(worker, [7 + i, POISON], max_tokens=2)  # fails
+        _admit(worker, [1 + i, 2], max_tokens=2)       # and a good one beside it
+        _turn(worker)
+    assert not worker.dead and worker.num_failed_steps == 0
