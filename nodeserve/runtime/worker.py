@@ -259,8 +259,10 @@ class Worker:
             self._finish(self.scheduler.fail_all(f"device {self.name} failed (the error is in the server log)"))
             return
         outcomes = self._sample(batch, self._forward(batch))
-        self._count_failed_step(all(isinstance(o, Exception) for o in outcomes),
-                                next((o for o in outcomes if isinstance(o, Exception)), None))
+        # A sampling failure is the request's own (its parameters, its grammar); a forward failing for every
+        # request, step after step, is the device's.
+        forward_failed = [o for o in outcomes if isinstance(o, Exception) and not isinstance(o, SamplingFailed)]
+        self._count_failed_step(len(forward_failed) == len(outcomes), next(iter(forward_failed), None))
         end = time.monotonic()
         decodes, prefills = batch.chunks[:batch.num_decodes], batch.chunks[batch.num_decodes:]
         self.records.append(StepRecord(start, end, sum(len(c.token_ids) for c in prefills), batch.num_decodes,
