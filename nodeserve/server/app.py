@@ -337,14 +337,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     spec = grammar_spec(req, fmt)
     parse_calls = fmt is not None and bool(tools)
 
-    def encode() -> tuple[list[int], Any]:
+    def encode() -> list[int]:
         _check_text_length(engine, [m["content"] for m in req.messages if m["content"]], "messages")
         try:
             prompt = tok.encode(render_chat(tok, req.messages, tools, fmt, req.chat_template_kwargs))
         except TemplateError as e:
             raise P.APIError(400, f"chat template error: {e}", param="messages")
-        return prompt, grammars.compile(spec) if spec is not None else None
-    prompt, compiled = await _off_loop(encode)
+        return prompt
+    prompt = await _off_loop(encode)
+    compiled = await grammars.compile_async(spec) if spec is not None else None
     if not req.max_tokens_given:
         req.params.max_tokens = state.config.server.default_max_tokens
     make_grammar = (lambda: grammars.matcher(compiled)) if compiled is not None else None

@@ -8,11 +8,15 @@ What is constrained:
   tool_choice named            -> exactly one call to that tool, its arguments valid against its parameters
 JSON is generated compactly (no free whitespace): a small model allowed free whitespace can fill max_tokens
 with newlines. Compiling is blocking (milliseconds; seconds for the first request: xgrammar's import and the
-vocabulary); call it off the event loop. Compiled grammars are cached per (kind, schema).
+vocabulary): `compile_async` runs it on this object's own bounded executor (tokenization keeps the default one),
+with a time cap, and a schema past the size limits below is a 400 naming the limit before anything compiles.
+Compiled grammars are cached per (kind, schema).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import re
 import threading
@@ -25,6 +29,33 @@ from nodeserve.tokenizer import Tokenizer
 
 MAX_CACHED_GRAMMARS = 256              # compiled grammars kept, least recently used out first
 MAX_CACHED_GRAMMAR_BYTES = 256 * 2**20  # and their memory at most (a big schema's compiled form is MBs)
+# Hostile schemas: their size, and the repetition counts and patterns that make a grammar blow up.
+MAX_SCHEMA_BYTES = 64 * 1024
+MAX_SCHEMA_COUNT = 1024          # minItems, maxItems, minLength, maxLength, minProperties, maxProperties
+MAX_SCHEMA_PATTERN_CHARS = 512
+COMPILE_TIMEOUT_S = 10.0         # a compilation past this is a 400 (it runs on, in its own thread, and is cached)
+MAX_QUEUED_COMPILES = 8          # compilations waiting for the compile thread; past this, 503
+COUNT_KEYS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties")
+
+
+def check_schema_limits(schema: Any, param: str) -> None:
+    """A 400 naming the limit for a schema too large, with a repetition count or a pattern past the limits."""
+    size = len(json.dumps(schema))
+    if size > MAX_SCHEMA_BYTES:
+        raise APIError(400, f"'{param}' is {size} bytes of JSON schema; the limit is {MAX_SCHEMA_BYTES}", param=param)
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if key in COUNT_KEYS and isinstance(value, (int, float)) and value > MAX_SCHEMA_COUNT:
+                    raise APIError(400, f"'{param}' has {key} = {value}; the limit is {MAX_SCHEMA_COUNT}", param=param)
+                if key == "pattern" and isinstance(value, str) and len(value) > MAX_SCHEMA_PATTERN_CHARS:
+                    raise APIError(400, f"'{param}' has a pattern of {len(value)} characters; the limit is "
+                                        f"{MAX_SCHEMA_PATTERN_CHARS}", param=param)
+                stack.append(value)
 
 
 def grammar_spec(req: ChatRequest, fmt: ToolFormat | None) -> tuple[str, str, Any] | None:
@@ -60,6 +91,25 @@ class Grammars:
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self.num_cached_bytes = 0
+        self.timeout_s = COMPILE_TIMEOUT_S
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar compile")
+        self._num_queued = 0  # compilations submitted and not finished (event loop only)
+
+    async def compile_async(self, spec: tuple[str, str, Any]) -> Any:
+        """compile(spec) on the compile thread, within the limits: 400 past the schema limits or the time cap,
+        503 when MAX_QUEUED_COMPILES are already waiting."""
+        kind, param, payload = spec
+        check_schema_limits(payload if kind == "json" else payload[1], param)
+        if self._num_queued >= MAX_QUEUED_COMPILES:
+            raise APIError(503, f"{self._num_queued} grammars are already being compiled; retry later")
+        self._num_queued += 1
+        future = asyncio.get_running_loop().run_in_executor(self._executor, self.compile, spec)
+        future.add_done_callback(lambda _: setattr(self, "_num_queued", self._num_queued - 1))
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(400, f"'{param}' took longer than {self.timeout_s:g} s to compile into a grammar",
+                           param=param) from None
 
     def compiler(self):
         with self._lock:

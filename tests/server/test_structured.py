@@ -74,3 +74,42 @@ def test_the_compile_cache_is_bounded_in_count_and_bytes_and_xgrammar_keeps_noth
     for s in specs:
         small.compile(s)
     assert len(small._cache) == 2 and small.num_cached_bytes <= 2.5 * one
+
+
+def test_hostile_schemas_are_refused_before_compiling_and_slow_ones_are_capped(smollm2_tokenizer):
+    import asyncio
+    import time
+
+    from nodeserve.server import structured as S
+
+    grammars = Grammars(smollm2_tokenizer, 49152)
+    param = "response_format.json_schema.schema"
+    for schema, limit in (({"type": "string", "maxLength": 10**9}, "maxLength"),
+                          ({"type": "array", "items": {"type": "integer"}, "minItems": 50_000}, "minItems"),
+                          ({"type": "string", "pattern": "(a|b)*" * 200}, "pattern"),
+                          ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5000)}},
+                           "bytes")):
+        with pytest.raises(APIError) as info:
+            asyncio.run(grammars.compile_async(("json", param, schema)))
+        assert info.value.status == 400 and info.value.param == param and limit in info.value.message
+
+    slow = Grammars(smollm2_tokenizer, 49152)
+    slow.compile = lambda spec: time.sleep(0.5) or "compiled"
+    slow.timeout_s = 0.05
+
+    async def main():
+        with pytest.raises(APIError) as info:
+            await slow.compile_async(("json", param, {"type": "object"}))
+        assert info.value.status == 400 and "took longer than" in info.value.message
+        # The compile thread is busy: requests queue behind it, up to MAX_QUEUED_COMPILES in all.
+        slow.timeout_s = 30.0
+        waiting = [asyncio.ensure_future(slow.compile_async(("json", param, {"type": "object"})))
+                   for _ in range(S.MAX_QUEUED_COMPILES - 1)]
+        await asyncio.sleep(0)
+        with pytest.raises(APIError) as info:
+            await slow.compile_async(("json", param, {"type": "object"}))
+        assert info.value.status == 503
+        for w in waiting:
+            w.cancel()
+
+    asyncio.run(main())
