@@ -10,9 +10,10 @@ Hand-written: vLLM's parsers are the reference, but they live inside vLLM and ne
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
+
+_OPEN, _CLOSE, _PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
 
 
 def new_call_id() -> str:
@@ -77,19 +78,23 @@ class ToolFormat:
 
 class HermesFormat(ToolFormat):
     name, args_key, prefix, suffix, start = "hermes", "arguments", "<tool_call>\n", "\n</tool_call>", "<tool_call>"
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def _split(self, text: str) -> tuple[str, list[ToolCall]]:
-        calls, rest, end = [], [], 0
-        for m in self._CALL.finditer(text):
+        # Each block runs from <tool_call> to the first </tool_call> after it, or to the end. Found with str.find,
+        # not a regex: r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)" took time quadratic in a whitespace run inside a
+        # block, and this runs on the event loop. str.strip drops what the regex's \s* did (the same characters).
+        calls, rest, end, i = [], [], 0, 0
+        while (at := text.find(_OPEN, i)) >= 0:
+            close = text.find(_CLOSE, at + len(_OPEN))
+            body_end, i = (close, close + len(_CLOSE)) if close >= 0 else (len(text), len(text))
             try:
-                call = _call_from_json(json.loads(m.group(1)), self.args_key)
-            except ValueError:
+                call = _call_from_json(json.loads(text[at + len(_OPEN):body_end].strip()), self.args_key)
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
                 call = None
             if call is None:
                 continue  # not a call after all: its text stays content
-            rest.append(text[end:m.start()])
-            end = m.end()
+            rest.append(text[end:at])
+            end = i
             calls.append(call)
         rest.append(text[end:])
         return "".join(rest), calls
@@ -101,12 +106,12 @@ class Llama3Format(ToolFormat):
 
     def _split(self, text: str) -> tuple[str, list[ToolCall]]:
         # The whole answer is calls or none is: Llama 3 starts a tool answer with the JSON (after <|python_tag|>).
-        body = text.strip().removeprefix("<|python_tag|>").lstrip()
+        body = text.strip().removeprefix(_PYTHON_TAG).lstrip()
         calls, i = [], 0
         while i < len(body):
             try:
                 obj, i = self._DECODER.raw_decode(body, i)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return text, []
             call = _call_from_json(obj, self.args_key)
             if call is None:
@@ -136,7 +141,8 @@ def pick_format(name: str, template: str) -> ToolFormat | None:
 class ToolStreamer:
     """Splits a streamed answer into OpenAI deltas. Content streams as it comes, except text that may open a call.
     Each call goes out as a first delta with its index, id, type and name, then deltas of its arguments: Hermes
-    calls as their arguments arrive (once the name is known), Llama 3 calls whole, once each is complete."""
+    calls as their arguments arrive (once the name is known), Llama 3 calls whole, once each is complete.
+    A piece costs time in its own length, not the answer's: every scan resumes where the last piece left it."""
 
     def __init__(self, fmt: ToolFormat):
         self.fmt = fmt
@@ -144,13 +150,15 @@ class ToolStreamer:
         self._buf = ""     # text not sent yet (content mode), or everything from the first call on (calls mode)
         self._mode = "undecided" if isinstance(fmt, Llama3Format) else "content"
         self._calls: list[_OpenCall] = []  # Hermes: per <tool_call> block, what has been sent of it
+        self._open_from = 0                # Hermes: where the next <tool_call> may start
+        self._llama3 = _Llama3Scan(fmt.args_key)
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
         """Deltas (each a chat chunk's `delta`) for the next piece of text; final: the answer ended."""
         self._buf += text
         deltas: list[dict] = []
         if self._mode == "undecided":  # Llama 3: the answer's first characters say whether it is calls
-            head = self._buf.lstrip()
+            head = text.lstrip()  # what came before was whitespace, or the mode would be decided
             if head:
                 self._mode = "calls" if head.startswith(("{", "<|python_tag|>")) else "content"
             elif not final:
@@ -166,13 +174,12 @@ class ToolStreamer:
             self._buf, self._mode = self._buf[at:], "calls"
         if isinstance(self.fmt, HermesFormat):
             return deltas + self._hermes_calls(final)
-        content, calls = self.fmt._split(self._buf)
+        # Llama 3: what `_split` finds in the whole text, found piece by piece; its calls are all or nothing.
+        calls = self._llama3.calls if self._llama3.advance(self._buf) else []
         for call in (calls if final else calls[:-1])[self.num_calls:]:  # a call is whole once text follows it
             deltas += self._whole_call(call)
-        if final:
-            rest = self._buf if not calls else content
-            if rest.strip():
-                deltas.append({"content": rest})  # text that opened like a call but never became one
+        if final and not calls and self._buf.strip():
+            deltas.append({"content": self._buf})  # text that opened like a call but never became one
         return deltas
 
     def _whole_call(self, call: ToolCall) -> list[dict]:
@@ -189,33 +196,36 @@ class ToolStreamer:
         return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
 
     def _hermes_calls(self, final: bool) -> list[dict]:
+        buf = self._buf  # starts with the first <tool_call>
+        changed = max(len(self._calls) - 1, 0)  # blocks before the last one are as the last piece left them
+        while (at := buf.find(_OPEN, self._open_from)) >= 0:
+            if self._calls:
+                self._calls[-1].stop = at
+            self._calls.append(_OpenCall(at + len(_OPEN)))
+            self._open_from = at + len(_OPEN)
+        self._open_from = max(self._open_from, len(buf) - len(_OPEN) + 1)  # an opening may end in the next piece
         deltas: list[dict] = []
-        blocks = self._buf.split("<tool_call>")[1:]  # the buffer starts with the first <tool_call>
-        for k, block in enumerate(blocks):
-            if k == len(self._calls):
-                self._calls.append(_OpenCall())
-            call = self._calls[k]
-            body, closed = block.partition("</tool_call>")[0], "</tool_call>" in block
-            if call.index is None and (m := _HERMES_HEAD.match(body)) is not None:
-                call.index, call.args_start = self.num_calls, m.end()
-                deltas.append(self._header(new_call_id(), json.loads(f'"{m.group(1)}"')))
+        for call in self._calls if final else self._calls[changed:]:  # the end may complete any block
+            call.extend(buf)
+            if call.index is None and (name := call.head(buf)) is not None:
+                call.index = self.num_calls
+                deltas.append(self._header(new_call_id(), name))
                 self.num_calls += 1
             if call.index is not None:
-                args = call.scan(body)  # the arguments' text so far (all of it once their JSON closes)
-                if len(args) > call.sent:
-                    deltas.append(self._arguments(call.index, args[call.sent:]))
-                    call.sent = len(args)
-            elif closed or final:  # keys in another order: parse the whole block
+                if args := call.new_arguments(buf):  # the arguments' text so far (all of it once their JSON closes)
+                    deltas.append(self._arguments(call.index, args))
+            elif (call.closed or final) and not call.parsed:  # keys in another order: parse the whole block, once
+                call.parsed = True
                 try:
-                    whole = _call_from_json(json.loads(body), "arguments")
-                except ValueError:
+                    whole = _call_from_json(json.loads(buf[call.start:call.end]), "arguments")
+                except (ValueError, RecursionError):
                     whole = None
-                if whole is not None and not call.whole:
+                if whole is not None:
                     call.whole = True
                     deltas += self._whole_call(whole)
         if final:
-            rest = "".join(b.partition("</tool_call>")[2] if c.index is not None or c.whole else "<tool_call>" + b
-                           for b, c in zip(blocks, self._calls))
+            rest = "".join((buf[c.end + len(_CLOSE):c.stop] if c.closed else "") if c.index is not None or c.whole
+                           else buf[c.start - len(_OPEN):c.stop] for c in self._calls)
             if rest.strip():
                 deltas.append({"content": rest})  # text between calls, or a block that never became a call
         return deltas
@@ -229,29 +239,21 @@ class ToolStreamer:
         return 0
 
 
-# A Hermes call's JSON up to its arguments' object: {"name": "...", "arguments": (followed by "{")
-_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+class _JsonEnd:
+    """Where the JSON object (or array) that opens at `pos` closes: a string- and escape-aware bracket depth,
+    resumable, so that text that grows is read once."""
 
-
-class _OpenCall:
-    """One streamed <tool_call> block: its call index once its name is known, and a resumable scan of its arguments'
-    JSON (string- and escape-aware bracket depth) that finds where the arguments end without re-reading them."""
-
-    def __init__(self):
-        self.index: int | None = None
-        self.whole = False     # sent whole, parsed at its end (its keys came in another order)
-        self.args_start = 0    # where the arguments' value starts in the block
-        self.sent = 0          # characters of the arguments already sent
-        self._pos = 0          # scan position, relative to args_start
+    def __init__(self, pos: int):
+        self.pos = pos
+        self.end: int | None = None  # just past the closing bracket, once read
         self._depth = 0
         self._in_string = self._escaped = False
-        self._end: int | None = None  # length of the arguments' text once it is closed
 
-    def scan(self, body: str) -> str:
-        text = body[self.args_start:]
-        while self._end is None and self._pos < len(text):
-            c = text[self._pos]
-            self._pos += 1
+    def scan(self, text: str, stop: int) -> int | None:
+        """Reads on up to `stop`; the end once found."""
+        while self.end is None and self.pos < stop:
+            c = text[self.pos]
+            self.pos += 1
             if self._in_string:
                 if self._escaped:
                     self._escaped = False
@@ -266,5 +268,138 @@ class _OpenCall:
             elif c in "}]":
                 self._depth -= 1
                 if self._depth <= 0:
-                    self._end = self._pos
-        return text[:self._end] if self._end is not None else text
+                    self.end = self.pos
+        return self.end
+
+
+# A Hermes call's JSON up to its arguments' object, {"name": "...", "arguments": then "{", as the steps of a scan:
+# "" a run of whitespace (str.isspace: the characters of regex \s), None the name's string after its opening quote.
+# It was the regex r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)', matched again
+# on the whole block for every piece: time quadratic in a long name or whitespace run.
+_HEAD = ("", "{", "", '"name"', "", ":", "", '"', None, "", ",", "", '"arguments"', "", ":", "", "{")
+
+
+class _OpenCall:
+    """One streamed <tool_call> block, by offsets into the stream's text: its call index once its name is known,
+    and resumable scans of its head and of its arguments' JSON, so no piece makes the block be read again."""
+
+    def __init__(self, start: int):
+        self.start = start            # where the block's text starts, after <tool_call>
+        self.stop: int | None = None  # where it ends (the next <tool_call>); None while it is the last block
+        self.end = start              # where its body ends: at its first </tool_call>, else (so far) with it
+        self.closed = False
+        self.index: int | None = None
+        self.whole = False            # sent whole, parsed at its end (its keys came in another order)
+        self.parsed = False           # parsed whole already (its body ends there: it is closed, or the answer is)
+        self._close_from = start      # where a </tool_call> may start
+        self._step = self._char = 0   # the head scan: step of _HEAD (-1: not this head, ever), character of a literal
+        self._pos = start
+        self._escaped = False
+        self._name_start = self._name_end = 0
+        self._args: _JsonEnd | None = None
+        self._sent = 0                # where the arguments' text sent so far ends
+
+    def extend(self, buf: str) -> None:
+        """Moves the body's end up to what `buf` now holds of the block."""
+        if self.closed:
+            return
+        stop = len(buf) if self.stop is None else self.stop
+        close = buf.find(_CLOSE, self._close_from, stop)
+        if close >= 0:
+            self.closed, self.end = True, close
+        else:
+            self.end, self._close_from = stop, max(self._close_from, stop - len(_CLOSE) + 1)
+
+    def head(self, buf: str) -> str | None:
+        """The call's name once its head has come whole (the arguments start at the "{" after it), else None."""
+        while self._step >= 0 and self._pos < self.end:
+            c, step = buf[self._pos], _HEAD[self._step]
+            if step == "":
+                if c.isspace():
+                    self._pos += 1
+                else:
+                    self._step += 1
+            elif step is None:
+                self._pos += 1
+                if self._escaped:
+                    self._escaped = False
+                    if c == "\n":
+                        self._step = -1  # as the regex's \\. did: a backslash escapes anything but a newline
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._name_end, self._step = self._pos - 1, self._step + 1
+            elif c != step[self._char]:
+                self._step = -1  # keys in another order, or not JSON: the block is parsed whole at its end
+            elif self._step == len(_HEAD) - 1:  # the arguments' "{", left for their scan
+                try:
+                    name = json.loads(f'"{buf[self._name_start:self._name_end]}"')
+                except ValueError:
+                    self._step = -1  # a name JSON cannot read: no head (nor a call, parsed whole)
+                    return None
+                self._args, self._sent = _JsonEnd(self._pos), self._pos
+                return name
+            else:
+                self._pos, self._char = self._pos + 1, self._char + 1
+                if self._char == len(step):
+                    self._step, self._char = self._step + 1, 0
+                    if _HEAD[self._step] is None:
+                        self._name_start = self._pos
+        return None
+
+    def new_arguments(self, buf: str) -> str:
+        """The arguments' text that came since the last call (up to where their JSON closes, once it does)."""
+        end = self._args.scan(buf, self.end)
+        upto = self.end if end is None else min(end, self.end)
+        new, self._sent = buf[self._sent:upto], max(self._sent, upto)
+        return new
+
+
+class _Llama3Scan:
+    """`Llama3Format._split` over a text that grows, resumable: the calls so far, and where the next one starts.
+    An object is decoded once its brackets close, not before. An item that does not start with "{", does not decode
+    or is no call stays so however the text goes on: the answer is then not calls, for good."""
+
+    def __init__(self, args_key: str):
+        self.args_key = args_key
+        self.calls: list[ToolCall] = []
+        self.failed = False
+        self._pos: int | None = None     # where the next call's JSON (or the separators before it) starts
+        self._item: _JsonEnd | None = None  # the call whose JSON is open
+        self._blank_to = 0               # the text from _pos is whitespace up to here
+
+    def advance(self, text: str) -> bool:
+        """Reads on in `text`; whether all of it is calls (and separators), as `_split` would say."""
+        if self._pos is None:  # `_split`: text.strip().removeprefix("<|python_tag|>").lstrip()
+            start = len(text) - len(text.lstrip())
+            if start == len(text):
+                return True  # only whitespace yet: an answer that ended before it began
+            self._pos = start + len(_PYTHON_TAG) if text.startswith(_PYTHON_TAG, start) else start
+        while not self.failed:
+            if self._item is None:
+                while self._pos < len(text) and (text[self._pos] in " \t\r\n;" if self.calls
+                                                 else text[self._pos].isspace()):
+                    self._pos += 1
+                if self._pos == len(text):
+                    return True
+                if text[self._pos] != "{":
+                    # Whitespace may end the text (`_split` strips it); anything else is not a call, ever.
+                    blank_from, self._blank_to = max(self._pos, self._blank_to), len(text)
+                    if not text[blank_from:].strip():
+                        return True
+                    self.failed = True
+                    break
+                self._item = _JsonEnd(self._pos)
+            if self._item.scan(text, len(text)) is None:
+                return False  # an object still open
+            try:
+                obj, self._pos = Llama3Format._DECODER.raw_decode(text, self._pos)
+            except (ValueError, RecursionError):
+                obj = None
+            self._item = None
+            call = _call_from_json(obj, self.args_key)
+            if call is None:
+                self.failed = True
+                break
+            self.calls.append(call)
+        return False

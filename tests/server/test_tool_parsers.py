@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -138,3 +139,78 @@ def test_llama3_stream(step):
     content, calls = _assemble(_stream(LLAMA3, text, step))
     assert content == "" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [("f", {"x": 1}),
                                                                                          ("g", {"y": [2]})]
+
+
+# Adversarial model output (issue #26): the regexes this parser used took time quadratic in these inputs, tens of
+# seconds to minutes each (see each test), on the event loop. A linear scan takes milliseconds: the bound is generous,
+# for a loaded CI machine, and the timeout ends a regression early.
+FAST_S = 2.0
+
+
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - t0
+
+
+WS = " " * 200_000
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("text, call", [
+    ('<tool_call>{"name": "f",' + WS + '"arguments": {}}</tool_call>', "f"),  # was 227 s
+    ("<tool_call>x" + WS + "y", None),  # was 229 s
+    ("<tool_call>" + WS + "x", None),  # was fast: the regex's first \s* took the run whole
+    ("<tool_call>" * 20_000, None)])  # was fast: one match to the end
+def test_hermes_parse_takes_linear_time(text, call):
+    (content, calls), seconds = _timed(HERMES.parse, text)
+    assert [c.name for c in calls] == ([call] if call else []) and content == (None if call else text)
+    assert seconds < FAST_S
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("text, step, call", [
+    ("<tool_call>" * 20_000, 11, None),  # was 40 s: every piece went through every block
+    ('<tool_call>{"name": "' + "a" * 200_000, 16, None),  # was 50 s: every piece matched the head again
+    ("<tool_call>" + WS + '{"name": "f", "arguments": {"x": 1}}</tool_call>', 4, "f"),  # was 12 s
+    ('<tool_call>{"name": "f",' + WS + '"arguments": {"x": 1}}</tool_call>', 4, "f")])  # was 13 s
+def test_hermes_stream_takes_linear_time(text, step, call):
+    (content, calls), seconds = _timed(lambda: _assemble(_stream(HERMES, text, step)))
+    assert (content, [(c["name"], json.loads(c["arguments"])) for c in calls]) == (
+        ("", [(call, {"x": 1})]) if call else (text, []))
+    assert seconds < FAST_S
+
+
+@pytest.mark.timeout(60)
+def test_llama3_stream_takes_linear_time():
+    # Every piece decoded all the calls so far again: 105 s for these 5,000.
+    text = '{"name": "f", "parameters": {}}; ' * 5_000
+    (content, calls), seconds = _timed(lambda: _assemble(_stream(LLAMA3, text, 16)))
+    assert content == "" and len(calls) == 5_000 and {(c["name"], c["arguments"]) for c in calls} == {("f", "{}")}
+    assert seconds < FAST_S
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+@pytest.mark.parametrize("text", [
+    ' {"name": "f", "parameters": {}}\n{"name": "g", "parameters": {"a": "}"}}\xa0',  # strip() drops \xa0
+    '{"name": "f", "parameters": {}}; oops', '{"name": "f", "parameters": {}};{"x": 1}', "  {]", "   ",
+    '{"name": "f", "parameters": {}}\xa0{"name": "g", "parameters": {}}'])  # \xa0 separates no calls
+def test_llama3_stream_matches_the_whole_parse(text, step):
+    content, calls = LLAMA3.parse(text)
+    streamed, streamed_calls = _assemble(_stream(LLAMA3, text, step))
+    assert [(c["name"], c["arguments"]) for c in streamed_calls] == [(c.name, c.arguments) for c in calls]
+    assert streamed == ("" if calls or not text.strip() else content)
+
+
+def test_json_nested_too_deep_is_content_not_an_error():
+    deep = "[" * 100_000 + "]" * 100_000
+    for fmt, text in ((HERMES, "<tool_call>" + deep), (LLAMA3, '{"a": ' + deep + "}")):
+        assert fmt.parse(text) == (text, [])
+        assert _assemble(_stream(fmt, text, 1000)) == (text, [])
+
+
+def test_hermes_stream_name_json_cannot_read_is_content_not_an_error():
+    # The name is decoded alone as it streams: an invalid escape or a raw newline in it is no call (it was an error).
+    for text in ('<tool_call>{"name": "a\\x", "arguments": {}}</tool_call>',
+                 '<tool_call>{"name": "a\nb", "arguments": {}}'):
+        assert HERMES.parse(text) == (text, []) and _assemble(_stream(HERMES, text, 4)) == (text, [])
