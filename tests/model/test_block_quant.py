@@ -71,6 +71,7 @@ def test_prefill_sized_batches_take_the_dense_gemm_and_agree(loaded_auto, one_th
     torch.testing.assert_close(mod(x[:5]), want[:5], rtol=1e-5, atol=1e-4)  # the fused kernel
 
 
+@pytest.mark.slow
 def test_quantized_decode_follows_float32_on_the_same_weights(loaded_auto, loaded_fp32, prompt_ids, one_thread):
     """Batch-1 decode steps (int16 activations, native attention and pointwise kernels) teacher-forced along the
     float32 path's greedy output: the same next token almost everywhere, logits within a small distance."""

@@ -6,6 +6,7 @@ prompts count as long is set by the test."""
 
 from __future__ import annotations
 
+import pytest
 import asyncio
 
 from nodeserve.core.cost_model import CostModel, StepModel
@@ -30,6 +31,7 @@ def _install_placer(engine: Engine, long_from: int) -> AdaptivePlacer:
     return placer
 
 
+@pytest.mark.slow
 def test_tokens_match_transformers_while_devices_change_role(loaded_fp32, prompt_ids, hf_greedy):
     cfg = config_from_dict({"model": {"dtype": "float32"}, "devices": {"mode": "adaptive",
                                                                         "devices": ["cpu:0", "cpu:1"]},

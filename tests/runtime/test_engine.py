@@ -71,6 +71,7 @@ def test_greedy_matches_transformers_in_every_mode(mode, loaded_fp32, prompt_ids
     assert finishes == ["length"] * len(prompt_ids)
 
 
+@pytest.mark.slow
 def test_one_request_alone_equals_it_among_31_others(loaded_fp32, prompt_ids, hf_greedy):
     async def body(engine):
         alone = await _tokens(engine.add_request(prompt_ids[0], _greedy()))
@@ -96,6 +97,7 @@ def test_max_tokens_one_finishes_on_the_prefill_device(loaded_fp32, prompt_ids, 
     assert _run(_config("disaggregated"), loaded_fp32, body) == (hf_greedy[1][:1], "length")
 
 
+@pytest.mark.slow
 def test_aborts_free_pages_on_both_devices_at_every_stage(loaded_fp32, prompt_ids):
     long_prompt = (prompt_ids[6] * 40)[:600]  # several prefill chunks: aborts land mid-prefill and mid-transfer
 
@@ -288,6 +290,7 @@ def test_a_dead_worker_thread_is_reported(loaded_fp32, prompt_ids):
     assert asyncio.run(main()) == ["cpu:1"]
 
 
+@pytest.mark.slow
 def test_a_stuck_transfer_stops_the_watchdog(loaded_fp32, prompt_ids, hf_greedy):
     """A copy thread stuck mid-job stalls its prefill worker's requests: the worker's progress must say so, or
     the watchdog keeps pinging systemd for a server that no longer serves."""

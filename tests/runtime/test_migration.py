@@ -34,6 +34,7 @@ async def _run_moving(engine: Engine, prompt: list[int], max_tokens: int, move_a
     return out, finish, source
 
 
+@pytest.mark.slow
 def test_live_and_stop_and_copy_moves_keep_the_tokens_and_free_every_page(loaded_fp32, prompt_ids):
     prompt = (prompt_ids[0] * 20)[:150]  # 10 pages of context when it moves
 

@@ -3,11 +3,13 @@ server of their own."""
 
 from __future__ import annotations
 
+import pytest
 import time
 
 import openai
 
 
+@pytest.mark.slow
 def test_access_log_stats_line_and_aliases(make_server):
     server = make_server("access_log = true\nstats_interval = 0.5", quantization="auto",
                          env={"NODESERVE_MODEL_ALIASES": '["gpt-4o-mini", "smol"]'})

@@ -39,6 +39,7 @@ def _assert_pools_whole(server, timeout=20.0) -> None:
 
 # ---- same output through the API -------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["server", "colocated_server"])
 def test_greedy_output_matches_transformers(which, request, loaded_fp32, chat_prompts, prompt_ids, hf_greedy):
     server = request.getfixturevalue(which)
@@ -83,6 +84,7 @@ def test_streamed_equals_non_streamed(server, loaded_fp32, chat_prompts, hf_gree
     assert text == full.choices[0].text and text
 
 
+@pytest.mark.slow
 def test_one_request_alone_equals_it_among_31_concurrent(server, loaded_fp32, prompt_ids, hf_greedy):
     async def main():
         async with aiohttp.ClientSession() as s:
@@ -239,6 +241,7 @@ def test_disconnects_aborts_and_failures_leave_no_pages(server, prompt_ids):
     _assert_pools_whole(server)
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams_with_bimodal_prompts(server, loaded_fp32):
     rng = random.Random(0)
     vocab = range(300, 40000)
@@ -310,6 +313,7 @@ def test_a_repeated_prefix_is_served_from_the_cache_and_reported_as_openai_and_v
     _assert_pools_whole(server)
 
 
+@pytest.mark.slow
 def test_adaptive_mode_matches_transformers_and_reports_its_role_changes(make_server, loaded_fp32, chat_prompts,
                                                                         hf_greedy):
     # A TPOT target of 2 ms makes every prompt here "long" (its prefill outlasts 32 TPOTs): one device is

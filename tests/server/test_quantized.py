@@ -28,6 +28,7 @@ def _pools_whole(url: str, timeout: float = 20.0) -> list[dict]:
 
 @pytest.mark.parametrize("devices", ['mode = "disaggregated"\nprefill = ["cpu:0"]\ndecode = ["cpu:1"]',
                                      'mode = "colocated"\ndevices = ["cpu:0", "cpu:1"]'])
+@pytest.mark.slow
 def test_default_quantization_serves_and_frees_every_page(make_server, devices):
     server = make_server(devices=devices, quantization="auto")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import asyncio
 import json
 import os
@@ -54,6 +55,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_systemd_ready_watchdog_stopping_and_a_stalled_worker_stops_the_pings(tmp_path, monkeypatch):
     from nodeserve.server import serve as serve_module
 
@@ -118,6 +120,7 @@ def test_systemd_ready_watchdog_stopping_and_a_stalled_worker_stops_the_pings(tm
     assert any(m.startswith("STATUS=loading") for _, m in notify.messages)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(make_server):
     server = make_server("drain_timeout = 60.0")
 
@@ -149,6 +152,7 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(make_server):
     assert health == 503
 
 
+@pytest.mark.slow
 def test_drain_timeout_ends_streams_with_an_error_event_and_exits_0(make_server):
     server = make_server("drain_timeout = 1.0")
 
@@ -166,6 +170,7 @@ def test_drain_timeout_ends_streams_with_an_error_event_and_exits_0(make_server)
     assert json.loads(frames[-3][6:])["error"]["message"] == "generation failed: the server is shutting down"
 
 
+@pytest.mark.slow
 def test_api_key_and_metrics_agree_with_traffic(make_server):
     server = make_server('api_key = "sekrit"\nopen_metrics = true')
 

@@ -80,6 +80,7 @@ def _calls(server, stream: bool, **kwargs) -> list[tuple[str, list[dict]]]:
     return [(out[i]["finish"], out[i]["calls"]) for i in sorted(out)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("which", "stream"), CASES)
 def test_named_tool_choice_always_returns_a_valid_call(which, stream, request):
     server = request.getfixturevalue(which)
