@@ -90,6 +90,11 @@ class KVManager:
             self._refcount[b] = 1
         return pages
 
+    def allocate_tokens(self, num_tokens: int) -> list[int]:
+        """Fresh pages (none shared) for num_tokens tokens: a moved request's reservation on its target, which its
+        copies then write whole. Raises OutOfPages, allocating nothing, if too few are free."""
+        return self.allocate(self.pages_for(num_tokens))
+
     @contextmanager
     def borrow(self, count: int) -> Iterator[list[int]]:
         """Pages for a throwaway sequence (warm-up, profiling, calibration), given back on exit."""

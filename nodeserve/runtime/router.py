@@ -191,7 +191,7 @@ class Router:
         if self.num_seats_taken[target] >= target.limits.max_num_seqs:
             return False
         try:
-            pages = target.kv.allocate(target.kv.pages_for(req.max_total_tokens))
+            pages = target.kv.allocate_tokens(req.max_total_tokens)
         except OutOfPages:
             return False
         self.moving[req.request_id] = target

@@ -150,3 +150,11 @@ def test_concurrent_allocate_free():
     assert alloc.num_free == num_pages
     owned = alloc.allocate(num_pages)
     assert sorted(owned) == list(range(num_pages))  # no page lost or handed out twice
+
+
+def test_allocate_tokens_takes_fresh_pages_for_that_many_tokens():
+    kv = KVManager(4, 16)
+    assert len(kv.allocate_tokens(17)) == 2 and kv.num_free == 2
+    with pytest.raises(OutOfPages):
+        kv.allocate_tokens(33)
+    assert kv.num_free == 2
