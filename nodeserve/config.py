@@ -74,6 +74,12 @@ class KVSection:
     dtype: str = "auto"                   # auto (the model's dtype) | fp8_e4m3 (1 byte a value, any device and
                                           # backend; per-layer scales calibrated at warm-up)
     prefix_cache: bool = True             # reuse the KV of full pages whose prefix was computed before, per device
+    host_memory_gib: float = -1.0         # host-memory tier below every pool; -1: auto (2x the pools, at most a
+                                          # quarter of the host's RAM); 0: off (docs/kv-tiers.md)
+    host_write: str = "back"              # back: pages enter the host tier when a pool evicts them | through: when
+                                          # published
+    disk_path: str = ""                   # disk tier directory, kept across restarts ("": off)
+    disk_gib: float = 0.0                 # disk tier size; needs disk_path and the host tier
 
 
 @dataclass(frozen=True)
@@ -296,6 +302,18 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
         if value < 0:
             raise ConfigError(f"'{key}' must be 0 or more seconds, got {value}")
     _validate_slo(cfg)
+    if kv.host_memory_gib < 0 and kv.host_memory_gib != -1:
+        raise ConfigError(f"'kv.host_memory_gib' must be 0 (off), a size in GiB, or -1 (auto), got "
+                          f"{kv.host_memory_gib}")
+    if kv.host_write not in ("back", "through"):
+        raise ConfigError(f"'kv.host_write' must be back or through, got {kv.host_write!r}")
+    if kv.disk_gib < 0:
+        raise ConfigError(f"'kv.disk_gib' must be 0 (off) or a size in GiB, got {kv.disk_gib}")
+    if kv.disk_gib > 0 and not kv.disk_path:
+        raise ConfigError("'kv.disk_gib' is set but 'kv.disk_path' is empty: give the directory to keep pages in")
+    if kv.disk_gib > 0 and (kv.host_memory_gib == 0 or not kv.prefix_cache):
+        raise ConfigError("the disk tier ('kv.disk_gib') sits below the host tier and the prefix cache: it needs "
+                          "kv.prefix_cache = true and kv.host_memory_gib other than 0")
     if kv.memory_gib < 0:
         raise ConfigError(f"'kv.memory_gib' must be positive (or 0 on CUDA: fill free memory), got {kv.memory_gib}")
     if not 0 <= kv.memory_headroom < 1:

@@ -24,6 +24,13 @@ Exposed names (histograms add _bucket/_count/_sum, counters add _total):
               nodeserve:kv_cache_usage_perc (a fraction 0..1, as in vLLM)      {model_name, device}
   counters    nodeserve:prefix_cache_queries_total, nodeserve:prefix_cache_hits_total (tokens),
               nodeserve:device_role_changes_total (adaptive mode)               {model_name, device}
+              nodeserve:prompt_tokens_computed_total (prefilled, not cached)    {model_name, device}
+  KV tiers    gauges nodeserve:kv_tier_pages_used, nodeserve:kv_tier_pages_free; counters
+              nodeserve:kv_tier_hit_tokens_total, nodeserve:kv_tier_loaded_pages_total,
+              nodeserve:kv_tier_loaded_bytes_total, nodeserve:kv_tier_load_seconds_total,
+              nodeserve:kv_tier_evictions_total, nodeserve:kv_tier_bad_files_total
+              {model_name, tier}: tier "device" is every pool (hits: fetched from another device),
+              "host" and "disk" the tiers below (runtime/kv_tiers.py)
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ class DeviceState:
     num_prefix_hit_tokens: int = 0      # ... and found there
     num_role_changes: int = 0           # cumulative: role changes (adaptive mode)
     num_batch_failures: int = 0         # cumulative: batched forwards that raised (each request then re-run alone)
+    num_computed_prompt_tokens: int = 0  # cumulative: prompt tokens prefilled here (not taken from a cache)
 
 
 class _StateCollector(Collector):
@@ -107,6 +115,8 @@ class _StateCollector(Collector):
             CounterMetricFamily(PREFIX + "batch_failures", "Batched forwards on a device that raised; each of their "
                                 "requests was then run alone (slower), and only those failing again ended.",
                                 labels=d),
+            CounterMetricFamily(PREFIX + "prompt_tokens_computed", "Prompt tokens a device prefilled (not taken "
+                                "from a cache of any tier).", labels=d),
         )
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
@@ -114,7 +124,8 @@ class _StateCollector(Collector):
         return self._families()
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        running, waiting, used, free, usage, queries, hits, role_changes, batch_failures = fams = self._families()
+        running, waiting, used, free, usage, queries, hits, role_changes, batch_failures, computed = fams = \
+            self._families()
         states: Sequence[Any] = ()
         num_pending = None
         if self.source is not None:
@@ -132,17 +143,19 @@ class _StateCollector(Collector):
             r = by_role.setdefault((s.device, s.role), [0, 0])
             r[0] += s.num_running
             r[1] += s.num_waiting
-            p = by_dev.setdefault(s.device, [0, 0, 0, 0, 0, 0])
+            p = by_dev.setdefault(s.device, [0, 0, 0, 0, 0, 0, 0])
             p[0] += s.num_pages
             p[1] += s.num_free
             p[2] += getattr(s, "num_prefix_queried_tokens", 0)
             p[3] += getattr(s, "num_prefix_hit_tokens", 0)
             p[4] += getattr(s, "num_role_changes", 0)
             p[5] += getattr(s, "num_batch_failures", 0)
+            p[6] += getattr(s, "num_computed_prompt_tokens", 0)
         for (dev, role), (n_run, n_wait) in by_role.items():
             running.add_metric([self.model_name, dev, role], n_run)
             waiting.add_metric([self.model_name, dev, role], n_wait)
-        for dev, (n_pages, n_free, n_queried, n_hit, n_roles, n_failures) in by_dev.items():
+        for dev, (n_pages, n_free, n_queried, n_hit, n_roles, n_failures, n_computed) in by_dev.items():
+            computed.add_metric([self.model_name, dev], n_computed)
             queries.add_metric([self.model_name, dev], n_queried)
             hits.add_metric([self.model_name, dev], n_hit)
             role_changes.add_metric([self.model_name, dev], n_roles)
@@ -150,6 +163,47 @@ class _StateCollector(Collector):
             used.add_metric([self.model_name, dev], n_pages - n_free)
             free.add_metric([self.model_name, dev], n_free)
             usage.add_metric([self.model_name, dev], (n_pages - n_free) / n_pages if n_pages else 0.0)
+        return fams
+
+
+class _TierCollector(Collector):
+    """The KV tiers, read at scrape time from TierStats-like objects (runtime/kv_tiers.py)."""
+
+    FIELDS = (("kv_tier_pages_used", "gauge", "num_used", "KV pages a tier holds."),
+              ("kv_tier_pages_free", "gauge", None, "KV pages a tier can still take without evicting."),
+              ("kv_tier_hit_tokens", "counter", "num_hit_tokens", "Prompt tokens loaded from a tier instead of "
+               "computed (tier device: from another device's pool)."),
+              ("kv_tier_loaded_pages", "counter", "num_loaded_pages", "KV pages loaded from a tier."),
+              ("kv_tier_loaded_bytes", "counter", "num_loaded_bytes", "Bytes of KV loaded from a tier."),
+              ("kv_tier_load_seconds", "counter", "load_seconds", "Loader time spent on loads from a tier."),
+              ("kv_tier_evictions", "counter", "num_evictions", "KV pages a tier evicted (device pools: to the "
+               "host tier when there is one)."),
+              ("kv_tier_bad_files", "counter", "num_bad_files", "Disk tier files skipped and removed: corrupt, "
+               "truncated, of another model, or half-written."))
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.source: Callable[[], Sequence[Any]] | None = None
+
+    def _families(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
+        return [(GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(PREFIX + name, doc,
+                                                                                 labels=["model_name", "tier"])
+                for name, kind, _, doc in self.FIELDS]
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return self._families()
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        fams = self._families()
+        try:
+            tiers = list(self.source()) if self.source is not None else []
+        except Exception:
+            log.exception("metrics: tier source failed")
+            tiers = []
+        for t in tiers:
+            for fam, (_, _, attr, _) in zip(fams, self.FIELDS):
+                value = getattr(t, attr) if attr is not None else t.num_pages - t.num_used
+                fam.add_metric([self.model_name, t.tier], value)
         return fams
 
 
@@ -212,6 +266,8 @@ class Metrics:
 
         self._state = _StateCollector(model_name)
         reg.register(self._state)
+        self._tiers = _TierCollector(model_name)
+        reg.register(self._tiers)
 
     # ---- pushed ------------------------------------------------------------------------------------------
     def observe_request(self, *, prompt_tokens: int, completion_tokens: int, finish_reason: str,
@@ -271,6 +327,10 @@ class Metrics:
         read across workers is fine for gauges)."""
         self._state.source = fn
         self._state.pending = pending
+
+    def set_tier_source(self, fn: Callable[[], Sequence[Any]]) -> None:
+        """fn returns TierStats-like objects (engine.tier_stats), read at scrape time."""
+        self._tiers.source = fn
 
     # ---- exposition --------------------------------------------------------------------------------------
     def handler(self):

@@ -34,7 +34,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0       # tokens of this request whose KV is in the pool it is computing on
-    num_cached_tokens: int = 0         # prompt tokens whose KV was found in the prefix cache where it prefilled
+    num_cached_tokens: int = 0         # prompt tokens whose KV it did not compute: its device's cache, or loaded
+    cached_from: dict[str, int] = field(default_factory=dict)  # those tokens by source: device, device:<name>,
+                                                               # host, disk (the request's log line)
     page_hashes: list[bytes] = field(default_factory=list, repr=False)  # per full page of its tokens, chained
     finished: bool = False  # ended (stop, length, abort or error) and released by whoever held it
     grammar: Any = field(default=None, repr=False)  # structured output: its grammar matcher (the sampler's)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from nodeserve.core.handoff import Handoff, Migration
 from nodeserve.kv.manager import KVManager, hash_pages
@@ -50,6 +50,8 @@ class Seq:
     handoff: Handoff | None = None
     migration: Migration | None = None
     num_published: int = -1  # its pages below this are in the prefix cache (-1: those it found there)
+    load: Any = None         # pages being filled from another tier (runtime.prefix_fetch.PrefixLoad), or None
+    ready: bool = True       # False until the load knows how many pages it fills (not scheduled until then)
 
 
 @dataclass
@@ -94,6 +96,8 @@ class Scheduler:
         for seq in self.waiting:
             if budget <= 0 or len(decodes) + len(prefills) >= self.limits.max_num_seqs:
                 break
+            if not seq.ready:
+                continue
             n = min(seq.req.num_prompt_tokens - seq.req.num_computed_tokens, budget)
             prefills.append(seq)
             sizes.append(n)
@@ -189,7 +193,8 @@ class Scheduler:
 
     def drop_aborted(self) -> StepOutput:
         out = StepOutput()
-        for seq in [s for s in [*self.running, *self.waiting] if s.req.aborted]:
+        # One still loading is dropped once its load is done: its pages are being written until then.
+        for seq in [s for s in [*self.running, *self.waiting] if s.req.aborted and s.load is None]:
             self._retire(seq, out)
         return out
 

@@ -6,6 +6,9 @@ written can be published under the hash of its tokens (chained over every earlie
 whole prefix); allocate_prompt() shares the longest run of a prompt's page hashes held here and allocates the
 rest. A published page whose last holder frees it stays cached, evictable: allocate() takes free pages first,
 then evicts the least recently used cached ones, and num_free counts both, so admission keeps its guarantees.
+An eviction is reported (on_evict) before the page is handed out, so a lower tier can keep its KV.
+Pages allocated for a prompt's pages that are still to be computed are "in flight" under their hashes until
+published or freed: a request with the same prefix can wait for them instead of computing them again.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import threading
 from array import array
 from collections import OrderedDict, deque
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 
 class OutOfPages(Exception):
@@ -49,8 +52,16 @@ class KVManager:
         self._hash_of: dict[int, bytes] = {}      # published page -> its hash
         self._page_of: dict[bytes, int] = {}      # hash -> the page holding that prefix here
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages no one holds, least recent first
-        self.num_queried_tokens = 0  # prompt tokens looked up by acquire(), and how many of them were cached
+        self._computing: dict[bytes, int] = {}    # hash -> a page being filled with that prefix (in flight)
+        self._computing_hash: dict[int, bytes] = {}  # the same, by page
+        self.num_queried_tokens = 0  # prompt tokens looked up by allocate_prompt(), and how many were cached here
         self.num_hit_tokens = 0
+        self.num_evictions = 0
+        # Called, under this manager's lock, with the (page, hash) pairs an allocation evicts, before their pages
+        # are handed out: the host tier copies them out (kv/host.py). None: evicted KV is gone.
+        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
+        # Called, outside the lock, with the pages publish() entered and their hashes: write-through.
+        self.on_publish: Callable[[list[int], list[bytes]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -85,7 +96,14 @@ class KVManager:
     def _allocate(self, count: int) -> list[int]:
         if count > self.num_free:
             raise OutOfPages(f"need {count} pages, {self.num_free} free")
-        pages = [self._free.popleft() if self._free else self._evict() for _ in range(count)]
+        num_fresh = min(count, len(self._free))
+        pages = [self._free.popleft() for _ in range(num_fresh)]
+        if count > num_fresh:
+            evicted = [self._evict() for _ in range(count - num_fresh)]
+            self.num_evictions += len(evicted)
+            if self.on_evict is not None:
+                self.on_evict(evicted)
+            pages += [b for b, _ in evicted]
         for b in pages:
             self._refcount[b] = 1
         return pages
@@ -104,10 +122,11 @@ class KVManager:
         finally:
             self.free(pages)
 
-    def _evict(self) -> int:
+    def _evict(self) -> tuple[int, bytes]:
         page, _ = self._evictable.popitem(last=False)
-        del self._page_of[self._hash_of.pop(page)]
-        return page
+        h = self._hash_of.pop(page)
+        del self._page_of[h]
+        return page, h
 
     def share(self, pages: Iterable[int]) -> None:
         """Adds a holder to pages that are allocated or cached."""
@@ -130,6 +149,7 @@ class KVManager:
                     raise ValueError(f"page {b} freed twice")
                 self._refcount[b] -= 1
                 if self._refcount[b] == 0:
+                    self._settle(b)
                     if b in self._hash_of:
                         self._evictable[b] = None
                     else:
@@ -150,7 +170,8 @@ class KVManager:
 
     def allocate_prompt(self, hashes: Sequence[bytes], num_prompt_tokens: int, count: int) -> tuple[list[int], int]:
         """`count` pages for a request whose prompt has these page hashes: the first ones hold the longest prefix
-        cached here (shared: a holder added to each), the rest are fresh. Returns (pages, cached prompt tokens).
+        cached here (shared: a holder added to each), the rest are fresh, and those of the rest that will hold
+        full prompt pages are in flight until published. Returns (pages, cached prompt tokens).
         Needs `count` free, as if nothing were cached; raises OutOfPages otherwise. Counts the prompt as
         queried and the cached part as hits (in tokens, as vLLM counts them)."""
         with self._lock:  # one step: no eviction between finding the prefix and holding it
@@ -158,10 +179,38 @@ class KVManager:
                 raise OutOfPages(f"need {count} pages, {self.num_free} free")
             cached = self._match(hashes, num_prompt_tokens)
             self._hold(cached)
+            pages = cached + self._allocate(count - len(cached))
             if self.prefix_cache:
                 self.num_queried_tokens += num_prompt_tokens
                 self.num_hit_tokens += len(cached) * self.page_size
-            return cached + self._allocate(count - len(cached)), len(cached) * self.page_size
+                for b, h in zip(pages[len(cached):], hashes[len(cached):]):
+                    if h not in self._computing and h not in self._page_of:
+                        self._computing[h], self._computing_hash[b] = b, h
+            return pages, len(cached) * self.page_size
+
+    def hold_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        """Adds a holder to the pages of the longest cached prefix of `hashes`, in one step (no eviction between
+        finding and holding): a request about to copy them elsewhere. Free them with free()."""
+        with self._lock:
+            pages = self._match(hashes)
+            self._hold(pages)
+            return pages
+
+    def num_in_flight(self, hashes: Sequence[bytes]) -> int:
+        """How many of the leading `hashes` some request here is computing now (allocated, not yet published)."""
+        n = 0
+        with self._lock:
+            for h in hashes if self.prefix_cache else ():
+                if h not in self._computing:
+                    break
+                n += 1
+        return n
+
+    def _settle(self, page: int) -> None:
+        """A page stops being in flight (published, or freed before it was)."""
+        h = self._computing_hash.pop(page, None)
+        if h is not None:
+            del self._computing[h]
 
     def _match(self, hashes: Sequence[bytes], num_prompt_tokens: int | None = None) -> list[int]:
         """The pages of the longest cached prefix of `hashes`; with num_prompt_tokens, never the page holding the
@@ -175,14 +224,25 @@ class KVManager:
             pages.append(b)
         return pages
 
+    def cached_pages(self) -> list[tuple[int, bytes]]:
+        """Every published page with its hash, least recently used first among those no one holds."""
+        with self._lock:
+            held = [(b, h) for b, h in self._hash_of.items() if b not in self._evictable]
+            return [(b, self._hash_of[b]) for b in self._evictable] + held
+
     def publish(self, pages: Sequence[int], hashes: Sequence[bytes]) -> None:
         """Enters full pages whose KV is written into the cache, each under its hash. A hash already cached on
         another page (two requests computed the same prefix at once) keeps the first; this page stays private."""
         if not self.prefix_cache:
             return
+        entered: list[int] = []
         with self._lock:
             for b, h in zip(pages, hashes):
                 if self._refcount[b] <= 0:
                     raise ValueError(f"page {b} is not allocated")
+                self._settle(b)
                 if h not in self._page_of and b not in self._hash_of:
                     self._page_of[h], self._hash_of[b] = b, h
+                    entered.append(b)
+        if entered and self.on_publish is not None:
+            self.on_publish(entered, [self._hash_of[b] for b in entered])

@@ -146,18 +146,22 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
-                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_layer_done: Callable[[int], None] | None = None,
+                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids, positions: [T], the step `backend` was prepared for. Returns hidden states [T, hidden].
 
         on_layer_done(i) is called once layer i's K/V is in the pool, so a transfer can start copying it
-        while later layers still compute.
+        while later layers still compute; before_layer(i) before layer i runs, so KV being loaded into the
+        pool from another tier can land layer by layer while earlier layers compute.
         """
         ops = self.ops
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        if self.native_decoder is not None and self.native_decoder.takes(x, backend):
+        if self.native_decoder is not None and before_layer is None and self.native_decoder.takes(x, backend):
             return self.norm(self.native_decoder(x, positions, backend, on_layer_done), ops)
         rotary = ops.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(i)
             x = layer(x, rotary, backend, ops)
             if on_layer_done is not None:
                 on_layer_done(i)

@@ -117,9 +117,11 @@ class SimDevice:
         self.migrating: list[Seq] = []   # its requests that were asked to move live (some may have ended)
         self.busy = False   # in a turn or a step: what arrives now is seen at its next turn
 
-    def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None) -> None:
+    def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None, load: None = None,
+                    num_own_pages: int = -1) -> None:
+        """As Worker.add_prefill; the simulator models no tier below the device pools (load is always None)."""
         self.num_outstanding_prefill_tokens += req.num_prompt_tokens
-        self.scheduler.waiting.append(Seq(req, pages, handoff))
+        self.scheduler.waiting.append(Seq(req, pages, handoff, num_published=num_own_pages))
         sim = self.sim._sim[req.request_id]
         sim.prefill_dev, sim.decode_dev = self.name, (handoff.target if handoff else self).name
         self.sim._at(self.sim.now, self.sim._turn, self)

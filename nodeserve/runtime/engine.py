@@ -28,6 +28,7 @@ from nodeserve.sampling.sampler import Sampler
 from nodeserve.runtime.transfer import KVTransfer
 from nodeserve.runtime.worker import FreePages, Worker, WorkerLimits
 from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
+from nodeserve.runtime.kv_tiers import KVTiers
 from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
 from nodeserve.model.llama import LlamaModel
 from nodeserve.model.loader import LoadedModel
@@ -58,6 +59,8 @@ class PoolStats:
     num_prefix_hit_tokens: int
     num_role_changes: int
     num_batch_failures: int
+    num_evictions: int
+    num_computed_prompt_tokens: int
 
 
 class Engine:
@@ -82,6 +85,7 @@ class Engine:
         self.warnings: list[str] = []  # said at start and shown in /health: e.g. a CUDA host without FlashInfer
         self.profiler = None  # the cost model (runtime/profiler.py), measured at the end of warmup()
         self._refined = 0.0
+        self.tiers: KVTiers | None = None  # the host and disk tiers and the loaders (prefix_cache on)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -141,6 +145,8 @@ class Engine:
                              cfg.server.max_queued_tokens)
         if self.on_migration is not None:
             self.router.on_migration = self.on_migration
+        if cfg.kv.prefix_cache:
+            self.tiers = KVTiers.build(cfg.kv, self.workers, self.router)
         for t in self.transfers:
             t.start()
         for w in self.workers:
@@ -169,6 +175,8 @@ class Engine:
                      max(first.pool.k_scales), min(first.pool.v_scales), max(first.pool.v_scales))
         for w in self.workers:
             warmup_runner(w.runner)
+        if self.tiers is not None:  # the disk's fingerprint names the FP8 scales, known from here on
+            self.tiers.start_disk(self.config, self.loaded)
         self._install_policy()
 
     def _install_policy(self) -> None:
@@ -199,10 +207,14 @@ class Engine:
         return self.profiler.model
 
     def stop(self) -> None:
+        """Stops every thread; then, with a disk tier, writes the pages cached on the devices there (a restart
+        finds them)."""
         for w in self.workers:
             w.stop()
         for t in self.transfers:
             t.stop()
+        if self.tiers is not None:
+            self.tiers.stop()
 
     @property
     def workers(self) -> list[Worker]:
@@ -263,6 +275,8 @@ class Engine:
             req.emit(event)
             if event.finish_reason is not None:
                 self.streams.pop(req.request_id, None)
+        if self.router.num_pending:  # a prompt's pages were published: a request waiting for them may go
+            self.router.dispatch()
 
     def _released_threadsafe(self, requests: list[Request]) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -289,7 +303,13 @@ class Engine:
         changes = self.router.num_role_changes if self.router else {}
         return [PoolStats(w.name, str(w.role), w.kv.num_usable, w.kv.num_free, len(w.scheduler.running),
                           len(w.scheduler.waiting), w.kv.num_queried_tokens, w.kv.num_hit_tokens,
-                          changes.get(w.name, 0), w.num_batch_failures) for w in self.workers]
+                          changes.get(w.name, 0), w.num_batch_failures, w.kv.num_evictions,
+                          w.num_computed_prompt_tokens) for w in self.workers]
+
+    def tier_stats(self) -> list:
+        """The device pools as one tier (hits: prompt tokens fetched from another device), then the host and
+        disk tiers; empty with the prefix cache off."""
+        return self.tiers.stats() if self.tiers is not None else []
 
     def role_changes(self, since: float = 0.0) -> list[list]:
         """Adaptive mode's role changes at or after `since`: [time, device, new role, reason] (server clock)."""
@@ -298,8 +318,9 @@ class Engine:
     def dead_threads(self) -> list[str]:
         """Workers and transfers whose thread died (what they hold never moves again), and workers whose device
         was taken for dead, with why: /health answers 503."""
+        loaders = [w.loader for w in self.workers if w.loader is not None]
         return [x.name + (f": {x.failure}" if getattr(x, "failure", None) else "")
-                for x in [*self.workers, *self.transfers] if x.dead]
+                for x in [*self.workers, *self.transfers, *loaders] if x.dead]
 
     @property
     def num_pending(self) -> int:

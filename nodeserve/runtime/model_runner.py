@@ -60,18 +60,20 @@ class ModelRunner:
         pos_t = upload(positions, self.device, torch.int64)
         return ids, pos_t, meta, logits_rows
 
-    def run(self, chunks: Sequence[SeqChunk],
-            on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Returns float32 logits [N, vocab], one row per chunk with want_logits, in chunk order."""
+    def run(self, chunks: Sequence[SeqChunk], on_layer_done: Callable[[int], None] | None = None,
+            before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Returns float32 logits [N, vocab], one row per chunk with want_logits, in chunk order. The hooks: see
+        LlamaModel.forward."""
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)  # stable: decodes first
         ordered = [chunks[i] for i in order]
         ids, positions, meta, rows = self.prepare(ordered)
         hidden = None
-        if self.graphs is not None and on_layer_done is None and meta.num_decodes == meta.num_seqs:
+        if self.graphs is not None and on_layer_done is None and before_layer is None and \
+                meta.num_decodes == meta.num_seqs:
             hidden = self.graphs.run(ids, positions, meta)  # None: no graph for this batch size, run eagerly
         if hidden is None:
             self.backend.prepare(meta)
-            hidden = self.model(ids, positions, self.backend, on_layer_done)
+            hidden = self.model(ids, positions, self.backend, on_layer_done, before_layer)
         # rows: a device index (a Python list would be a blocking copy on CUDA, see device.upload)
         logits = self.model.compute_logits(hidden[upload(rows, self.device, torch.int64)])  # [N, V]
         wanted = [i for i in order if chunks[i].want_logits]

@@ -22,12 +22,14 @@ from nodeserve.core.handoff import Handoff, Migrate, MigrationOutcome
 from nodeserve.core.load import DeviceLoad, Role
 from nodeserve.core.pending import PendingQueue
 from nodeserve.core.placer import Decision, Placer, Seated, StaticPlacer, plan_moves
+from nodeserve.core.prefix import wait_for_prefix
 from nodeserve.core.request import Request
 from nodeserve.core.roles import RoleChange
 from nodeserve.kv.manager import OutOfPages, hash_pages
 from nodeserve.runtime.loads import snapshot
 
 if TYPE_CHECKING:
+    from nodeserve.runtime.prefix_fetch import PrefixFetch
     from nodeserve.runtime.worker import Worker
 
 __all__ = ["QueueFull", "Router", "TooLarge"]
@@ -63,6 +65,8 @@ class Router:
         self.num_migrations: Counter[str] = Counter()  # by MigrationOutcome
         self.migration_downtimes: deque[float] = deque(maxlen=10_000)  # seconds, of moves that resumed
         self.on_migration = lambda outcome, downtime, num_pages: None  # metrics hook
+        self.fetch: PrefixFetch | None = None  # prefixes from other devices and tiers (engine-set; None: own only)
+        self.num_prefix_waits = 0  # placements put off for a prefix another request was computing
 
     @property
     def num_queued_tokens(self) -> int:
@@ -128,9 +132,16 @@ class Router:
         return decision.placed and self._reserve(req, decision)
 
     def _reserve(self, req: Request, decision: Decision) -> bool:
-        """Takes the pages the decision needs and sends the prompt; False (nothing taken) if they are gone."""
+        """Takes the pages the decision needs, holds what its prompt can load from other devices and tiers, and
+        sends the prompt; False (nothing taken) if the pages are gone, or if it should wait for a prefix another
+        request is computing (core/prefix.py)."""
         decode, prefill = self.workers[decision.decode], self.workers[decision.prefill]
         hashes, n = req.page_hashes, req.num_prompt_tokens
+        if self.fetch is not None:
+            sources = self.fetch.sources(req, prefill, len(prefill.kv.lookup(hashes, n)))
+            if wait_for_prefix(sources):
+                self.num_prefix_waits += 1
+                return False
         try:
             pages, num_cached_tokens = decode.kv.allocate_prompt(hashes, n, decode.kv.pages_for(req.max_total_tokens))
         except OutOfPages:  # a worker's thread freed or took pages since the snapshot: try again later
@@ -143,12 +154,21 @@ class Router:
                 return False
         self.placements[req.request_id], self.placed[req.request_id] = decode, req
         self.num_seats_taken[decode] += 1
+        own = num_cached_tokens if prefill is decode else num_prompt_cached
+        # After the allocation, which may have evicted some of them: the load starts where the pool's own
+        # prefix ends, and holds what is still there.
+        load = self.fetch.acquire(req, prefill, own // self.page_size) if self.fetch is not None else None
+        req.cached_from = {"device": own} if own else {}
+        for run in load.runs if load is not None else ():
+            req.cached_from[run.source] = req.cached_from.get(run.source, 0) + len(run.src) * self.page_size
+        if load is not None and load.disk_hashes:
+            req.cached_from["disk"] = len(load.disk_hashes) * self.page_size
+        req.num_computed_tokens = req.num_cached_tokens = own + (load.num_pages * self.page_size if load else 0)
         if prefill is decode:
-            req.num_computed_tokens = req.num_cached_tokens = num_cached_tokens
-            decode.add_prefill(req, pages)
+            decode.add_prefill(req, pages, load=load, num_own_pages=own // self.page_size)
         else:
-            req.num_computed_tokens = req.num_cached_tokens = num_prompt_cached
-            prefill.add_prefill(req, prompt_pages, Handoff(decode, pages, num_cached_tokens // self.page_size))
+            prefill.add_prefill(req, prompt_pages, Handoff(decode, pages, num_cached_tokens // self.page_size),
+                                load=load, num_own_pages=own // self.page_size)
         return True
 
     def release(self, req: Request) -> None:

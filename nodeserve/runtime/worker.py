@@ -34,6 +34,8 @@ from nodeserve.runtime.model_runner import ModelRunner
 from nodeserve.sampling.sampler import Sampler
 
 if TYPE_CHECKING:
+    from nodeserve.runtime.kv_loader import KVLoader, LoadJob
+    from nodeserve.runtime.prefix_fetch import PrefixLoad
     from nodeserve.runtime.transfer import KVTransfer
 
 log = logging.getLogger(__name__)
@@ -70,10 +72,13 @@ class Worker:
         self.scheduler = Scheduler(self.kv, limits, eos_token_ids, free=self._give_back)
         self._emit_batch, self._on_released, self._on_migrated = emit_batch, on_released, on_migrated
         self.transfers: dict[Worker, KVTransfer] = {}  # decode worker -> transfer, on workers that prefill for others
+        self.loader: KVLoader | None = None            # fills pages from other tiers (engine-set; None: no tiers)
+        self._loads: dict[Seq, LoadJob] = {}           # requests here whose pages are being filled
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.num_outstanding_prefill_tokens = 0        # router's load signal for prefill placement
         self.num_batch_failures = 0                    # batched forwards that raised (/metrics)
+        self.num_computed_prompt_tokens = 0            # prompt tokens prefilled here (/metrics)
         self.num_failed_steps = 0                      # consecutive steps in which every request failed
         self.failure: str | None = None                # why this device is taken for dead
         self.records: deque[StepRecord] = deque(maxlen=100_000)
@@ -108,12 +113,14 @@ class Worker:
         self._inbox.put(None)
         self._thread.join(timeout=10)
 
-    def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None) -> None:
+    def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None,
+                    load: PrefixLoad | None = None, num_own_pages: int = -1) -> None:
         """A request to prefill here on `pages` (taken by the router): its decode pages here, or, when it decodes
-        elsewhere (handoff), its prompt's pages in this pool."""
+        elsewhere (handoff), its prompt's pages in this pool. The first num_own_pages were cached here; `load`
+        fills pages after them from other devices or tiers."""
         with self._lock:
             self.num_outstanding_prefill_tokens += req.num_prompt_tokens
-        self._inbox.put(Prefill(Seq(req, pages, handoff)))
+        self._inbox.put(Prefill(Seq(req, pages, handoff, load=load, num_published=num_own_pages)))
 
     def send(self, msg: Arrival | FreePages | Migrate | None) -> None:
         """From another thread: an Arrival, FreePages or Migrate; None only wakes the loop (e.g. to see an abort)."""
@@ -132,6 +139,7 @@ class Worker:
                     self._step()
             except Exception as e:  # a bug outside any one request's forward: fail what is in flight, keep serving
                 log.exception("worker %s: step failed", self.name)
+                self._wait_loads()
                 self._finish(self.scheduler.fail_all("internal error in the worker step"))
                 self._count_failed_step(True, e)
 
@@ -140,6 +148,8 @@ class Worker:
             msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             while True:
                 if isinstance(msg, Prefill):
+                    if msg.seq.load is not None:
+                        self._loads[msg.seq] = self.loader.submit(msg.seq)
                     self.scheduler.waiting.append(msg.seq)
                 elif isinstance(msg, FreePages):
                     self.device.wait_event(msg.read)
@@ -256,15 +266,18 @@ class Worker:
             if seq.req.prefill_start is None:
                 seq.req.prefill_start = start
         if self.failure is not None:  # what the router placed here before it saw the device dead
+            self._wait_loads()
             self._finish(self.scheduler.fail_all(f"device {self.name} failed (the error is in the server log)"))
             return
         outcomes = self._sample(batch, self._forward(batch))
+        self._loads = {seq: job for seq, job in self._loads.items() if seq.load is not None}
         # A sampling failure is the request's own (its parameters, its grammar); a forward failing for every
         # request, step after step, is the device's.
         forward_failed = [o for o in outcomes if isinstance(o, Exception) and not isinstance(o, SamplingFailed)]
         self._count_failed_step(len(forward_failed) == len(outcomes), next(iter(forward_failed), None))
         end = time.monotonic()
         decodes, prefills = batch.chunks[:batch.num_decodes], batch.chunks[batch.num_decodes:]
+        self.num_computed_prompt_tokens += sum(len(c.token_ids) for c in prefills)
         self.records.append(StepRecord(start, end, sum(len(c.token_ids) for c in prefills), batch.num_decodes,
                                        sum(c.start_pos for c in decodes),
                                        sum(len(c.token_ids) * (c.start_pos + len(c.token_ids) / 2) for c in prefills)))
@@ -288,7 +301,7 @@ class Worker:
         chunks = batch.chunks
         plan = self._copy_plan(batch, range(len(chunks)))
         try:
-            rows = iter(self.runner.run(chunks, self._layer_hook(plan)))
+            rows = iter(self.runner.run(chunks, self._layer_hook(plan), self._load_hook(batch.seqs)))
             results: list[torch.Tensor | Exception | None] = [next(rows) if c.want_logits else None for c in chunks]
             plan.commit(range(len(chunks)))
             return results
@@ -300,7 +313,7 @@ class Worker:
         for i, (seq, chunk) in enumerate(zip(batch.seqs, chunks)):
             plan = self._copy_plan(batch, [i])
             try:
-                logits = self.runner.run([chunk], self._layer_hook(plan))
+                logits = self.runner.run([chunk], self._layer_hook(plan), self._load_hook([seq]))
                 results.append(logits[0] if chunk.want_logits else None)
                 plan.commit([i])
             except Exception as e:
@@ -375,6 +388,24 @@ class Worker:
                 transfer.copy_layer(layer, pages)
 
         return on_layer_done
+
+    def _load_hook(self, seqs: list[Seq]) -> Callable[[int], None] | None:
+        """Before each layer: wait for that layer of the pages still being loaded for these sequences."""
+        jobs = [job for s in seqs if (job := self._loads.get(s)) is not None and not job.finished]
+        if not jobs:
+            return None
+
+        def before_layer(layer: int) -> None:
+            for job in jobs:
+                self.loader.wait_layer(job, layer)
+
+        return before_layer
+
+    def _wait_loads(self) -> None:
+        """Before failing every request here: loads still writing into their pages end first."""
+        for job in self._loads.values():
+            self.loader.wait(job)
+        self._loads.clear()
 
     def _hand_off(self, seq: Seq, migrated_at: float | None = None) -> None:
         """Queues the end of a request's transfer, after every copy already queued for it: its pages here are

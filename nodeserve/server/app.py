@@ -229,6 +229,8 @@ async def debug_kv(request: web.Request) -> web.Response:
     if state.engine is None or state.engine.router is None:
         raise P.APIError(503, "the server is loading the model")
     return web.json_response({"pools": [asdict(s) for s in state.engine.pool_stats()],
+                              "tiers": [asdict(t) for t in state.engine.tier_stats()],
+                              "num_prefix_waits": state.engine.router.num_prefix_waits,
                               "num_pending": state.engine.num_pending})
 
 

@@ -3,6 +3,7 @@ logprob entries and usage counts. Shared by the chat and completions routes, str
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator
@@ -12,6 +13,8 @@ from nodeserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
     from nodeserve.metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 
 class GenerationError(Exception):
@@ -50,11 +53,16 @@ class Generation:
             self._observe()
 
     def _observe(self) -> None:
-        if self.metrics is None:
-            return
         req = self.stream.request
         start, end = req.prefill_start, req.prefill_end
         first = self.token_times[0] if self.token_times else None
+        sources = ", ".join(f"{k} {v}" for k, v in req.cached_from.items())
+        log.info("request %s: %d prompt tokens, %d cached%s, %d generated, %s, ttft %s", req.request_id,
+                 self.num_prompt_tokens, req.num_cached_tokens, f" ({sources})" if sources else "",
+                 self.num_completion_tokens, self.finish_reason,
+                 f"{first - req.arrival_time:.3f}s" if first is not None else "-")
+        if self.metrics is None:
+            return
         self.metrics.observe_request(
             prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_completion_tokens,
             finish_reason=self.finish_reason, arrival=req.arrival_time, first_token=first,

@@ -32,8 +32,11 @@ class StatsLine:
         running = sum(s.num_running for s in stats)
         waiting = sum(s.num_waiting for s in stats) + self.engine.num_pending
         kv = ", ".join(f"{s.device} {100 * (1 - s.num_free / max(s.num_pages, 1)):.0f}%" for s in stats)
+        # Per tier: pages held of pages it can hold, and prompt tokens it served (cumulative).
+        tiers = "".join(f", {t.tier} {t.num_used}/{t.num_pages} pages {t.num_hit_tokens} hit tok"
+                        for t in self.engine.tier_stats() if t.tier != "device")
         return (f"stats: prompt {prompt:.1f} tok/s, generation {generation:.1f} tok/s, running {running}, "
-                f"waiting {waiting}, KV used {kv}, transfer {transfer / 1e6:.1f} MB/s")
+                f"waiting {waiting}, KV used {kv}{tiers}, transfer {transfer / 1e6:.1f} MB/s")
 
 
 async def stats_loop(stats: StatsLine, interval: float) -> None:

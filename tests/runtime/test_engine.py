@@ -129,10 +129,10 @@ def test_fault_in_one_request_fails_only_that_request(loaded_fp32, prompt_ids, h
         for w in engine.workers:
             run = w.runner.run
 
-            def faulty(chunks, hook=None, run=run):
+            def faulty(chunks, *hooks, run=run):
                 if any(poison in c.token_ids for c in chunks):
                     raise RuntimeError("injected fault")
-                return run(chunks, hook)
+                return run(chunks, *hooks)
             w.runner.run = faulty
         good = [engine.add_request(ids, _greedy()) for ids in prompt_ids[:3]]
         bad = engine.add_request(prompt_ids[3] + [poison], _greedy())

@@ -53,7 +53,7 @@ async def _conversation(engine, prompts):
     last = engine.add_request(prompts[3], _greedy(max_tokens=8))
     results.append(await _tokens(last))
     cached = [s.request.num_cached_tokens for s in [first, *streams, last]]
-    return [r[0] for r in results], cached
+    return [r[0] for r in results], cached + [last.request.cached_from]
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -62,12 +62,15 @@ def test_the_cache_changes_no_token_and_leaks_no_page(mode, loaded_fp32, prompts
     (on, cached_on), stats, num_cached = _run(_config(mode, True), loaded_fp32, body)
     (off, cached_off), _, num_cached_off = _run(_config(mode, False), loaded_fp32, body)
     assert on == off
-    assert cached_off == [0, 0, 0, 0] and num_cached_off == [0] * len(num_cached_off)
+    assert cached_off[:4] == [0, 0, 0, 0] and num_cached_off == [0] * len(num_cached_off)
     # prompts[1] and [2] share prompts[0]'s 3 full pages; prompts[3] also has prompts[1]'s 4th where prompts[1]
     # was prefilled. In conditional mode that was the decode device (a 16-token suffix), while prompts[3]'s
-    # longer suffix is prefilled on the prefill device, which holds prompts[0]'s pages only.
+    # longer suffix is prefilled on a device that holds prompts[0]'s pages only: it fetches the 4th from the
+    # other device instead of computing it.
     assert cached_on[0] == 0 and cached_on[1] == cached_on[2] == 48
-    assert cached_on[3] == (48 if mode == "conditional" else 64)
+    assert cached_on[3] == 64
+    fetched = sum(n for source, n in cached_on[4].items() if source.startswith("device:"))
+    assert fetched == (16 if mode == "conditional" else 0) and cached_on[4]["device"] == 64 - fetched
     assert all(s.num_free == s.num_pages for s in stats) and any(num_cached)  # idle: cached pages all evictable
 
 

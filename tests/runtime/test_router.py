@@ -32,7 +32,8 @@ class StubWorker:
         self.num_outstanding_prefill_tokens = 0
         self.prefills: list[tuple[Request, list[int], Handoff | None]] = []
 
-    def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None) -> None:
+    def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None, load=None,
+                    num_own_pages: int = -1) -> None:
         self.num_outstanding_prefill_tokens += req.num_prompt_tokens
         self.prefills.append((req, pages, handoff))
 

@@ -25,7 +25,7 @@ class FakeRunner:
         self.pool = SimpleNamespace(manager=KVManager(num_pages, 16), page_size=16)
         self.steps: list[list[tuple[int, int]]] = []  # per run: (start_pos, num_tokens) per chunk
 
-    def run(self, chunks, on_layer_done=None) -> torch.Tensor:
+    def run(self, chunks, on_layer_done=None, before_layer=None) -> torch.Tensor:
         self.steps.append([(c.start_pos, len(c.token_ids)) for c in chunks])
         if any(POISON in c.token_ids for c in chunks):
             raise RuntimeError("injected fault")
@@ -251,7 +251,7 @@ def test_a_failed_batch_does_not_count_its_pages_as_sent_so_the_solo_retry_sends
     worker, runner, target, transfer, jobs, outcomes = _migrating_worker()
     run = runner.run
 
-    def run_with_layers(chunks, on_layer_done=None):
+    def run_with_layers(chunks, on_layer_done=None, before_layer=None):
         logits = run(chunks, on_layer_done)  # raises on POISON before any layer is done
         for layer in range(3):
             if on_layer_done is not None:
@@ -310,7 +310,7 @@ def test_a_device_that_fails_every_request_step_after_step_is_taken_for_dead():
     worker, runner, events, released = _worker()
     calls = []
 
-    def sticky(chunks, on_layer_done=None):
+    def sticky(chunks, on_layer_done=None, before_layer=None):
         calls.append(len(chunks))
         raise RuntimeError("CUDA error: an illegal memory access")
 

@@ -1,0 +1,129 @@
+"""HostTier: the node's KV pages in host memory, one store below every device's pool.
+
+Slots are pages across every layer, contiguous: data is [num_slots, num_layers, 2, page_size, num_kv_heads,
+head_dim] (a slot is one disk file as it is). A KVManager indexes the slots under the same chained page hashes
+as the device pools, so LRU order, reference counts ("never evicted while being loaded or written") and the
+leak invariant are the pools' own. Pages come in when a device pool evicts them (write-back) or publishes them
+(write-through), leave by LRU, and every page that comes in is also handed to the disk tier, when there is one.
+On CUDA nodes the slots are pinned, so copies to and from a GPU are asynchronous DMA.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from nodeserve.kv.manager import KVManager, OutOfPages
+from nodeserve.kv.pool import KVPool
+
+if TYPE_CHECKING:
+    from nodeserve.kv.disk import DiskTier
+
+FLUSH_CHUNK = 128  # pages copied in per disk flush at a stop: the disk queue drops pages past its bound
+
+
+class HostTier:
+    def __init__(self, num_slots: int, pool: KVPool, pin: bool = False, disk: DiskTier | None = None):
+        """pool: any device pool, for the page shape and dtype (every pool shares them)."""
+        num_layers, _, two, page_size, heads, dim = pool.data.shape
+        self.page_size, self.num_layers, self.disk = page_size, num_layers, disk
+        # empty, not zeros: on a CPU node only slots written take memory.
+        self.data = torch.empty(num_slots, num_layers, two, page_size, heads, dim, dtype=pool.dtype,
+                                pin_memory=pin)
+        self.index = KVManager(num_slots, page_size, prefix_cache=True)  # evictions need no copy: see store()
+        self.page_nbytes = self.data[0].numel() * self.data.element_size()
+        self._lock = threading.Lock()  # the counters, bumped from several threads
+        self.num_stored_pages = 0     # pages copied in from a device pool
+        self.num_loaded_pages = 0     # pages copied out to a device pool
+        self.num_hit_tokens = 0       # prompt tokens served from here instead of computed
+        self.load_seconds = 0.0
+
+    @property
+    def num_slots(self) -> int:
+        return self.index.num_pages
+
+    def store(self, pool: KVPool, pages: Sequence[int], hashes: Sequence[bytes]) -> int:
+        """Copies device pages (full, published: their KV never changes) into slots under their hashes, skipping
+        those already here. Returns how many were copied; fewer when every slot is held by a load."""
+        new = [(p, h) for p, h in zip(pages, hashes) if not self.index.lookup([h])]
+        if not new:
+            return 0
+        try:
+            slots = self.index.allocate(min(len(new), self.index.num_free))
+        except OutOfPages:  # loads took the last free slots since num_free was read
+            return 0
+        new = new[:len(slots)]
+        src = torch.tensor([p for p, _ in new], dtype=torch.int64, device=pool.device)
+        # [L, n, 2, P, H, D] -> [n, L, 2, P, H, D]; on a GPU one gather and one copy to pinned memory
+        self.data[slots] = pool.data.index_select(1, src).transpose(0, 1).to("cpu")
+        self.index.publish(slots, [h for _, h in new])
+        self.index.free(slots)
+        with self._lock:
+            self.num_stored_pages += len(slots)
+        if self.disk is not None:
+            for s, (_, h) in zip(slots, new):
+                self.disk.put(h, self.page_bytes(s).clone())
+        return len(slots)
+
+    def store_evicted(self, pool: KVPool, evicted: list[tuple[int, bytes]]) -> None:
+        """A device pool's on_evict: write-back."""
+        self.store(pool, [p for p, _ in evicted], [h for _, h in evicted])
+
+    def page_bytes(self, slot: int) -> torch.Tensor:
+        """A slot's bytes, as the disk tier reads and writes them: [page_nbytes] uint8, a view."""
+        return self.data[slot].view(-1).view(torch.uint8)
+
+    def hold(self, hashes: Sequence[bytes]) -> list[int]:
+        """The slots of the longest prefix of `hashes` held here, each with a holder added (release() them)."""
+        return self.index.hold_prefix(hashes)
+
+    def release(self, slots: Sequence[int]) -> None:
+        self.index.free(slots)
+
+    def read_from_disk(self, hashes: Sequence[bytes]) -> list[int]:
+        """Reads pages from the disk tier into fresh slots, published here and held for the caller; stops at the
+        first miss, bad file, or when no slot is free. Returns the held slots, one per leading hash read."""
+        slots: list[int] = []
+        for h in hashes:
+            if self.disk is None or not self.index.can_allocate(1):
+                break
+            try:
+                slot = self.index.allocate(1)[0]
+            except OutOfPages:
+                break
+            if not self.disk.get(h, self.page_bytes(slot)):
+                self.index.free([slot])
+                break
+            self.index.publish([slot], [h])
+            slots.append(slot)
+        return slots
+
+    def copy_layer(self, layer: int, slots: torch.Tensor, pool: KVPool, pages: torch.Tensor) -> None:
+        """Copies layer `layer` of host slots into a device pool's pages (slots on the host, pages on the pool's
+        device; non-blocking from pinned memory on a GPU, on the calling thread's current stream)."""
+        src = self.data[:, layer].index_select(0, slots)  # [n, 2, P, H, D]
+        pool.layers[layer].index_copy_(0, pages, src.to(pool.device, non_blocking=True))
+
+    def count_load(self, num_pages: int, seconds: float) -> None:
+        with self._lock:
+            self.num_loaded_pages += num_pages
+            self.num_hit_tokens += num_pages * self.page_size
+            self.load_seconds += seconds
+
+    def flush(self, pools: Sequence[KVPool], timeout: float = 30.0) -> int:
+        """Before a stop, with the workers stopped: every page cached in a device pool comes in here and, with a
+        disk tier, is written there, so a restart keeps it (most recently used first, within `timeout`).
+        Returns the pages copied in."""
+        deadline, num = time.monotonic() + timeout, 0
+        for pool in pools:
+            cached = pool.manager.cached_pages()[::-1]
+            for i in range(0, len(cached), FLUSH_CHUNK):
+                chunk = cached[i:i + FLUSH_CHUNK]
+                num += self.store(pool, [p for p, _ in chunk], [h for _, h in chunk])
+                left = deadline - time.monotonic()
+                if self.disk is not None and (left <= 0 or not self.disk.flush(left)):
+                    return num
+        return num

@@ -1,0 +1,168 @@
+"""KVLoader: fills a request's pages from another tier while its device computes, layer by layer.
+
+One per device: a copy thread (on CUDA with its own stream). A job runs in two stages:
+  1. pages on disk are read into host slots and checked; one that is missing or bad ends the load there, and the
+     request computes the rest (its computed-token count is cut back before it ever runs). The request is then
+     ready: its device may schedule it.
+  2. every layer of every run (another device's pages, host slots) is copied into the request's pages, and
+     layer i is marked done (an event on CUDA). The device's forward waits for layer i before running layer i
+     (wait_layer, the model's before-layer hook), so the load overlaps with the prefill of the rest.
+Then the sources are released (their pages may be evicted again). A copy that raises fails the job: the forward
+waiting on it raises, which fails that request alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from nodeserve.device import Device
+from nodeserve.runtime.prefix_fetch import LoadRun, PrefixFetch, PrefixLoad
+
+if TYPE_CHECKING:
+    from nodeserve.core.scheduler import Seq
+    from nodeserve.kv.pool import KVPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class LoadJob:
+    seq: Seq
+    load: PrefixLoad
+    layer_events: list[Any] = field(default_factory=list)  # per layer done: its event (None on CPU)
+    num_layers: int = 0
+    error: str | None = None
+    done: threading.Condition = field(default_factory=threading.Condition)
+
+    @property
+    def finished(self) -> bool:
+        """Every layer issued (or failed): a forward need not wait for it any more."""
+        return self.error is not None or len(self.layer_events) == self.num_layers
+
+
+class LoadFailed(Exception):
+    """Filling a request's pages from another tier failed: the request fails."""
+
+
+class KVLoader:
+    def __init__(self, device: Device, pool: KVPool, fetch: PrefixFetch, on_ready: Callable[[], None],
+                 on_loaded: Callable[[LoadJob, float], None] = lambda job, seconds: None):
+        """on_ready(): a job's request may be scheduled (wakes the worker); on_loaded(job, seconds): every page
+        is in, for the counters. Both from the loader's thread."""
+        self.device, self.pool, self.fetch = device, pool, fetch
+        self.on_ready, self.on_loaded = on_ready, on_loaded
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.name = f"kv loader {device.name}"
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._stopped = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+
+    @property
+    def dead(self) -> bool:
+        return self._thread.ident is not None and not self._thread.is_alive() and not self._stopped
+
+    def submit(self, seq: Seq) -> LoadJob:
+        """From the worker's thread: the request is not ready until the disk stage is done."""
+        job = LoadJob(seq, seq.load, num_layers=len(self.pool.layers))
+        seq.ready = False
+        self._jobs.put(job)
+        return job
+
+    # ---- from the worker's forward ---------------------------------------------------------------------
+    def wait_layer(self, job: LoadJob, layer: int) -> None:
+        """Before layer `layer` of a forward that reads the job's pages: blocks (host) until the layer's copy is
+        issued, then orders the device's stream after it."""
+        with job.done:
+            job.done.wait_for(lambda: job.error is not None or len(job.layer_events) > layer)
+        if job.error is not None:
+            raise LoadFailed(job.error)
+        self.device.wait_event(job.layer_events[layer])
+
+    def wait(self, job: LoadJob) -> None:
+        """Blocks until the job is over, its sources released (before its pages are freed on a failure path)."""
+        with job.done:
+            job.done.wait_for(lambda: job.seq.load is None)
+
+    # ---- the loader thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        self.device.init_copy_thread()
+        stream = self.device.new_stream()
+        with self.device.use_stream(stream):
+            while (job := self._jobs.get()) is not None:
+                start = time.monotonic()
+                try:
+                    self._read_disk(job)
+                finally:
+                    job.seq.ready = True
+                    self.on_ready()
+                try:
+                    self._copy_layers(job)
+                    self.on_loaded(job, time.monotonic() - start)
+                except Exception as e:
+                    log.exception("%s: loading request %s's KV failed", self.name, job.seq.req.request_id)
+                    with job.done:
+                        job.error = f"loading cached KV failed ({type(e).__name__}: {e})"
+                        job.done.notify_all()
+                finally:
+                    self.device.synchronize_event(self.device.record_event())  # sources read: they may go
+                    self.fetch.release(job.load)
+                    with job.done:
+                        job.seq.load = None  # its pages are its own again (an abort may free them now)
+                        job.done.notify_all()
+                    self.on_ready()
+
+    def _read_disk(self, job: LoadJob) -> None:
+        """Stage 1: disk pages into held host slots (a run like any other); cuts the request back at the first
+        page that could not be read."""
+        load, req = job.load, job.seq.req
+        if not load.disk_hashes:
+            return
+        try:
+            slots = self.fetch.host.read_from_disk(load.disk_hashes)
+        except Exception:
+            log.exception("%s: reading KV from disk failed; request %s computes it", self.name,
+                          req.request_id)
+            slots = []
+        if slots:
+            load.runs.append(LoadRun(load.disk_first, slots, None, "disk"))
+        if len(slots) < len(load.disk_hashes):
+            ps = self.pool.page_size
+            req.num_computed_tokens = req.num_cached_tokens = (load.disk_first + len(slots)) * ps
+            req.cached_from["disk"] = len(slots) * ps
+        load.disk_hashes = load.disk_hashes[:len(slots)]
+
+    def _copy_layers(self, job: LoadJob) -> None:
+        """Stage 2: each layer of every run, in layer order, each layer marked done as it is issued."""
+        table = job.seq.page_table
+        # The destination pages were free before the router handed them over: wait for what was queued on them.
+        self.device.wait_event(self.pool.freed_event)
+        maps = []
+        for run in job.load.runs:
+            dst = torch.tensor(table[run.first:run.first + len(run.src)], dtype=torch.int64, device=self.pool.device)
+            src_device = run.pool.device if run.pool is not None else torch.device("cpu")
+            maps.append((run, torch.tensor(run.src, dtype=torch.int64, device=src_device), dst))
+        for layer in range(job.num_layers):
+            for run, src, dst in maps:
+                if run.pool is None:
+                    self.fetch.host.copy_layer(layer, src, self.pool, dst)
+                else:
+                    staged = run.pool.layers[layer].index_select(0, src).to(self.pool.device, non_blocking=True)
+                    self.pool.layers[layer].index_copy_(0, dst, staged)
+            event = self.device.record_event()
+            with job.done:
+                job.layer_events.append(event)
+                job.done.notify_all()

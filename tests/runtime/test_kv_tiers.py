@@ -1,0 +1,152 @@
+"""The KV tiers end to end on the real model: pages evicted from a small device pool come back from the host tier,
+a prefix cached on one device is fetched by another, requests arriving together with one prompt compute it once,
+a restart finds the disk tier's pages, and bad files are skipped. Greedy tokens never change, and every pool and
+the host tier are whole again after finished, aborted and failed requests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import pytest
+
+from nodeserve.config import config_from_dict
+from nodeserve.kv.manager import hash_pages
+from nodeserve.runtime.engine import Engine
+from tests.runtime.test_engine import MODES, _greedy, _tokens, _wait_pools_whole
+
+PAGE = 16
+
+
+def _config(mode: str, memory_gib: float, host_gib: float, disk_path: str = "", **kv):
+    disk = {"disk_path": disk_path, "disk_gib": 1.0} if disk_path else {}
+    return config_from_dict({"model": {"dtype": "float32"}, "devices": MODES[mode],
+                             "kv": {"memory_gib": memory_gib, "page_size": PAGE, "host_memory_gib": host_gib,
+                                    **disk, **kv},
+                             "scheduler": {"max_num_batched_tokens": 64}, "profile": {"startup": False}})
+
+
+def _run(config, loaded, body, warmup: bool = False):
+    """Runs body(engine) on a fresh engine; checks every device pool and the host tier are whole after it."""
+    async def main():
+        engine = Engine(config, loaded)
+        engine.start(asyncio.get_running_loop())
+        try:
+            if warmup:
+                engine.warmup()
+            result = await body(engine)
+            await _wait_pools_whole(engine)
+            if engine.tiers is not None and engine.tiers.host is not None:
+                assert engine.tiers.host.index.num_used == 0, "a host-tier slot is still held"
+            return result
+        finally:
+            engine.stop()
+    return asyncio.run(main())
+
+
+def _long_prompt(tok, seed: int, num_tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    words = ["river", "stone", "market", "engine", "violet", "harbor", "lantern", "quiet", "copper", "meadow"]
+    ids = tok.encode(" ".join(rng.choice(words) for _ in range(num_tokens)))
+    return ids[:num_tokens]
+
+
+@pytest.fixture(scope="module")
+def convo(loaded_fp32):
+    """Three unrelated 200-token contexts, and a follow-up of the first."""
+    tok = loaded_fp32.tokenizer
+    a, b, c = (_long_prompt(tok, s, 200) for s in (1, 2, 3))
+    return a, b, c, a + tok.encode(" And then what happened next?")
+
+
+async def _evict_and_return(engine, convo):
+    """a, then b and c (which push a's pages out of a 16-page pool), then a's follow-up."""
+    a, b, c, follow = convo
+    out = []
+    for prompt in (a, b, c, follow):
+        stream = engine.add_request(prompt, _greedy(max_tokens=6))
+        out.append((await _tokens(stream))[0])
+    last = stream.request
+    return out, last.num_cached_tokens, dict(last.cached_from)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_pages_evicted_from_a_device_come_back_from_the_host_tier(mode, loaded_fp32, convo):
+    pool_gib = 16 * 737_280 / 2**30  # 16 float32 pages per device: a 200-token prompt fills most of one
+    off, cached_off, _ = _run(_config(mode, pool_gib, 0), loaded_fp32, lambda e: _evict_and_return(e, convo))
+    on, cached_on, sources = _run(_config(mode, pool_gib, 0.05), loaded_fp32, lambda e: _evict_and_return(e, convo))
+    assert on == off  # exact greedy parity with the tier on
+    assert cached_off < PAGE * 4  # without the tier a's pages were gone
+    assert cached_on >= (200 // PAGE) * PAGE - PAGE and sources.get("host", 0) > 0, sources
+
+
+def test_requests_with_one_prompt_arriving_together_compute_it_once(loaded_fp32, convo):
+    prompt = convo[0] * 3  # 600 tokens
+
+    async def body(engine):
+        streams = [engine.add_request(prompt, _greedy(max_tokens=4)) for _ in range(8)]
+        outs = await asyncio.gather(*(_tokens(s) for s in streams))
+        computed = sum(r.num_prefill_tokens for w in engine.workers for r in w.records)
+        return [o[0] for o in outs], computed, engine.router.num_prefix_waits
+
+    outs, computed, waits = _run(_config("colocated", 0.25, 0.05), loaded_fp32, body)
+    assert all(o == outs[0] for o in outs)
+    assert computed <= 1.5 * len(prompt), computed  # 8 x 600 without the wait
+    assert waits > 0
+
+
+def test_a_restart_finds_the_disk_tier_and_bad_files_are_skipped(loaded_fp32, convo, tmp_path):
+    a, _, _, follow = convo
+    disk = str(tmp_path / "kv")
+
+    async def first(engine):
+        return (await _tokens(engine.add_request(a, _greedy(max_tokens=4))))[0]
+
+    async def again(engine):
+        stream = engine.add_request(follow, _greedy(max_tokens=8))
+        tokens = (await _tokens(stream))[0]
+        return tokens, stream.request.num_cached_tokens, dict(stream.request.cached_from), engine.tiers.disk
+
+    cold, cached_cold, _, _ = _run(_config("colocated", 0.25, 0.05), loaded_fp32, again)
+    _run(_config("colocated", 0.25, 0.05, disk), loaded_fp32, first, warmup=True)
+    files = [os.path.join(dp, f) for dp, _, fs in os.walk(disk) for f in fs if f.endswith(".kvp")]
+    assert len(files) >= 200 // PAGE - 1
+    warm, cached_warm, sources, _ = _run(_config("colocated", 0.25, 0.05, disk), loaded_fp32, again, warmup=True)
+    assert cached_cold == 0 and warm == cold
+    assert cached_warm >= (200 // PAGE - 1) * PAGE and sources.get("disk", 0) > 0, sources
+
+    # A corrupt 6th page and a truncated 7th: the 5 before load, the rest are computed, the tokens do not change.
+    by_name = {os.path.basename(p): p for p in files}
+    corrupt, truncated = (by_name[h.hex() + ".kvp"] for h in hash_pages(a, PAGE)[5:7])
+    with open(corrupt, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with open(truncated, "r+b") as f:
+        f.truncate(100)
+    repaired, cached, sources, disk_tier = _run(_config("colocated", 0.25, 0.05, disk), loaded_fp32, again,
+                                                warmup=True)
+    assert repaired == cold
+    assert disk_tier.num_bad_files == 2 and cached == 5 * PAGE and sources == {"disk": 5 * PAGE}
+
+
+def test_random_aborts_with_evictions_and_loads_leak_no_page(loaded_fp32, convo):
+    a, b, c, follow = convo
+    rng = random.Random(7)
+
+    async def body(engine):
+        streams = []
+        for i in range(24):
+            base = rng.choice([a, b, c, follow])
+            streams.append(engine.add_request(base[:rng.randrange(40, len(base))], _greedy(max_tokens=rng.randrange(1, 8))))
+            await asyncio.sleep(rng.random() * 0.05)
+            if rng.random() < 0.4:
+                engine.abort(rng.choice(streams))
+        for s in streams:
+            await _tokens(s)
+        return engine.tiers.host.num_stored_pages
+
+    stored = _run(_config("disaggregated", 16 * 737_280 / 2**30, 0.05), loaded_fp32, body)
+    assert stored > 0  # evictions happened throughout
