@@ -275,7 +275,7 @@ class Engine:
             req.emit(event)
             if event.finish_reason is not None:
                 self.streams.pop(req.request_id, None)
-        if self.router.num_pending:  # a prompt's pages were published: a request waiting for them may go
+        if self.router.waiting_for_prefix:  # a step published pages: a request waiting for them may go now
             self.router.dispatch()
 
     def _released_threadsafe(self, requests: list[Request]) -> None:

@@ -67,6 +67,7 @@ class Router:
         self.on_migration = lambda outcome, downtime, num_pages: None  # metrics hook
         self.fetch: PrefixFetch | None = None  # prefixes from other devices and tiers (engine-set; None: own only)
         self.num_prefix_waits = 0  # placements put off for a prefix another request was computing
+        self.waiting_for_prefix = False  # some request was put off so at the last dispatch: retry as pages publish
 
     @property
     def num_queued_tokens(self) -> int:
@@ -123,6 +124,7 @@ class Router:
     # ---- placement -----------------------------------------------------------------------------------
     def dispatch(self) -> None:
         """Places waiting requests in the pending queue's order (core/pending.py)."""
+        self.waiting_for_prefix = False
         self.pending.dispatch(self._place)
 
     def _place(self, req: Request) -> bool:
@@ -141,6 +143,7 @@ class Router:
             sources = self.fetch.sources(req, prefill, len(prefill.kv.lookup(hashes, n)))
             if wait_for_prefix(sources):
                 self.num_prefix_waits += 1
+                self.waiting_for_prefix = True
                 return False
         try:
             pages, num_cached_tokens = decode.kv.allocate_prompt(hashes, n, decode.kv.pages_for(req.max_total_tokens))

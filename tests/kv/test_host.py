@@ -1,0 +1,125 @@
+"""The host tier: pages evicted from a device pool keep their KV there, loads hold their slots against eviction,
+disk pages come back through it, and the page-manager hooks (evictions, publications, in-flight prefixes) it
+relies on."""
+
+from __future__ import annotations
+
+import torch
+
+from nodeserve.kv.disk import DiskTier
+from nodeserve.kv.host import HostTier
+from nodeserve.kv.manager import KVManager, hash_pages
+from nodeserve.kv.pool import KVPool
+from nodeserve.model.config import ModelConfig
+
+PAGE = 4
+
+
+def _pool(num_pages: int = 8) -> KVPool:
+    cfg = ModelConfig(architecture="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3,
+                      num_heads=2, num_kv_heads=1, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      max_position_embeddings=64, tie_word_embeddings=True)
+    pool = KVPool(cfg, num_pages, PAGE, torch.float32, torch.device("cpu"), prefix_cache=True)
+    pool.data.copy_(torch.randn_like(pool.data))
+    return pool
+
+
+def _publish(pool: KVPool, tokens: list[int]) -> tuple[list[int], list[bytes]]:
+    """A request's pages for `tokens`, written (random KV) and published, then freed: cached, evictable."""
+    hashes = hash_pages(tokens, PAGE)
+    pages, _ = pool.manager.allocate_prompt(hashes, len(tokens) + 1, len(hashes))
+    pool.manager.publish(pages, hashes)
+    pool.manager.free(pages)
+    return pages, hashes
+
+
+def test_a_page_evicted_from_a_pool_keeps_its_kv_in_the_host_tier():
+    pool = _pool(4)
+    host = HostTier(16, pool)
+    pool.manager.on_evict = lambda evicted: host.store_evicted(pool, evicted)
+    pages, hashes = _publish(pool, list(range(16)))        # 4 pages, cached
+    before = pool.data[:, pages].clone()
+    taken = pool.manager.allocate(4)                         # evicts all four ...
+    pool.data[:, taken] = 0.0                                # ... and their new holder overwrites them
+    slots = host.hold(hashes)
+    assert len(slots) == 4 and pool.manager.num_evictions == 4
+    assert torch.equal(host.data[slots].transpose(0, 1), before)
+    dst = torch.tensor(taken)
+    for layer in range(host.num_layers):                     # and they load back, layer by layer
+        host.copy_layer(layer, torch.tensor(slots), pool, dst)
+    assert torch.equal(pool.data[:, taken], before)
+    host.release(slots)
+    pool.manager.free(taken)
+    assert host.index.num_used == 0 and pool.manager.num_used == 0
+
+
+def test_a_slot_held_by_a_load_is_never_evicted_under_it():
+    pool = _pool(8)
+    host = HostTier(4, pool)
+    _, first = _publish(pool, list(range(16)))
+    host.store(pool, *zip(*pool.manager.cached_pages()))
+    held = host.hold(first[:2])
+    kept = host.data[held].clone()
+    pool.manager.allocate(8)                                   # the pool's pages are all taken now
+    other = _pool(8)
+    _, hashes = _publish(other, list(range(100, 132)))         # 8 new pages want the 4 slots
+    assert host.store(other, *zip(*other.manager.cached_pages())) == 2  # only the unheld 2 slots were free
+    assert host.hold(first[:2]) == held and torch.equal(host.data[held], kept)
+    host.release(held + held)
+
+
+def test_write_through_sees_every_published_page_once():
+    pool = _pool(8)
+    seen = []
+    pool.manager.on_publish = lambda pages, hashes: seen.extend(hashes)
+    _, hashes = _publish(pool, list(range(16)))
+    _publish(pool, list(range(16)))  # the same prefix again: already cached, not entered twice
+    assert seen == hashes
+
+
+def test_disk_pages_come_back_through_held_host_slots_and_a_bad_one_ends_the_run(tmp_path):
+    pool = _pool(8)
+    host = HostTier(8, pool)
+    disk = DiskTier(str(tmp_path), 10 * host.page_nbytes, "ab" * 16, host.page_nbytes)
+    disk.start()
+    host.disk = disk
+    pages, hashes = _publish(pool, list(range(16)))
+    host.store(pool, pages, hashes)
+    assert disk.flush(10)
+    fresh = HostTier(8, pool, disk=disk)  # a restart: nothing in host memory
+    with open(f"{disk.dir}/{hashes[2].hex()}.kvp", "r+b") as f:  # a bad third page (garbage header)
+        f.write(b"garbage")
+    slots = fresh.read_from_disk(hashes)
+    assert len(slots) == 2 and disk.num_bad_files == 1
+    assert torch.equal(fresh.data[slots].transpose(0, 1), pool.data[:, pages[:2]])
+    assert fresh.index.num_used == 2  # held for the caller
+    fresh.release(slots)
+    disk.stop()
+
+
+def test_a_prompt_being_computed_is_in_flight_until_published_or_freed():
+    kv = KVManager(16, PAGE, prefix_cache=True)
+    hashes = hash_pages(list(range(20)), PAGE)  # 5 full pages
+    pages, cached = kv.allocate_prompt(hashes, 20, 6)
+    assert cached == 0 and kv.num_in_flight(hashes) == 5
+    kv.publish(pages[:2], hashes[:2])          # its first chunk is done
+    assert kv.num_in_flight(hashes) == 0 and kv.num_in_flight(hashes[2:]) == 3
+    kv.free(pages)                             # aborted before the rest
+    assert kv.num_in_flight(hashes[2:]) == 0
+    again, cached = kv.allocate_prompt(hashes, 20, 6)
+    assert cached == 2 * PAGE and kv.num_in_flight(hashes[2:]) == 3
+    kv.free(again)
+    assert kv.num_used == 0
+
+
+def test_hold_prefix_holds_what_it_finds_and_nothing_past_a_miss():
+    kv = KVManager(8, PAGE, prefix_cache=True)
+    hashes = hash_pages(list(range(16)), PAGE)
+    pages, _ = kv.allocate_prompt(hashes, 17, 4)
+    kv.publish(pages[:3], hashes[:3])
+    kv.free(pages)
+    held = kv.hold_prefix(hashes)
+    assert held == pages[:3] and kv.num_used == 3
+    assert kv.num_free == 5  # held pages are not evictable
+    kv.free(held)
+    assert kv.num_used == 0
