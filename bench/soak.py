@@ -105,14 +105,16 @@ def summarize(records: list[dict]) -> dict:
 
 
 def leaked_pages(debug_kv: dict) -> int:
-    """Pages still held once the server is idle: sum over pools of num_pages - num_free."""
-    return sum(p["num_pages"] - p["num_free"] for p in debug_kv["pools"])
+    """Pages still held once the server is idle: sum over pools of num_pages - num_free, plus host-tier slots
+    still held by a load (KV tiers)."""
+    return sum(p["num_pages"] - p["num_free"] for p in debug_kv["pools"]) + \
+        sum(t.get("num_held", 0) for t in debug_kv.get("tiers", []) if t["tier"] != "device")
 
 
 def is_idle(debug_kv: dict) -> bool:
     return debug_kv.get("num_pending", 0) == 0 and all(
         p.get("num_running", 0) == 0 and p.get("num_waiting", 0) == 0 and p["num_free"] == p["num_pages"]
-        for p in debug_kv["pools"])
+        for p in debug_kv["pools"]) and all(t.get("num_held", 0) == 0 for t in debug_kv.get("tiers", []))
 
 
 def rss_growth(samples: list[tuple[float, int]], start_kib: int | None = None, end_kib: int | None = None) -> dict:
@@ -390,6 +392,8 @@ def main() -> int:
     ap.add_argument("--disconnect-prob", type=float, default=0.2)
     ap.add_argument("--kv-memory-gib", type=float, default=2.0,
                     help="KV pool per device; small values put the prefix cache under eviction pressure")
+    ap.add_argument("--kv-extra", default="", help="more [kv] TOML lines, e.g. 'host_memory_gib = 0.2' "
+                    "(with a small --kv-memory-gib: the KV tiers under eviction throughout)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rss-interval", type=float, default=3.0)
     ap.add_argument("--idle-timeout", type=float, default=120.0, help="seconds to wait for the server to go idle")
@@ -405,7 +409,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         log_path = os.path.join(tmp, "server.log")
         t_start = time.perf_counter()
-        proc, url = start_server(args.mode, args.dtype, tmp, log_path, kv_memory_gib=args.kv_memory_gib)
+        proc, url = start_server(args.mode, args.dtype, tmp, log_path, kv_memory_gib=args.kv_memory_gib,
+                                 kv_extra=args.kv_extra.replace("\\n", "\n"))
         print(f"server up in {time.perf_counter() - t_start:.1f} s ({args.mode}, dtype {args.dtype}), pid {proc.pid}",
               flush=True)
         try:

@@ -45,6 +45,7 @@ class TierStats:
     load_seconds: float       # loader time, stage by stage, of the loads it took part in
     num_evictions: int
     num_bad_files: int = 0    # disk files skipped (corrupt, truncated, foreign, half-written) and removed
+    num_held: int = 0         # pages a request or a load holds now: 0 whenever the server is idle
 
 
 def host_tier_bytes(setting: float, pool_bytes: int, ram_bytes: int) -> int:
@@ -127,13 +128,13 @@ class KVTiers:
         fetched = self.num_loaded_pages["device"]
         out = [TierStats("device", sum(p.manager.num_usable for p in pools), sum(p.manager.num_used for p in pools),
                          fetched * pools[0].page_size, fetched, fetched * page_bytes, self.load_seconds["device"],
-                         sum(p.manager.num_evictions for p in pools))]
+                         sum(p.manager.num_evictions for p in pools), 0, sum(p.manager.num_used for p in pools))]
         if self.host is not None:
             idx = self.host.index
             out.append(TierStats("host", idx.num_pages, idx.num_cached,
                                  self.num_loaded_pages["host"] * idx.page_size, self.num_loaded_pages["host"],
                                  self.num_loaded_pages["host"] * page_bytes, self.load_seconds["host"],
-                                 idx.num_evictions))
+                                 idx.num_evictions, 0, idx.num_used))
         if self.disk is not None:
             d = self.disk
             out.append(TierStats("disk", d.max_bytes // page_bytes, d.num_files,
