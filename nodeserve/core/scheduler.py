@@ -89,6 +89,11 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
+    @property
+    def has_work(self) -> bool:
+        """Something schedule() can run: a decode, or a prompt not waiting for its pages to be read."""
+        return bool(self.running) or any(s.ready for s in self.waiting)
+
     def schedule(self) -> Batch | None:
         decodes = self.running[:self.limits.max_num_seqs]
         budget = self.limits.max_num_batched_tokens - len(decodes)

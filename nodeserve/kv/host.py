@@ -65,7 +65,8 @@ class HostTier:
             self.num_stored_pages += len(slots)
         if self.disk is not None:
             for s, (_, h) in zip(slots, new):
-                self.disk.put(h, self.page_bytes(s).clone())
+                if h not in self.disk:  # clone only what the writer will take
+                    self.disk.put(h, self.page_bytes(s).clone())
         return len(slots)
 
     def store_evicted(self, pool: KVPool, evicted: list[tuple[int, bytes]]) -> None:

@@ -131,7 +131,7 @@ class Worker:
         self.device.init_worker_thread()
         while not self._stop:
             try:
-                self._drain_inbox(block=self.scheduler.idle)
+                self._drain_inbox(block=not self.scheduler.has_work)  # a loader wakes it when a prompt is ready
                 self._last_turn = time.monotonic()
                 if not self._stop:
                     self._finish(self.scheduler.drop_aborted())
