@@ -251,3 +251,20 @@ def test_slo_and_profile_defaults():
 def test_bad_slo_and_profile_values_name_the_key(raw, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config_from_dict(raw)
+
+
+@pytest.mark.parametrize("kv, match", [
+    ({"host_memory_gib": -2}, "kv.host_memory_gib"),
+    ({"host_write": "sometimes"}, "kv.host_write"),
+    ({"disk_gib": 1.0}, "kv.disk_path"),
+    ({"disk_gib": 1.0, "disk_path": "/tmp/x", "host_memory_gib": 0}, "host tier"),
+    ({"disk_gib": -1.0}, "kv.disk_gib"),
+])
+def test_kv_tier_settings_are_checked(kv, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict({"kv": kv}, check_devices=False)
+
+
+def test_kv_tier_defaults():
+    kv = config_from_dict({}, check_devices=False).kv
+    assert kv.host_memory_gib == -1 and kv.host_write == "back" and kv.disk_path == "" and kv.disk_gib == 0

@@ -180,3 +180,24 @@ def test_ttft_prediction_error_and_slo_rejections():
     assert value(f, h, h + "_bucket", le="-0.2") == 1 and value(f, h, h + "_bucket", le="0.0") == 1
     r = "nodeserve:request_rejected"
     assert value(f, r, r + "_total", reason="slo") == 1
+
+
+def test_kv_tiers_read_at_scrape_time():
+    from nodeserve.runtime.kv_tiers import TierStats
+
+    m = Metrics(MODEL)
+    assert scrape(m)["nodeserve:kv_tier_pages_used"] == []  # no source yet
+    tiers = [TierStats("device", 400, 10, 64, 4, 4 * 1000, 0.5, 7, num_held=10),
+             TierStats("host", 1000, 300, 2048, 128, 128 * 1000, 0.25, 3),
+             TierStats("disk", 5000, 900, 512, 32, 32 * 1000, 0.125, 0, num_bad_files=2)]
+    m.set_tier_source(lambda: tiers)
+    f = scrape(m)
+    assert value(f, "nodeserve:kv_tier_pages_used", "nodeserve:kv_tier_pages_used", tier="host") == 300
+    assert value(f, "nodeserve:kv_tier_pages_free", "nodeserve:kv_tier_pages_free", tier="host") == 700
+    assert value(f, "nodeserve:kv_tier_hit_tokens", "nodeserve:kv_tier_hit_tokens_total", tier="device") == 64
+    assert value(f, "nodeserve:kv_tier_loaded_bytes", "nodeserve:kv_tier_loaded_bytes_total", tier="disk") == 32000
+    assert value(f, "nodeserve:kv_tier_load_seconds", "nodeserve:kv_tier_load_seconds_total", tier="host") == 0.25
+    assert value(f, "nodeserve:kv_tier_evictions", "nodeserve:kv_tier_evictions_total", tier="device") == 7
+    assert value(f, "nodeserve:kv_tier_bad_files", "nodeserve:kv_tier_bad_files_total", tier="disk") == 2
+    m.set_tier_source(lambda: 1 / 0)  # a failing source empties the families, never the scrape
+    assert scrape(m)["nodeserve:kv_tier_hit_tokens"] == []

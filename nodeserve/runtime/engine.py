@@ -39,6 +39,7 @@ from nodeserve.core.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 REFINE_INTERVAL_S = 1.0  # refit the cost model from fresh step records at most this often
+PREFIX_RETRY_S = 0.02    # while a request waits for a prefix another is computing, dispatch again this often
 
 __all__ = ["Engine", "RequestStream", "QueueFull", "TooLarge", "PromptTooLong"]
 
@@ -86,6 +87,7 @@ class Engine:
         self.profiler = None  # the cost model (runtime/profiler.py), measured at the end of warmup()
         self._refined = 0.0
         self.tiers: KVTiers | None = None  # the host and disk tiers and the loaders (prefix_cache on)
+        self._prefix_retry_armed = False
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -147,6 +149,7 @@ class Engine:
             self.router.on_migration = self.on_migration
         if cfg.kv.prefix_cache:
             self.tiers = KVTiers.build(cfg.kv, self.workers, self.router)
+            self.router.on_prefix_wait = self._arm_prefix_retry
         for t in self.transfers:
             t.start()
         for w in self.workers:
@@ -292,6 +295,19 @@ class Engine:
         req, target = self.router.placed.get(request_id), self.router.workers.get(device)
         return req is not None and target is not None and target in self.decode_workers and \
             self.router.migrate(req, target, live)
+
+    def _arm_prefix_retry(self) -> None:
+        """A request waits for pages another is computing. Pages published reach the router with their step's
+        tokens (_deliver), but pages freed unpublished (an abort) may be freed after the last event the router
+        sees: a timer makes sure the wait ends either way."""
+        if not self._prefix_retry_armed:
+            self._prefix_retry_armed = True
+            self._loop.call_later(PREFIX_RETRY_S, self._prefix_retry)
+
+    def _prefix_retry(self) -> None:
+        self._prefix_retry_armed = False
+        if self.router.waiting_for_prefix:
+            self.router.dispatch()  # arms the timer again if a request still waits
 
     def _released(self, requests: list[Request]) -> None:
         for req in requests:

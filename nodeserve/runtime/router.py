@@ -68,6 +68,9 @@ class Router:
         self.fetch: PrefixFetch | None = None  # prefixes from other devices and tiers (engine-set; None: own only)
         self.num_prefix_waits = 0  # placements put off for a prefix another request was computing
         self.waiting_for_prefix = False  # some request was put off so at the last dispatch: retry as pages publish
+        # Called when a request is put off for a prefix: the engine arms a retry, since the pages it waits for can
+        # also be freed unpublished (their request aborted) by a worker thread, with no event reaching the router.
+        self.on_prefix_wait: Callable[[], None] = lambda: None
 
     @property
     def num_queued_tokens(self) -> int:
@@ -144,6 +147,7 @@ class Router:
             if wait_for_prefix(sources):
                 self.num_prefix_waits += 1
                 self.waiting_for_prefix = True
+                self.on_prefix_wait()
                 return False
         try:
             pages, num_cached_tokens = decode.kv.allocate_prompt(hashes, n, decode.kv.pages_for(req.max_total_tokens))

@@ -71,11 +71,12 @@ async def _evict_and_return(engine, convo):
     return out, last.num_cached_tokens, dict(last.cached_from)
 
 
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-def test_pages_evicted_from_a_device_come_back_from_the_host_tier(mode, loaded_fp32, convo):
+@pytest.mark.parametrize("mode, write", [("colocated", "back"), ("disaggregated", "back"), ("colocated", "through")])
+def test_pages_evicted_from_a_device_come_back_from_the_host_tier(mode, write, loaded_fp32, convo):
     pool_gib = 16 * 737_280 / 2**30  # 16 float32 pages per device: a 200-token prompt fills most of one
     off, cached_off, _ = _run(_config(mode, pool_gib, 0), loaded_fp32, lambda e: _evict_and_return(e, convo))
-    on, cached_on, sources = _run(_config(mode, pool_gib, 0.05), loaded_fp32, lambda e: _evict_and_return(e, convo))
+    on, cached_on, sources = _run(_config(mode, pool_gib, 0.05, host_write=write), loaded_fp32,
+                                  lambda e: _evict_and_return(e, convo))
     assert on == off  # exact greedy parity with the tier on
     assert cached_off < PAGE * 4  # without the tier a's pages were gone
     assert cached_on >= (200 // PAGE) * PAGE - PAGE and sources.get("host", 0) > 0, sources
@@ -150,3 +151,31 @@ def test_random_aborts_with_evictions_and_loads_leak_no_page(loaded_fp32, convo)
 
     stored = _run(_config("disaggregated", 16 * 737_280 / 2**30, 0.05), loaded_fp32, body)
     assert stored > 0  # evictions happened throughout
+
+
+def test_the_auto_host_tier_is_twice_the_pools_at_most_a_quarter_of_ram():
+    from nodeserve.runtime.kv_tiers import host_tier_bytes
+
+    gib = 2**30
+    assert host_tier_bytes(-1, 4 * gib, 24 * gib) == 6 * gib        # this repo's box: two 2 GiB pools, 24 GiB
+    assert host_tier_bytes(-1, 2 * gib, 100 * gib) == 4 * gib
+    assert host_tier_bytes(-1, 640 * gib, 2048 * gib) == 512 * gib  # a DGX: the RAM cap
+    assert host_tier_bytes(0, 4 * gib, 24 * gib) == 0 and host_tier_bytes(1.5, 4 * gib, 24 * gib) == 1.5 * gib
+
+
+def test_a_request_waiting_for_a_prefix_goes_when_those_pages_are_freed_unpublished(loaded_fp32, convo):
+    """Race (found by a soak): the request computing a prefix was aborted and its pages freed by a worker after the
+    last event the router saw, so the request waiting for them waited for ever. The engine retries on a timer."""
+    prompt = convo[0] + convo[1]
+
+    async def body(engine):
+        kv = engine.workers[0].kv
+        hashes = hash_pages(prompt, PAGE)
+        pages, _ = kv.allocate_prompt(hashes, len(prompt), len(hashes))  # as if a request were computing them
+        waiting = engine.add_request(prompt, _greedy(max_tokens=4))
+        await asyncio.sleep(0.3)
+        assert engine.router.num_pending == 1 and engine.router.num_prefix_waits >= 1
+        await asyncio.get_running_loop().run_in_executor(None, kv.free, pages)  # freed unpublished, elsewhere
+        return (await asyncio.wait_for(_tokens(waiting), 30))[1]
+
+    assert _run(_config("colocated", 0.25, 0.05), loaded_fp32, body) == "length"
