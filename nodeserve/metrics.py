@@ -31,6 +31,14 @@ Exposed names (histograms add _bucket/_count/_sum, counters add _total):
               nodeserve:kv_tier_evictions_total, nodeserve:kv_tier_bad_files_total
               {model_name, tier}: tier "device" is every pool (hits: fetched from another device),
               "host" and "disk" the tiers below (runtime/kv_tiers.py)
+  vLLM's names, for routers in front of several nodes (SMG, the Inference Extension's endpoint picker,
+  production-stack): each ONE series labelled model_name only, the node seen as one worker
+  (runtime.loads.NodeLoad): gauges vllm:num_requests_running, vllm:num_requests_waiting,
+  vllm:kv_cache_usage_perc and vllm:gpu_cache_usage_perc (the decode pools), vllm:cache_config_info{block_size,
+  num_gpu_blocks} = 1; counters vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total and their gpu_
+  forms (tokens, every cache tier); histograms vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
+  vllm:e2e_request_latency_seconds, vllm:request_prompt_tokens, vllm:request_generation_tokens; counters
+  vllm:prompt_tokens_total, vllm:generation_tokens_total
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Metrics", "DeviceState", "FINISH_REASONS", "REJECT_REASONS"]
 
 PREFIX = "nodeserve:"
+VLLM = "vllm:"
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 REJECT_REASONS = ("queue_full", "slo", "too_large", "bad_request", "unauthorized", "draining")
@@ -57,6 +66,8 @@ MIGRATION_OUTCOMES = ("moved", "finished", "not_running", "no_convergence", "fai
 # latencies cluster (1-100 ms on GPU, 50 ms-1 s on CPU). Anything slower still lands in +Inf.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                     0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 40.0, 60.0)
+# Tokens per request, vLLM's 1-2-5 series (to a million: any context length this server runs).
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
 # Whole requests (e2e, queueing, decode) on CPU can run for minutes; a few more buckets keep them apart.
 _REQUEST_BUCKETS = _LATENCY_BUCKETS + (120.0, 300.0, 600.0)
 # One KV copy (a layer, or a whole request) can take well under a millisecond on GPU.
@@ -207,6 +218,59 @@ class _TierCollector(Collector):
         return fams
 
 
+class _VllmCollector(Collector):
+    """vLLM's load gauges and prefix counters, one series each, read at scrape time from a NodeLoad-like object."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.source: Callable[[], Any] | None = None
+
+    def _families(self) -> tuple[GaugeMetricFamily | CounterMetricFamily, ...]:
+        m = ["model_name"]
+        usage = "KV-cache usage of the node's decode pools (1 means 100 percent)."
+        return (
+            GaugeMetricFamily(VLLM + "num_requests_running", "Requests prefilling or decoding on the node, each "
+                              "counted once.", labels=m),
+            GaugeMetricFamily(VLLM + "num_requests_waiting", "Requests queued on the node, admission included.",
+                              labels=m),
+            GaugeMetricFamily(VLLM + "kv_cache_usage_perc", usage, labels=m),
+            GaugeMetricFamily(VLLM + "gpu_cache_usage_perc", usage + " vLLM v0's name.", labels=m),
+            GaugeMetricFamily(VLLM + "cache_config_info", "KV cache configuration (the value is 1).",
+                              labels=m + ["block_size", "num_gpu_blocks"]),
+            CounterMetricFamily(VLLM + "prefix_cache_queries", "Prompt tokens placed.", labels=m),
+            CounterMetricFamily(VLLM + "prefix_cache_hits", "Prompt tokens of those taken from a cache of any "
+                                "tier.", labels=m),
+            CounterMetricFamily(VLLM + "gpu_prefix_cache_queries", "As vllm:prefix_cache_queries (vLLM v0's name).",
+                                labels=m),
+            CounterMetricFamily(VLLM + "gpu_prefix_cache_hits", "As vllm:prefix_cache_hits (vLLM v0's name).",
+                                labels=m),
+        )
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return self._families()
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        fams = self._families()
+        try:
+            node = self.source() if self.source is not None else None
+        except Exception:
+            log.exception("metrics: node source failed")
+            node = None
+        if node is None:
+            return fams
+        running, waiting, usage, gpu_usage, info, queries, hits, gpu_queries, gpu_hits = fams
+        name = [self.model_name]
+        running.add_metric(name, node.num_running)
+        waiting.add_metric(name, node.num_waiting)
+        usage.add_metric(name, node.kv_usage)
+        gpu_usage.add_metric(name, node.kv_usage)
+        info.add_metric(name + [str(node.page_size), str(node.num_pages)], 1)
+        for fam, value in ((queries, node.num_prefix_queried_tokens), (hits, node.num_prefix_hit_tokens),
+                           (gpu_queries, node.num_prefix_queried_tokens), (gpu_hits, node.num_prefix_hit_tokens)):
+            fam.add_metric(name, value)
+        return fams
+
+
 class Metrics:
     """All of one server's metrics, in its own registry. Safe to call from any thread (prometheus_client's
     metrics lock internally), e.g. observe_transfer from a transfer thread."""
@@ -216,8 +280,24 @@ class Metrics:
         self.registry = CollectorRegistry()
         reg, m = self.registry, ["model_name"]
 
-        def hist(name: str, doc: str, buckets: Sequence[float]) -> Any:
-            return Histogram(PREFIX + name, doc, m, registry=reg, buckets=buckets).labels(model_name)
+        def hist(name: str, doc: str, buckets: Sequence[float], prefix: str = PREFIX) -> Any:
+            return Histogram(prefix + name, doc, m, registry=reg, buckets=buckets).labels(model_name)
+
+        # vLLM's request histograms and token counters under vLLM's names (routers and dashboards built for vLLM).
+        self.vllm_ttft = hist("time_to_first_token_seconds", "Time to first token in seconds.", _LATENCY_BUCKETS,
+                              VLLM)
+        self.vllm_itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             _LATENCY_BUCKETS, VLLM)
+        self.vllm_e2e = hist("e2e_request_latency_seconds", "Arrival to last token, in seconds.", _REQUEST_BUCKETS,
+                             VLLM)
+        self.vllm_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per finished request.",
+                                       _TOKEN_BUCKETS, VLLM)
+        self.vllm_generation_tokens = hist("request_generation_tokens", "Generated tokens per finished request.",
+                                           _TOKEN_BUCKETS, VLLM)
+        self.vllm_prompt_tokens_total = Counter(VLLM + "prompt_tokens", "Prompt tokens of finished requests.", m,
+                                                registry=reg).labels(model_name)
+        self.vllm_generation_tokens_total = Counter(VLLM + "generation_tokens", "Generated tokens.", m,
+                                                    registry=reg).labels(model_name)
 
         self.time_to_first_token = hist("time_to_first_token_seconds", "Time to first token in seconds.",
                                         _LATENCY_BUCKETS)
@@ -268,6 +348,8 @@ class Metrics:
         reg.register(self._state)
         self._tiers = _TierCollector(model_name)
         reg.register(self._tiers)
+        self._node = _VllmCollector(model_name)
+        reg.register(self._node)
 
     # ---- pushed ------------------------------------------------------------------------------------------
     def observe_request(self, *, prompt_tokens: int, completion_tokens: int, finish_reason: str,
@@ -282,15 +364,22 @@ class Metrics:
             first_token = token_times[0]
         e2e = finished - arrival
         self.e2e_latency.observe(max(e2e, 0.0))
+        self.vllm_e2e.observe(max(e2e, 0.0))
+        self.vllm_prompt_tokens.observe(max(prompt_tokens, 0))
+        self.vllm_generation_tokens.observe(max(completion_tokens, 0))
+        self.vllm_prompt_tokens_total.inc(max(prompt_tokens, 0))
+        self.vllm_generation_tokens_total.inc(max(completion_tokens, 0))
         if first_token is not None:
             ttft = first_token - arrival
             self.time_to_first_token.observe(max(ttft, 0.0))
+            self.vllm_ttft.observe(max(ttft, 0.0))
             if predicted_ttft is not None:
                 self.ttft_prediction_error.observe(ttft - predicted_ttft)
             if completion_tokens > 1:
                 self.time_per_output_token.observe(max(e2e - ttft, 0.0) / (completion_tokens - 1))
         for prev, cur in zip(token_times, token_times[1:]):
             self.inter_token_latency.observe(max(cur - prev, 0.0))
+            self.vllm_itl.observe(max(cur - prev, 0.0))
         if queue_time is not None:
             self.queue_time.observe(max(queue_time, 0.0))
         if prefill_time is not None:
@@ -327,6 +416,10 @@ class Metrics:
         read across workers is fine for gauges)."""
         self._state.source = fn
         self._state.pending = pending
+
+    def set_node_source(self, fn: Callable[[], Any]) -> None:
+        """fn returns a NodeLoad-like object (engine.node_load), read at scrape time for vLLM's gauges."""
+        self._node.source = fn
 
     def set_tier_source(self, fn: Callable[[], Sequence[Any]]) -> None:
         """fn returns TierStats-like objects (engine.tier_stats), read at scrape time."""

@@ -149,7 +149,7 @@ def test_aiohttp_handler():
     assert status == 200
     assert ctype.startswith("text/plain")
     fams = list(text_string_to_metric_families(text))
-    assert fams and all(f.name.startswith("nodeserve:") for f in fams)
+    assert fams and all(f.name.startswith(("nodeserve:", "vllm:")) for f in fams)
     by_name = {f.name: f.samples for f in fams}
     assert value(by_name, "nodeserve:kv_pages_used", "nodeserve:kv_pages_used", device="cuda:0") == 6
     assert value(by_name, "nodeserve:generation_tokens", "nodeserve:generation_tokens_total") == 6

@@ -224,6 +224,16 @@ class KVManager:
             pages.append(b)
         return pages
 
+    def drop_cached(self) -> int:
+        """Forgets every cached page no one holds (they become free); returns how many. Held pages stay."""
+        with self._lock:
+            for b in self._evictable:
+                del self._page_of[self._hash_of.pop(b)]
+                self._free.append(b)
+            num = len(self._evictable)
+            self._evictable.clear()
+            return num
+
     def cached_pages(self) -> list[tuple[int, bytes]]:
         """Every published page with its hash, least recently used first among those no one holds."""
         with self._lock:

@@ -29,6 +29,7 @@ from nodeserve.runtime.transfer import KVTransfer
 from nodeserve.runtime.worker import FreePages, Worker, WorkerLimits
 from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
 from nodeserve.runtime.kv_tiers import KVTiers
+from nodeserve.runtime.loads import NodeLoad
 from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
 from nodeserve.model.llama import LlamaModel
 from nodeserve.model.loader import LoadedModel
@@ -321,6 +322,24 @@ class Engine:
                           len(w.scheduler.waiting), w.kv.num_queried_tokens, w.kv.num_hit_tokens,
                           changes.get(w.name, 0), w.num_batch_failures, w.kv.num_evictions,
                           w.num_computed_prompt_tokens) for w in self.workers]
+
+    def node_load(self) -> NodeLoad:
+        """The node as one worker (from the event loop): what vLLM's gauges and SMG's /v1/loads report."""
+        r = self.router
+        started = sum(1 for req in r.placed.values() if req.prefill_start is not None)
+        pools = [w.kv for w in self.decode_workers]
+        return NodeLoad(started, r.num_pending + len(r.placed) - started, r.num_queued_tokens,
+                        sum(kv.num_usable for kv in pools), sum(kv.num_free for kv in pools), pools[0].page_size,
+                        self.config.scheduler.max_num_seqs * len(pools), r.num_prefix_queried_tokens,
+                        r.num_prefix_hit_tokens)
+
+    def flush_cache(self) -> int:
+        """Drops every cached page no request holds, in every pool and the host tier (not the disk tier: a
+        restart's cache). Returns the pages dropped."""
+        num = sum(w.kv.drop_cached() for w in self.workers)
+        if self.tiers is not None and self.tiers.host is not None:
+            num += self.tiers.host.index.drop_cached()
+        return num
 
     def tier_stats(self) -> list:
         """The device pools as one tier (hits: prompt tokens fetched from another device), then the host and

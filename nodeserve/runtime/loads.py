@@ -5,6 +5,7 @@ Read from the event loop while the workers run: a slightly stale view is fine, a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from nodeserve.core.load import DeviceLoad
@@ -12,6 +13,26 @@ from nodeserve.core.load import DeviceLoad
 if TYPE_CHECKING:
     from nodeserve.core.request import Request
     from nodeserve.runtime.worker import Worker
+
+@dataclass
+class NodeLoad:
+    """The whole node as one worker, for routers in front of several nodes (vLLM's gauges, SMG's /v1/loads): a
+    request prefilled on one device and decoded on another counts once."""
+
+    num_running: int                # placed and started
+    num_waiting: int                # in the router's queue, or placed and not started
+    num_waiting_tokens: int         # prompt tokens admitted and not yet prefilled
+    num_pages: int                  # the pools admission is limited by (the decode devices')
+    num_free_pages: int
+    page_size: int
+    max_num_seqs: int               # decode seats, over those devices
+    num_prefix_queried_tokens: int  # prompt tokens placed, and of them those taken from a cache of any tier
+    num_prefix_hit_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        return (self.num_pages - self.num_free_pages) / self.num_pages if self.num_pages else 0.0
+
 
 PREFILL_WINDOW_S = 10.0  # a device's prefill share is measured over its steps of the last this many seconds
 

@@ -67,6 +67,8 @@ class Router:
         self.on_migration = lambda outcome, downtime, num_pages: None  # metrics hook
         self.fetch: PrefixFetch | None = None  # prefixes from other devices and tiers (engine-set; None: own only)
         self.num_prefix_waits = 0  # placements put off for a prefix another request was computing
+        self.num_prefix_queried_tokens = 0  # prompt tokens placed, and of them those any cache tier held
+        self.num_prefix_hit_tokens = 0
         self.waiting_for_prefix = False  # some request was put off so at the last dispatch: retry as pages publish
         # Called when a request is put off for a prefix: the engine arms a retry, since the pages it waits for can
         # also be freed unpublished (their request aborted) by a worker thread, with no event reaching the router.
@@ -171,6 +173,8 @@ class Router:
         if load is not None and load.disk_hashes:
             req.cached_from["disk"] = len(load.disk_hashes) * self.page_size
         req.num_computed_tokens = req.num_cached_tokens = own + (load.num_pages * self.page_size if load else 0)
+        self.num_prefix_queried_tokens += n
+        self.num_prefix_hit_tokens += req.num_cached_tokens
         if prefill is decode:
             decode.add_prefill(req, pages, load=load, num_own_pages=own // self.page_size)
         else:

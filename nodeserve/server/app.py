@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import copy
+import datetime
 import hmac
 import importlib.resources
 import ipaddress
@@ -286,7 +287,34 @@ async def models(request: web.Request) -> web.Response:
     max_len = state.engine.max_model_len if state.engine else None
     return web.json_response({"object": "list", "data": [{
         "id": name, "object": "model", "created": state.created, "owned_by": "nodeserve",
-        "max_model_len": max_len} for name in state.model_names]})
+        "root": state.config.model.path, "max_model_len": max_len} for name in state.model_names]})
+
+
+async def loads(request: web.Request) -> web.Response:
+    """The node's load in the shape SMG's load-aware policies read (its WorkerLoadResponse: one rank, since the
+    node is one worker to a router in front of several)."""
+    state = _state(request)
+    if state.engine is None or state.engine.router is None:
+        raise P.APIError(503, "the server is loading the model")
+    node = state.engine.node_load()
+    used = (node.num_pages - node.num_free_pages) * node.page_size
+    queried, hits = node.num_prefix_queried_tokens, node.num_prefix_hit_tokens
+    return web.json_response({
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), "dp_rank_count": 1,
+        "loads": [{"dp_rank": 0, "num_running_reqs": node.num_running, "num_waiting_reqs": node.num_waiting,
+                   "num_waiting_uncached_tokens": node.num_waiting_tokens,
+                   "num_total_reqs": node.num_running + node.num_waiting, "num_used_tokens": used,
+                   "max_total_num_tokens": node.num_pages * node.page_size, "token_usage": node.kv_usage,
+                   "gen_throughput": 0.0, "cache_hit_rate": hits / queried if queried else 0.0,
+                   "utilization": node.kv_usage, "max_running_requests": node.max_num_seqs}]})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """Drops every cached KV page no request holds (device pools and host tier; the disk tier stays)."""
+    engine = _ready_engine(_state(request), None)
+    num = engine.flush_cache()
+    log.info("flush_cache: %d cached pages dropped", num)
+    return web.json_response({"num_pages_dropped": num})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -599,6 +627,8 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_get("/debug/steps", debug_steps)
     app.router.add_get("/debug/profile", debug_profile)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/loads", loads)
+    app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)

@@ -177,6 +177,7 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
                                                         for s in engine.pool_stats()],
                                    pending=lambda: engine.num_pending)
     state.metrics.set_tier_source(engine.tier_stats)
+    state.metrics.set_node_source(engine.node_load)
     state.status = "ready"
     roles = ", ".join(f"{w.name}={w.role}" for w in engine.workers)
     url = f"http://{config.server.host}:{config.server.port}"

@@ -123,3 +123,15 @@ def test_hold_prefix_holds_what_it_finds_and_nothing_past_a_miss():
     assert kv.num_free == 5  # held pages are not evictable
     kv.free(held)
     assert kv.num_used == 0
+
+
+def test_drop_cached_frees_every_unheld_cached_page_and_keeps_held_ones():
+    kv = KVManager(8, PAGE, prefix_cache=True)
+    hashes = hash_pages(list(range(16)), PAGE)
+    pages, _ = kv.allocate_prompt(hashes, 17, 4)
+    kv.publish(pages, hashes)
+    kv.free(pages[2:])                       # two cached and unheld, two still held
+    assert kv.drop_cached() == 2 and kv.num_cached == 2
+    assert kv.lookup(hashes) == pages[:2]    # the held prefix is still found
+    kv.free(pages[:2])
+    assert kv.num_used == 0 and kv.num_free == 8

@@ -370,7 +370,7 @@ def test_real_responses_match_the_documented_schemas(doc, server):
             "top_logprobs": 2, "stop": ["\n"]}
     completion = {"prompt": ["Once upon", [1, 2, 3]], "max_tokens": 3, "echo": True, "logprobs": 2}
     cases = [("get", "/v1/models", None), ("get", "/health", None), ("get", "/debug/kv", None),
-             ("get", "/debug/profile", None),
+             ("get", "/debug/profile", None), ("get", "/v1/loads", None),
              ("post", "/v1/chat/completions", chat), ("post", "/v1/completions", completion)]
     for method, path, body in cases:
         status, ctype, data = _call(server, method.upper(), path, body)
