@@ -83,6 +83,18 @@ class KVSection:
 
 
 @dataclass(frozen=True)
+class KVEventsSection:
+    """vLLM's KV events (docs/kv-events.md): every page entering or leaving a device pool or tier, for routers."""
+    enabled: bool = False
+    endpoint: str = "tcp://*:5557"        # the PUB socket: bound if it has * or :: (or is ipc/inproc), else
+                                          # connected to a subscriber that binds, as vLLM does
+    replay_endpoint: str = ""             # the ROUTER socket that replays batches from a sequence number ("": none)
+    buffer_steps: int = 10_000            # batches kept for replay
+    hwm: int = 100_000                    # batches queued per subscriber; past it a batch is dropped and counted
+    topic: str = ""                       # "": kv@<server.host>:<server.port>@<served model name>
+
+
+@dataclass(frozen=True)
 class SchedulerSection:
     max_num_seqs: int = 64                # most sequences in one step on a device
     max_num_batched_tokens: int = 1024    # most tokens in one step: long prompts are chunked to fit
@@ -109,6 +121,7 @@ class Config:
     server: ServerSection = field(default_factory=ServerSection)
     devices: DevicesSection = field(default_factory=DevicesSection)
     kv: KVSection = field(default_factory=KVSection)
+    kv_events: KVEventsSection = field(default_factory=KVEventsSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
     slo: SloSection = field(default_factory=SloSection)
@@ -159,7 +172,7 @@ class Config:
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 _SECTION_TYPES = {"model": ModelSection, "server": ServerSection, "devices": DevicesSection,
-                  "kv": KVSection, "scheduler": SchedulerSection, "profile": ProfileSection, "slo": SloSection}
+                  "kv": KVSection, "kv_events": KVEventsSection, "scheduler": SchedulerSection, "profile": ProfileSection, "slo": SloSection}
 
 
 def _type_name(v: Any) -> str:
@@ -262,6 +275,22 @@ def load_config(path: str, check_devices: bool = True, overrides: dict[str, dict
     return config_from_dict(raw, check_devices)
 
 
+ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def _validate_kv_events(cfg: Config) -> None:
+    ev = cfg.kv_events
+    for key, value in (("endpoint", ev.endpoint), ("replay_endpoint", ev.replay_endpoint)):
+        if (value or key == "endpoint") and not value.startswith(ZMQ_SCHEMES):
+            raise ConfigError(f"'kv_events.{key}' must be a ZMQ address like \"tcp://*:5557\", got {value!r}")
+    if ev.buffer_steps < 1 or ev.hwm < 1:
+        raise ConfigError(f"'kv_events.buffer_steps' and 'kv_events.hwm' must be at least 1, got "
+                          f"{ev.buffer_steps} and {ev.hwm}")
+    if ev.enabled and not cfg.kv.prefix_cache:
+        raise ConfigError("KV events ('kv_events.enabled') report the prefix cache's pages: they need "
+                          "kv.prefix_cache = true")
+
+
 def validate(cfg: Config, check_devices: bool = True) -> None:
     from nodeserve.device import parse_device_name, DeviceNameError, available_devices
 
@@ -314,6 +343,7 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
     if kv.disk_gib > 0 and (kv.host_memory_gib == 0 or not kv.prefix_cache):
         raise ConfigError("the disk tier ('kv.disk_gib') sits below the host tier and the prefix cache: it needs "
                           "kv.prefix_cache = true and kv.host_memory_gib other than 0")
+    _validate_kv_events(cfg)
     if kv.memory_gib < 0:
         raise ConfigError(f"'kv.memory_gib' must be positive (or 0 on CUDA: fill free memory), got {kv.memory_gib}")
     if not 0 <= kv.memory_headroom < 1:

@@ -31,6 +31,9 @@ Exposed names (histograms add _bucket/_count/_sum, counters add _total):
               nodeserve:kv_tier_evictions_total, nodeserve:kv_tier_bad_files_total
               {model_name, tier}: tier "device" is every pool (hits: fetched from another device),
               "host" and "disk" the tiers below (runtime/kv_tiers.py)
+  KV events   counters nodeserve:kv_events_batches_total, nodeserve:kv_events_total,
+              nodeserve:kv_events_dropped_batches_total, nodeserve:kv_events_replays_total {model_name}
+              (only with [kv_events] on)
   vLLM's names, for routers in front of several nodes (SMG, the Inference Extension's endpoint picker,
   production-stack): each ONE series labelled model_name only, the node seen as one worker
   (runtime.loads.NodeLoad): gauges vllm:num_requests_running, vllm:num_requests_waiting,
@@ -218,6 +221,32 @@ class _TierCollector(Collector):
         return fams
 
 
+class _KVEventsCollector(Collector):
+    """The KV-event publisher's counters (runtime/kv_events.py), when [kv_events] is on."""
+
+    FIELDS = (("kv_events_batches", "num_batches", "KV-event batches numbered, sent or dropped."),
+              ("kv_events", "num_events", "KV events (BlockStored, BlockRemoved, AllBlocksCleared) published."),
+              ("kv_events_dropped_batches", "num_dropped_batches", "KV-event batches dropped at a subscriber's "
+               "high-water mark (replay still has them)."),
+              ("kv_events_replays", "num_replays", "Replay requests served."))
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.source: Callable[[], dict] | None = None
+
+    def describe(self) -> Iterable[CounterMetricFamily]:
+        return [CounterMetricFamily(PREFIX + name, doc, labels=["model_name"]) for name, _, doc in self.FIELDS]
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        if self.source is None:
+            return []
+        stats = self.source()
+        fams = self.describe()
+        for fam, (_, key, _) in zip(fams, self.FIELDS):
+            fam.add_metric([self.model_name], stats[key])
+        return fams
+
+
 class _VllmCollector(Collector):
     """vLLM's load gauges and prefix counters, one series each, read at scrape time from a NodeLoad-like object."""
 
@@ -348,6 +377,8 @@ class Metrics:
         reg.register(self._state)
         self._tiers = _TierCollector(model_name)
         reg.register(self._tiers)
+        self._kv_events = _KVEventsCollector(model_name)
+        reg.register(self._kv_events)
         self._node = _VllmCollector(model_name)
         reg.register(self._node)
 
@@ -424,6 +455,10 @@ class Metrics:
     def set_tier_source(self, fn: Callable[[], Sequence[Any]]) -> None:
         """fn returns TierStats-like objects (engine.tier_stats), read at scrape time."""
         self._tiers.source = fn
+
+    def set_kv_events_source(self, fn: Callable[[], dict]) -> None:
+        """fn returns the KV-event publisher's stats() dict, read at scrape time."""
+        self._kv_events.source = fn
 
     # ---- exposition --------------------------------------------------------------------------------------
     def handler(self):

@@ -268,3 +268,21 @@ def test_kv_tier_settings_are_checked(kv, match):
 def test_kv_tier_defaults():
     kv = config_from_dict({}, check_devices=False).kv
     assert kv.host_memory_gib == -1 and kv.host_write == "back" and kv.disk_path == "" and kv.disk_gib == 0
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"kv_events": {"endpoint": "5557"}}, "kv_events.endpoint"),
+    ({"kv_events": {"replay_endpoint": "localhost:5558"}}, "kv_events.replay_endpoint"),
+    ({"kv_events": {"hwm": 0}}, "kv_events.hwm"),
+    ({"kv_events": {"buffer_steps": 0}}, "kv_events.buffer_steps"),
+    ({"kv_events": {"enabled": True}, "kv": {"prefix_cache": False}}, "kv.prefix_cache = true"),
+])
+def test_kv_event_settings_are_checked(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(raw, check_devices=False)
+
+
+def test_kv_events_are_off_by_default_with_vllms_settings():
+    ev = config_from_dict({}, check_devices=False).kv_events
+    assert not ev.enabled and ev.endpoint == "tcp://*:5557" and ev.replay_endpoint == "" and ev.topic == ""
+    assert ev.buffer_steps == 10_000 and ev.hwm == 100_000

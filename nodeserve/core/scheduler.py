@@ -163,7 +163,12 @@ class Scheduler:
         if len(req.page_hashes) < num_full:  # pages of generated tokens
             tokens = (req.prompt_ids + req.output_ids)[len(req.page_hashes) * page_size:num_full * page_size]
             req.page_hashes += hash_pages(tokens, page_size, req.page_hashes[-1] if req.page_hashes else None)
-        self.kv.publish(seq.page_table[seq.num_published:num_full], req.page_hashes[seq.num_published:num_full])
+        first = seq.num_published
+        parent, token_ids = None, ()
+        if self.kv.events is not None:  # the KV events name each page's parent and tokens
+            parent = req.page_hashes[first - 1] if first else None
+            token_ids = (req.prompt_ids + req.output_ids)[first * page_size:num_full * page_size]
+        self.kv.publish(seq.page_table[first:num_full], req.page_hashes[first:num_full], parent, token_ids)
         seq.num_published = num_full
 
     def _finish_reason(self, req: Request) -> str | None:

@@ -20,8 +20,12 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from nodeserve.kv.events import KVEventSink
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +119,7 @@ class DiskTier:
         self._queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(max_queued)
         self._thread: threading.Thread | None = None
         self._abandon = False  # stop() ran out of time: the writer discards what is left
+        self.events: KVEventSink | None = None  # told, under the lock, every page entering or leaving the index
 
     def _header(self, h: bytes, payload) -> bytes:
         return HEADER.pack(MAGIC, self.fingerprint_bytes, h, self.page_nbytes, zlib.crc32(payload))
@@ -127,6 +132,8 @@ class DiskTier:
             size = self._index.pop(h, None)
             if size is not None:
                 self.num_files, self.num_bytes = len(self._index), self.num_bytes - size
+                if self.events is not None:
+                    self.events.removed([h])
 
     def start(self) -> None:
         if self._thread is not None:
@@ -159,6 +166,8 @@ class DiskTier:
             self._index = OrderedDict((h, size) for _, h, size in found)
             self.num_files, self.num_bytes = len(self._index), sum(self._index.values())
             self.num_bad_files += num_bad
+            if self.events is not None and self._index:
+                self.events.stored(list(self._index))
         self._evict(0)
         log.info("KV disk tier %s: %d files, %d bytes, %d bad files removed, scanned in %.3f s",
                  self.dir, self.num_files, self.num_bytes, num_bad, time.perf_counter() - t0)
@@ -186,6 +195,10 @@ class DiskTier:
                 if h not in self._index:
                     return i
             return len(hashes)
+
+    def hashes(self) -> list[bytes]:
+        with self._lock:
+            return list(self._index)
 
     def __contains__(self, h: bytes) -> bool:
         return self.match((h,)) == 1
@@ -247,6 +260,8 @@ class DiskTier:
                 self.num_evictions += 1
                 victims.append(h)
             self.num_files = len(self._index)
+            if self.events is not None:
+                self.events.removed(victims)
         for h in victims:
             _remove(self._path(h))
 
@@ -280,4 +295,6 @@ class DiskTier:
             self._index[h] = self.file_nbytes
             self.num_files, self.num_bytes = len(self._index), self.num_bytes + self.file_nbytes
             self.num_writes, self.num_write_bytes = self.num_writes + 1, self.num_write_bytes + self.file_nbytes
+            if self.events is not None:
+                self.events.stored([h])
         return True

@@ -18,7 +18,10 @@ import threading
 from array import array
 from collections import OrderedDict, deque
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+
+if TYPE_CHECKING:
+    from nodeserve.kv.events import KVEventSink
 
 
 class OutOfPages(Exception):
@@ -62,6 +65,8 @@ class KVManager:
         self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
         # Called, outside the lock, with the pages publish() entered and their hashes: write-through.
         self.on_publish: Callable[[list[int], list[bytes]], None] | None = None
+        # Told, under the lock, every hash entering or leaving the cache: the node's KV events ([kv_events]).
+        self.events: KVEventSink | None = None
 
     @property
     def num_free(self) -> int:
@@ -101,6 +106,8 @@ class KVManager:
         if count > num_fresh:
             evicted = [self._evict() for _ in range(count - num_fresh)]
             self.num_evictions += len(evicted)
+            if self.events is not None:
+                self.events.removed([h for _, h in evicted])
             if self.on_evict is not None:
                 self.on_evict(evicted)
             pages += [b for b, _ in evicted]
@@ -227,9 +234,12 @@ class KVManager:
     def drop_cached(self) -> int:
         """Forgets every cached page no one holds (they become free); returns how many. Held pages stay."""
         with self._lock:
-            for b in self._evictable:
-                del self._page_of[self._hash_of.pop(b)]
+            dropped = [self._hash_of.pop(b) for b in self._evictable]
+            for b, h in zip(self._evictable, dropped):
+                del self._page_of[h]
                 self._free.append(b)
+            if self.events is not None:
+                self.events.removed(dropped)
             num = len(self._evictable)
             self._evictable.clear()
             return num
@@ -240,19 +250,34 @@ class KVManager:
             held = [(b, h) for b, h in self._hash_of.items() if b not in self._evictable]
             return [(b, self._hash_of[b]) for b in self._evictable] + held
 
-    def publish(self, pages: Sequence[int], hashes: Sequence[bytes]) -> None:
+    def publish(self, pages: Sequence[int], hashes: Sequence[bytes], parent: bytes | None = None,
+                token_ids: Sequence[int] = ()) -> None:
         """Enters full pages whose KV is written into the cache, each under its hash. A hash already cached on
-        another page (two requests computed the same prefix at once) keeps the first; this page stays private."""
+        another page (two requests computed the same prefix at once) keeps the first; this page stays private.
+        parent (the hash of the page before the first) and token_ids (every page's tokens) are for the KV events."""
         if not self.prefix_cache:
             return
         entered: list[int] = []
         with self._lock:
-            for b, h in zip(pages, hashes):
+            for i, (b, h) in enumerate(zip(pages, hashes)):
                 if self._refcount[b] <= 0:
                     raise ValueError(f"page {b} is not allocated")
                 self._settle(b)
                 if h not in self._page_of and b not in self._hash_of:
                     self._page_of[h], self._hash_of[b] = b, h
-                    entered.append(b)
+                    entered.append(i)
+            if entered and self.events is not None:
+                self._report_stored(entered, hashes, parent, token_ids)
         if entered and self.on_publish is not None:
-            self.on_publish(entered, [self._hash_of[b] for b in entered])
+            self.on_publish([pages[i] for i in entered], [hashes[i] for i in entered])
+
+    def _report_stored(self, entered: list[int], hashes: Sequence[bytes], parent: bytes | None,
+                       token_ids: Sequence[int]) -> None:
+        """One BlockStored per run of consecutive pages entered (a page cached elsewhere breaks a run)."""
+        size, start = self.page_size, 0
+        for k in range(1, len(entered) + 1):
+            if k == len(entered) or entered[k] != entered[k - 1] + 1:
+                first, last = entered[start], entered[k - 1] + 1
+                self.events.stored(hashes[first:last], hashes[first - 1] if first else parent,
+                                   token_ids[first * size:last * size] if token_ids else ())
+                start = k

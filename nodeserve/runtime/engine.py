@@ -6,6 +6,7 @@ import asyncio
 import copy
 import itertools
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -27,7 +28,9 @@ from nodeserve.runtime.router import Router, role_changes_since
 from nodeserve.sampling.sampler import Sampler
 from nodeserve.runtime.transfer import KVTransfer
 from nodeserve.runtime.worker import FreePages, Worker, WorkerLimits
+from nodeserve.kv.events import KVEventLog, event_hash
 from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
+from nodeserve.runtime.kv_events import KVEventPublisher, default_topic
 from nodeserve.runtime.kv_tiers import KVTiers
 from nodeserve.runtime.loads import NodeLoad
 from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
@@ -89,6 +92,7 @@ class Engine:
         self._refined = 0.0
         self.tiers: KVTiers | None = None  # the host and disk tiers and the loaders (prefix_cache on)
         self._prefix_retry_armed = False
+        self.kv_events: KVEventPublisher | None = None  # [kv_events]
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -151,10 +155,27 @@ class Engine:
         if cfg.kv.prefix_cache:
             self.tiers = KVTiers.build(cfg.kv, self.workers, self.router)
             self.router.on_prefix_wait = self._arm_prefix_retry
+        if cfg.kv_events.enabled:  # before any page is published (config: it needs the prefix cache)
+            self.kv_events = self._start_kv_events()
         for t in self.transfers:
             t.start()
         for w in self.workers:
             w.start()
+
+    def _start_kv_events(self) -> KVEventPublisher:
+        """Every device pool reports under its device's name, the host and disk tiers as "host" and "disk"."""
+        cfg = self.config
+        events = KVEventLog(cfg.kv.page_size)
+        for w in self.workers:
+            w.kv.events = events.sink(w.name)
+        self.tiers.events = events
+        if self.tiers.host is not None:
+            self.tiers.host.index.events = events.sink("host")
+        host = cfg.server.host if cfg.server.host not in ("", "0.0.0.0", "::") else socket.gethostname()
+        topic = cfg.kv_events.topic or default_topic(host, cfg.server.port, cfg.served_model_name)
+        publisher = KVEventPublisher(cfg.kv_events, topic, events)
+        publisher.start()
+        return publisher
 
     def warmup(self) -> None:
         """Before serving: FP8 KV scales for every FP8 pool, then on CUDA one prefill and decode per device
@@ -219,6 +240,8 @@ class Engine:
             t.stop()
         if self.tiers is not None:
             self.tiers.stop()
+        if self.kv_events is not None:  # last: the stop's own flush to disk is reported too
+            self.kv_events.stop()
 
     @property
     def workers(self) -> list[Worker]:
@@ -340,6 +363,16 @@ class Engine:
         if self.tiers is not None and self.tiers.host is not None:
             num += self.tiers.host.index.drop_cached()
         return num
+
+    def kv_index(self) -> dict[str, list[int]]:
+        """Every cached page hash (as the KV events carry it) by where it is: each device, "host", "disk". What a
+        subscriber to the KV events should hold once they are all delivered."""
+        index = {w.name: [h for _, h in w.kv.cached_pages()] for w in self.workers}
+        if self.tiers is not None and self.tiers.host is not None:
+            index["host"] = [h for _, h in self.tiers.host.index.cached_pages()]
+        if self.tiers is not None and self.tiers.disk is not None:
+            index["disk"] = self.tiers.disk.hashes()
+        return {medium: sorted(event_hash(h) for h in hashes) for medium, hashes in index.items()}
 
     def tier_stats(self) -> list:
         """The device pools as one tier (hits: prompt tokens fetched from another device), then the host and

@@ -21,6 +21,7 @@ from nodeserve.runtime.prefix_fetch import PrefixFetch
 
 if TYPE_CHECKING:
     from nodeserve.config import Config, KVSection
+    from nodeserve.kv.events import KVEventLog
     from nodeserve.model.loader import LoadedModel
     from nodeserve.runtime.router import Router
     from nodeserve.runtime.worker import Worker
@@ -63,6 +64,7 @@ class KVTiers:
     def __init__(self, workers: list[Worker], fetch: PrefixFetch, host: HostTier | None):
         self.workers, self.fetch, self.host = workers, fetch, host
         self.disk: DiskTier | None = None
+        self.events: KVEventLog | None = None  # the node's KV events, when on: the disk tier reports there too
         self.disk_settings: tuple[str, float] = ("", 0.0)  # kv.disk_path, kv.disk_gib
         self.num_loaded_pages: Counter[str] = Counter()  # by source kind: device, host, disk
         self.load_seconds: Counter[str] = Counter()
@@ -102,6 +104,8 @@ class KVTiers:
         fingerprint = model_fingerprint(loaded.path, loaded.config.architecture, str(loaded.model.dtype),
                                         str(pool.dtype), str(pool.page_size), config.quantization, scales)
         self.disk = DiskTier(path, int(gib * 2**30), fingerprint, self.host.page_nbytes)
+        if self.events is not None:
+            self.disk.events = self.events.sink("disk")
         self.disk.start()
         self.host.disk = self.fetch.disk = self.disk
 

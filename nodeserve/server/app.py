@@ -229,10 +229,13 @@ async def debug_kv(request: web.Request) -> web.Response:
     state = _state(request)
     if state.engine is None or state.engine.router is None:
         raise P.APIError(503, "the server is loading the model")
-    return web.json_response({"pools": [asdict(s) for s in state.engine.pool_stats()],
-                              "tiers": [asdict(t) for t in state.engine.tier_stats()],
-                              "num_prefix_waits": state.engine.router.num_prefix_waits,
-                              "num_pending": state.engine.num_pending})
+    engine = state.engine
+    body = {"pools": [asdict(s) for s in engine.pool_stats()], "tiers": [asdict(t) for t in engine.tier_stats()],
+            "num_prefix_waits": engine.router.num_prefix_waits, "num_pending": engine.num_pending,
+            "kv_events": engine.kv_events.stats() if engine.kv_events is not None else None}
+    if request.query.get("index") in ("1", "true"):
+        body["index"] = engine.kv_index()
+    return web.json_response(body)
 
 
 async def debug_steps(request: web.Request) -> web.Response:

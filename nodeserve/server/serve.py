@@ -178,6 +178,8 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
                                    pending=lambda: engine.num_pending)
     state.metrics.set_tier_source(engine.tier_stats)
     state.metrics.set_node_source(engine.node_load)
+    if engine.kv_events is not None:
+        state.metrics.set_kv_events_source(engine.kv_events.stats)
     state.status = "ready"
     roles = ", ".join(f"{w.name}={w.role}" for w in engine.workers)
     url = f"http://{config.server.host}:{config.server.port}"
