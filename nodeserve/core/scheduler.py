@@ -23,6 +23,11 @@ class SamplingFailed(Exception):
     """A request's sampling raised (its own parameters or grammar); the others in its batch were sampled."""
 
 
+class SamplingLimit(SamplingFailed):
+    """A request's sampling went past a limit (its grammar's mask took too long); the message names the limit
+    and goes to the client as it is."""
+
+
 @dataclass
 class WorkerLimits:
     max_num_seqs: int
@@ -120,7 +125,8 @@ class Scheduler:
             req, n = seq.req, len(chunk.token_ids)
             if isinstance(outcome, Exception):
                 # The exception is in the server log; the client gets no raw exception text.
-                error = SAMPLING_FAILED if isinstance(outcome, SamplingFailed) else FORWARD_FAILED
+                error = str(outcome) if isinstance(outcome, SamplingLimit) else \
+                    SAMPLING_FAILED if isinstance(outcome, SamplingFailed) else FORWARD_FAILED
                 out.events.append((req, TokenEvent(None, finish_reason="error", error=error)))
                 self._retire(seq, out)
                 continue

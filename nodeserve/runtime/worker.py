@@ -28,9 +28,10 @@ from nodeserve.core.handoff import (Arrival, CopyPlan, FreePages, Handoff, Migra
                                     MigrationStep, Prefill, copy_plan, next_migration_step)
 from nodeserve.core.load import Role
 from nodeserve.core.request import Request, TokenEvent
-from nodeserve.core.scheduler import Batch, SamplingFailed, Scheduler, Seq, StepOutput, WorkerLimits
+from nodeserve.core.scheduler import Batch, SamplingFailed, SamplingLimit, Scheduler, Seq, StepOutput, WorkerLimits
 from nodeserve.device import Device
 from nodeserve.runtime.model_runner import ModelRunner
+from nodeserve.sampling.constrain import MASK_FILL_BUDGET_S
 from nodeserve.sampling.sampler import Sampler
 
 if TYPE_CHECKING:
@@ -344,16 +345,24 @@ class Worker:
             outcomes[i] = outcome
         return outcomes
 
-    def _sample_rows(self, batch: Batch, results: list, rows: list[int]) -> dict[int, TokenEvent]:
+    def _sample_rows(self, batch: Batch, results: list, rows: list[int]) -> dict[int, TokenEvent | Exception]:
         reqs = [batch.seqs[i].req for i in rows]
         for req in reqs:
             req.generator = self.sampler.request_generator(req.generator, req.params.seed, len(req.output_ids))
         out = self.sampler(torch.stack([results[i] for i in rows]), [r.params for r in reqs],
                            [r.prompt_ids for r in reqs], [r.output_ids for r in reqs], [r.generator for r in reqs],
                            [r.grammar for r in reqs])
-        return {i: TokenEvent(out.token_ids[k], out.logprobs[k] if out.logprobs is not None else None,
-                              out.top_logprobs[k] if out.top_logprobs is not None else None)
-                for k, i in enumerate(rows)}
+        outcomes: dict[int, TokenEvent | Exception] = {
+            i: TokenEvent(out.token_ids[k], out.logprobs[k] if out.logprobs is not None else None,
+                          out.top_logprobs[k] if out.top_logprobs is not None else None)
+            for k, i in enumerate(rows)}
+        for k, seconds in out.slow_grammar_rows.items():
+            log.warning("worker %s: request %s's grammar mask took %.0f ms in one step; the request is ended",
+                        self.name, reqs[k].request_id, seconds * 1000)
+            outcomes[rows[k]] = SamplingLimit(
+                f"structured output: computing the grammar's allowed tokens took {seconds * 1000:.0f} ms in one "
+                f"step, over the limit of {MASK_FILL_BUDGET_S * 1000:.0f} ms; simplify the schema or grammar")
+        return outcomes
 
     def _finish(self, out: StepOutput) -> None:
         """Acts on a step's outcome: hands prefilled requests to their transfers, reports what ended."""

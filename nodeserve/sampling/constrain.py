@@ -6,6 +6,7 @@ to its row's matcher. The matchers come from the server (server/structured.py); 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,30 +14,41 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# A row's mask fill over this in one step ends its request (with a message naming the limit): a fill is one
+# uninterruptible C++ call on the worker thread, so a pathological grammar would otherwise stall the whole
+# device every step. A typical fill takes well under a millisecond.
+MASK_FILL_BUDGET_S = 0.25
+
 
 def apply_grammar_masks(
     logits: torch.Tensor,                  # [B, V]
     grammars: Sequence[Any | None],        # per row: an xgrammar GrammarMatcher or None
-) -> torch.Tensor:
+    budget_s: float = MASK_FILL_BUDGET_S,
+) -> tuple[torch.Tensor, dict[int, float]]:
     """Returns `logits` itself when no row is constrained, else a copy with each constrained row's disallowed
-    tokens at -inf. A matcher that already ended (its stop token sampled, the request kept going under
-    ignore_eos or min_tokens) constrains nothing."""
+    tokens at -inf; and the rows whose fill took longer than budget_s, with the seconds it took. A matcher that
+    already ended (its stop token sampled, the request kept going under ignore_eos or min_tokens) constrains
+    nothing."""
     rows = [i for i, g in enumerate(grammars) if g is not None and not g.is_terminated()]
     if not rows:
-        return logits
+        return logits, {}
     import xgrammar as xgr
 
     B, V = logits.shape
     bitmask = xgr.allocate_token_bitmask(B, V)                           # [B, ceil(V / 32)] int32, all allowed
+    slow: dict[int, float] = {}
     for i in rows:
+        start = time.perf_counter()
         try:
             grammars[i].fill_next_token_bitmask(bitmask, i)
         except Exception:  # one request's broken matcher must not fail the whole batch: that row goes unmasked
             log.exception("grammar matcher failed; row %d is sampled unconstrained this step", i)
             bitmask[i].fill_(-1)  # all allowed, whatever the failed fill wrote
+        if (took := time.perf_counter() - start) > budget_s:
+            slow[i] = took
     logits = logits.clone()
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
-    return logits
+    return logits, slow
 
 
 def accept_tokens(grammars: Sequence[Any | None], token_ids: Sequence[int]) -> None:

@@ -8,7 +8,7 @@ plus optional logprobs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ class SamplerOutput:
     token_ids: list[int]                                # one per row
     logprobs: list[float] | None                        # chosen token's logprob per row; None when no row asked
     top_logprobs: list[list[tuple[int, float]]] | None  # per row: that row's top-k (token_id, logprob), [] if it didn't ask
+    slow_grammar_rows: dict[int, float] = field(default_factory=dict)  # rows whose mask fill passed its budget: s
 
 
 _LOGIT_LIMIT = 1e30
@@ -182,8 +183,10 @@ class Sampler:
     ) -> SamplerOutput:
         if grammars is None or not any(g is not None for g in grammars):
             return self._sample_rows(logits, params, prompt_ids, output_ids, generators)
-        out = self._sample_rows(apply_grammar_masks(logits, grammars), params, prompt_ids, output_ids, generators)
+        masked, out_slow = apply_grammar_masks(logits, grammars)
+        out = self._sample_rows(masked, params, prompt_ids, output_ids, generators)
         accept_tokens(grammars, out.token_ids)
+        out.slow_grammar_rows = out_slow
         return out
 
     def _sample_rows(self, logits, params, prompt_ids, output_ids, generators) -> SamplerOutput:

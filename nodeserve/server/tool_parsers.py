@@ -155,7 +155,12 @@ class ToolStreamer:
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
         """Deltas (each a chat chunk's `delta`) for the next piece of text; final: the answer ended."""
-        self._buf += text
+        # Appended through a local holding the only reference, which CPython extends in place; `self._buf +=
+        # text` would copy the whole answer so far on every piece (quadratic in a long call's arguments).
+        buf, self._buf = self._buf, ""
+        buf += text
+        self._buf = buf
+        del buf
         deltas: list[dict] = []
         if self._mode == "undecided":  # Llama 3: the answer's first characters say whether it is calls
             head = text.lstrip()  # what came before was whitespace, or the mode would be decided

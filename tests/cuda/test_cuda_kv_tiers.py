@@ -41,6 +41,7 @@ def test_host_slots_are_pinned_and_copies_are_byte_exact_both_ways(gguf_path):
     dst = pool.manager.allocate(8)
     slots = torch.tensor(host.hold(hashes))
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the pool was written on the default stream
     with torch.cuda.stream(stream):  # as the loader does: its own stream, an event per layer
         events = []
         for layer in range(host.num_layers):

@@ -167,6 +167,56 @@ def test_failed_kv_copy_fails_only_the_requests_it_carried(loaded_fp32, prompt_i
     assert bad_events[-1].error.startswith("KV transfer kv cpu:0->cpu:1 failed")
 
 
+def test_an_event_loop_blocked_for_a_second_loses_nothing(loaded_fp32, prompt_ids, hf_greedy):
+    """A handler that blocks the loop for 1 s (a slow tokenizer call, a GC pause): the workers keep stepping, the
+    tokens they produce meanwhile queue up and arrive in order, an abort issued right after the block still frees
+    its pages, and every request that was not aborted gets transformers' tokens."""
+    import time
+
+    async def body(engine):
+        streams = [engine.add_request(ids, _greedy()) for ids in prompt_ids[:4]]
+        doomed = engine.add_request(prompt_ids[4], _greedy(max_tokens=400))
+        await asyncio.sleep(0.05)
+        time.sleep(1.0)  # blocks the loop: no callback, no token delivery, no dispatch
+        engine.abort(doomed)
+        results = await asyncio.gather(*(_tokens(s) for s in streams))
+        doomed_events = [ev async for ev in doomed]
+        return results, doomed_events
+    results, doomed_events = _run(_config("disaggregated"), loaded_fp32, body)
+    assert [r[0] for r in results] == hf_greedy[:4]
+    assert [r[1] for r in results] == ["length"] * 4
+    assert doomed_events[-1].finish_reason == "abort"
+
+
+def test_a_grammar_whose_mask_is_too_slow_ends_its_request_only(loaded_fp32, prompt_ids, hf_greedy):
+    """A grammar whose mask fill takes longer than the budget in a step (one uninterruptible C++ call in real
+    life) ends its own request with an error naming the limit; the requests decoding beside it are untouched."""
+    import time
+
+    from nodeserve.sampling.constrain import MASK_FILL_BUDGET_S
+
+    class SlowMatcher:
+        def is_terminated(self):
+            return False
+
+        def fill_next_token_bitmask(self, bitmask, row):
+            time.sleep(MASK_FILL_BUDGET_S * 1.5)
+
+        def accept_token(self, token):
+            return True
+
+    async def body(engine):
+        good = [engine.add_request(ids, _greedy()) for ids in prompt_ids[:3]]
+        slow = engine.add_request(prompt_ids[3], _greedy(), grammar=SlowMatcher())
+        slow_events = [ev async for ev in slow]
+        return await asyncio.gather(*(_tokens(s) for s in good)), slow_events
+    good, slow_events = _run(_config("disaggregated"), loaded_fp32, body)
+    assert [g[0] for g in good] == hf_greedy[:3]
+    assert [ev.token_id for ev in slow_events] == [None]  # ended at its first token, on the prefill device
+    assert slow_events[-1].finish_reason == "error"
+    assert f"over the limit of {MASK_FILL_BUDGET_S * 1000:.0f} ms" in slow_events[-1].error
+
+
 def test_admission_errors(loaded_fp32, prompt_ids):
     async def body(engine):
         with pytest.raises(PromptTooLong, match="maximum context length is 8192 tokens.*10000 input tokens"):

@@ -3,6 +3,8 @@ logits under a JSON-schema grammar still give schema-valid JSON."""
 
 from __future__ import annotations
 
+import time
+
 import json
 
 import jsonschema
@@ -27,12 +29,35 @@ def grammars(smollm2_tokenizer):
 def test_only_constrained_rows_are_masked(grammars, smollm2_tokenizer):
     compiled = grammars.compile(("json", "response_format", SCHEMA))
     logits = torch.randn(3, 49152)
-    masked = apply_grammar_masks(logits, [None, grammars.matcher(compiled), None])
-    assert masked is not logits and torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
+    masked, slow = apply_grammar_masks(logits, [None, grammars.matcher(compiled), None])
+    assert slow == {} and masked is not logits and torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
     allowed = (masked[1] > float("-inf")).nonzero().flatten().tolist()
     vocab = smollm2_tokenizer.token_bytes()
     assert allowed and all(vocab[t].startswith(b"{") for t in allowed)  # a JSON object opens with {
-    assert apply_grammar_masks(logits, [None, None, None]) is logits
+    assert apply_grammar_masks(logits, [None, None, None]) == (logits, {})
+
+
+class _SlowMatcher:
+    """A matcher whose fill takes `seconds` (a pathological grammar) and allows every token."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def fill_next_token_bitmask(self, bitmask, row: int) -> None:
+        time.sleep(self.seconds)
+
+    def accept_token(self, token: int) -> bool:
+        return True
+
+
+def test_a_fill_over_its_budget_is_reported_for_its_row_only(grammars):
+    compiled = grammars.compile(("json", "response_format", SCHEMA))
+    logits = torch.randn(3, 49152)
+    _, slow = apply_grammar_masks(logits, [grammars.matcher(compiled), _SlowMatcher(0.05), None], budget_s=0.02)
+    assert list(slow) == [1] and slow[1] >= 0.05
 
 
 @pytest.mark.parametrize("seed", range(4))
