@@ -170,10 +170,9 @@ class Scheduler:
             tokens = (req.prompt_ids + req.output_ids)[len(req.page_hashes) * page_size:num_full * page_size]
             req.page_hashes += hash_pages(tokens, page_size, req.page_hashes[-1] if req.page_hashes else None)
         first = seq.num_published
-        parent, token_ids = None, ()
-        if self.kv.events is not None:  # the KV events name each page's parent and tokens
-            parent = req.page_hashes[first - 1] if first else None
-            token_ids = (req.prompt_ids + req.output_ids)[first * page_size:num_full * page_size]
+        parent = req.page_hashes[first - 1] if first else None  # for the KV events
+        # The pages' tokens go with them: a later prompt matching their hashes is checked against them (scrub).
+        token_ids = _token_range(req, first * page_size, num_full * page_size)
         self.kv.publish(seq.page_table[first:num_full], req.page_hashes[first:num_full], parent, token_ids)
         seq.num_published = num_full
 
@@ -220,3 +219,13 @@ class Scheduler:
             out.events.append((seq.req, TokenEvent(None, finish_reason="error", error=message)))
             self._retire(seq, out)
         return out
+
+
+def _token_range(req: Request, start: int, end: int) -> list[int]:
+    """Tokens [start, end) of the prompt followed by the output, without copying the whole sequence."""
+    num_prompt = len(req.prompt_ids)
+    if end <= num_prompt:
+        return req.prompt_ids[start:end]
+    if start >= num_prompt:
+        return req.output_ids[start - num_prompt:end - num_prompt]
+    return req.prompt_ids[start:] + req.output_ids[:end - num_prompt]

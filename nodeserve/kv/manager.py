@@ -57,6 +57,8 @@ class KVManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages no one holds, least recent first
         self._computing: dict[bytes, int] = {}    # hash -> a page being filled with that prefix (in flight)
         self._computing_hash: dict[int, bytes] = {}  # the same, by page
+        self._tokens_of: dict[int, array] = {}    # published page -> its tokens, when publish() was told them
+        self.num_collisions = 0  # cached pages found under a prompt's hash holding other tokens (scrub())
         self.num_queried_tokens = 0  # prompt tokens looked up by allocate_prompt(), and how many were cached here
         self.num_hit_tokens = 0
         self.num_evictions = 0
@@ -133,6 +135,7 @@ class KVManager:
         page, _ = self._evictable.popitem(last=False)
         h = self._hash_of.pop(page)
         del self._page_of[h]
+        self._tokens_of.pop(page, None)
         return page, h
 
     def share(self, pages: Iterable[int]) -> None:
@@ -231,12 +234,41 @@ class KVManager:
             pages.append(b)
         return pages
 
+    def scrub(self, hashes: Sequence[bytes], token_ids: Sequence[int]) -> int:
+        """Checks the cached pages matching a prompt's leading `hashes` against its tokens: a page found under a
+        hash but holding other tokens (a hash collision) leaves the cache, so the prompt's match stops before
+        it and the prompt computes its own KV there. Returns how many pages left (0 or 1: nothing past a
+        collision can match, its hashes chain over it). Pages published without tokens are taken as they are."""
+        size = self.page_size
+        with self._lock:
+            for i, h in enumerate(hashes if self.prefix_cache else ()):
+                if (b := self._page_of.get(h)) is None:
+                    return 0
+                stored = self._tokens_of.get(b)
+                if stored is not None and stored != array("q", token_ids[i * size:(i + 1) * size]):
+                    self.num_collisions += 1
+                    self._unpublish(b)
+                    return 1
+            return 0
+
+    def _unpublish(self, page: int) -> None:
+        """Takes a page out of the cache: its holders keep it, private; freed by no one, it is free."""
+        h = self._hash_of.pop(page)
+        del self._page_of[h]
+        self._tokens_of.pop(page, None)
+        if self.events is not None:
+            self.events.removed([h])
+        if page in self._evictable:
+            del self._evictable[page]
+            self._free.append(page)
+
     def drop_cached(self) -> int:
         """Forgets every cached page no one holds (they become free); returns how many. Held pages stay."""
         with self._lock:
             dropped = [self._hash_of.pop(b) for b in self._evictable]
             for b, h in zip(self._evictable, dropped):
                 del self._page_of[h]
+                self._tokens_of.pop(b, None)
                 self._free.append(b)
             if self.events is not None:
                 self.events.removed(dropped)
@@ -265,6 +297,8 @@ class KVManager:
                 self._settle(b)
                 if h not in self._page_of and b not in self._hash_of:
                     self._page_of[h], self._hash_of[b] = b, h
+                    if token_ids:
+                        self._tokens_of[b] = array("q", token_ids[i * self.page_size:(i + 1) * self.page_size])
                     entered.append(i)
             if entered and self.events is not None:
                 self._report_stored(entered, hashes, parent, token_ids)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from nodeserve.kv.manager import KVManager, OutOfPages
+from nodeserve.kv.manager import KVManager, OutOfPages, hash_pages
 
 
 def test_allocate_free_round_trip():
@@ -158,3 +158,24 @@ def test_allocate_tokens_takes_fresh_pages_for_that_many_tokens():
     with pytest.raises(OutOfPages):
         kv.allocate_tokens(33)
     assert kv.num_free == 2
+
+
+def test_scrub_takes_a_colliding_page_out_of_the_cache():
+    from nodeserve.kv.events import KVEventLog, event_hash
+
+    kv = KVManager(8, 4, prefix_cache=True)
+    kv.events = log = KVEventLog(4).sink("d")
+    a, b = list(range(12)), list(range(100, 112))
+    hashes = hash_pages(a, 4)
+    pages, _ = kv.allocate_prompt(hashes, 13, 3)
+    kv.publish(pages, hashes, None, a)
+    kv.free(pages)
+    log.log.take()
+    assert kv.scrub(hashes, a) == 0 and kv.num_collisions == 0          # its own tokens: kept
+    assert kv.scrub(hashes, a[:4] + b[4:]) == 1 and kv.num_collisions == 1  # page 1 holds other tokens
+    assert len(kv.lookup(hashes)) == 1                                      # the match stops before it
+    (removed,) = log.log.take()
+    assert removed.block_hashes == [event_hash(hashes[1])]
+    assert kv.num_free == 8 and kv.num_cached == 2                          # it is free, not cached
+    kv.publish(kv.allocate(1), [b"x" * 16])                                 # published without tokens:
+    assert kv.scrub([b"x" * 16], b[:4]) == 0                                # taken as it is

@@ -217,6 +217,31 @@ def test_a_grammar_whose_mask_is_too_slow_ends_its_request_only(loaded_fp32, pro
     assert f"over the limit of {MASK_FILL_BUDGET_S * 1000:.0f} ms" in slow_events[-1].error
 
 
+def test_a_forced_page_hash_collision_never_reuses_another_prompts_kv(loaded_fp32, prompt_ids, hf_greedy,
+                                                                       monkeypatch):
+    """Page hashes made to depend on the page's position only, so every prompt's pages collide with every other
+    prompt's: the second prompt finds the first one's pages under its hashes, sees they hold other tokens, and
+    computes its own KV, so both get transformers' tokens; every page comes back."""
+    import nodeserve.core.scheduler as scheduler_module
+    import nodeserve.runtime.router as router_module
+
+    def positional(token_ids, page_size, parent=None):
+        start = 0 if parent is None else int.from_bytes(parent[:8], "big") + 1
+        return [(start + i).to_bytes(8, "big") * 2 for i in range(len(token_ids) // page_size)]
+    monkeypatch.setattr(router_module, "hash_pages", positional)
+    monkeypatch.setattr(scheduler_module, "hash_pages", positional)
+    first, second = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))[:2]  # 2+ full pages each
+    assert min(len(prompt_ids[first]), len(prompt_ids[second])) > 2 * 16
+
+    async def body(engine):
+        a = await _tokens(engine.add_request(prompt_ids[first], _greedy()))
+        b = await _tokens(engine.add_request(prompt_ids[second], _greedy()))
+        return a[0], b[0], sum(w.kv.num_collisions for w in engine.workers)
+    a, b, num_collisions = _run(_config("disaggregated"), loaded_fp32, body)
+    assert a == hf_greedy[first] and b == hf_greedy[second]
+    assert num_collisions >= 1
+
+
 def test_admission_errors(loaded_fp32, prompt_ids):
     async def body(engine):
         with pytest.raises(PromptTooLong, match="maximum context length is 8192 tokens.*10000 input tokens"):
