@@ -68,6 +68,9 @@ class PoolStats:
     num_computed_prompt_tokens: int
 
 
+PLACEMENT_FAILED = "placing the request on a device failed (the error is in the server log)"
+
+
 class Engine:
     def __init__(self, config: Config, loaded: LoadedModel,
                  on_transfer: Callable[[float, int, int], None] | None = None,
@@ -152,6 +155,7 @@ class Engine:
                              cfg.server.max_queued_tokens)
         if self.on_migration is not None:
             self.router.on_migration = self.on_migration
+        self.router.on_placement_failed = self._placement_failed
         if cfg.kv.prefix_cache:
             self.tiers = KVTiers.build(cfg.kv, self.workers, self.router)
             self.router.on_prefix_wait = self._arm_prefix_retry
@@ -304,6 +308,11 @@ class Engine:
                 self.streams.pop(req.request_id, None)
         if self.router.waiting_for_prefix:  # a step published pages: a request waiting for them may go now
             self.router.dispatch()
+
+    def _placement_failed(self, req: Request) -> None:
+        """From inside the router's dispatch: only ends the stream (_deliver would dispatch again, re-entering)."""
+        req.emit(TokenEvent(None, finish_reason="error", error=PLACEMENT_FAILED))
+        self.streams.pop(req.request_id, None)
 
     def _released_threadsafe(self, requests: list[Request]) -> None:
         if self._loop is not None and not self._loop.is_closed():

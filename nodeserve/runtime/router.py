@@ -73,6 +73,8 @@ class Router:
         # Called when a request is put off for a prefix: the engine arms a retry, since the pages it waits for can
         # also be freed unpublished (their request aborted) by a worker thread, with no event reaching the router.
         self.on_prefix_wait: Callable[[], None] = lambda: None
+        # Ends a request whose placement raised (the engine sends it an error event).
+        self.on_placement_failed: Callable[[Request], None] = lambda req: None
 
     @property
     def num_queued_tokens(self) -> int:
@@ -134,9 +136,14 @@ class Router:
 
     def _place(self, req: Request) -> bool:
         now = self.clock()
-        decision = self.placer.place(now, self.loads(now, req), req)
-        self._apply_roles(decision)
-        return decision.placed and self._reserve(req, decision)
+        try:
+            decision = self.placer.place(now, self.loads(now, req), req)
+            self._apply_roles(decision)
+            return decision.placed and self._reserve(req, decision)
+        except Exception:  # a fault met by one request fails that request, not every request queued behind it
+            log.exception("placing request %s failed; it ends with an error", req.request_id)
+            self.on_placement_failed(req)
+            return True  # out of the queue
 
     def _reserve(self, req: Request, decision: Decision) -> bool:
         """Takes the pages the decision needs, holds what its prompt can load from other devices and tiers, and
@@ -166,9 +173,25 @@ class Router:
             except OutOfPages:
                 decode.kv.free(pages)  # never written: nothing to wait for
                 return False
+        try:
+            self._send(req, decode, prefill, pages, num_cached_tokens,
+                       num_cached_tokens if prefill is decode else num_prompt_cached,
+                       None if prefill is decode else prompt_pages)
+        except Exception:  # nothing reached a worker: give back what this placement took
+            if self.placements.pop(req.request_id, None) is not None:
+                self.num_seats_taken[decode] -= 1
+            self.placed.pop(req.request_id, None)
+            decode.kv.free(pages)
+            if prefill is not decode:
+                prefill.kv.free(prompt_pages)
+            raise
+        return True
+
+    def _send(self, req: Request, decode: Worker, prefill: Worker, pages: list[int], num_cached_tokens: int,
+              own: int, prompt_pages: list[int] | None) -> None:
+        """Records the placement, holds what the prompt can load from elsewhere, and sends the prompt."""
         self.placements[req.request_id], self.placed[req.request_id] = decode, req
         self.num_seats_taken[decode] += 1
-        own = num_cached_tokens if prefill is decode else num_prompt_cached
         # After the allocation, which may have evicted some of them: the load starts where the pool's own
         # prefix ends, and holds what is still there.
         load = self.fetch.acquire(req, prefill, own // self.page_size) if self.fetch is not None else None
@@ -178,14 +201,18 @@ class Router:
         if load is not None and load.disk_hashes:
             req.cached_from["disk"] = len(load.disk_hashes) * self.page_size
         req.num_computed_tokens = req.num_cached_tokens = own + (load.num_pages * self.page_size if load else 0)
-        self.num_prefix_queried_tokens += n
+        self.num_prefix_queried_tokens += req.num_prompt_tokens
         self.num_prefix_hit_tokens += req.num_cached_tokens
-        if prefill is decode:
-            decode.add_prefill(req, pages, load=load, num_own_pages=own // self.page_size)
-        else:
-            prefill.add_prefill(req, prompt_pages, Handoff(decode, pages, num_cached_tokens // self.page_size),
-                                load=load, num_own_pages=own // self.page_size)
-        return True
+        try:
+            if prefill is decode:
+                decode.add_prefill(req, pages, load=load, num_own_pages=own // self.page_size)
+            else:
+                prefill.add_prefill(req, prompt_pages, Handoff(decode, pages, num_cached_tokens // self.page_size),
+                                    load=load, num_own_pages=own // self.page_size)
+        except Exception:
+            if load is not None:
+                self.fetch.release(load)
+            raise
 
     def release(self, req: Request) -> None:
         """Its decode device gave back every page it held: its seats are free."""

@@ -242,6 +242,30 @@ def test_a_forced_page_hash_collision_never_reuses_another_prompts_kv(loaded_fp3
     assert num_collisions >= 1
 
 
+def test_a_fault_while_placing_one_request_fails_only_that_request(loaded_fp32, prompt_ids, hf_greedy):
+    """A placement that raises for one request (a bug met at admission) ends that request with an error and takes
+    it out of the queue: the requests queued behind it are placed, and every page it took comes back."""
+    from nodeserve.runtime.engine import PLACEMENT_FAILED
+
+    async def body(engine):
+        router = engine.router
+        send = router._send
+
+        def faulty(req, *args):
+            if req.request_id == "bad":
+                raise RuntimeError("injected placement fault")
+            return send(req, *args)
+        router._send = faulty
+        bad = engine.add_request(prompt_ids[3], _greedy(), request_id="bad")
+        good = [engine.add_request(ids, _greedy()) for ids in prompt_ids[:3]]
+        bad_events = [ev async for ev in bad]
+        return await asyncio.gather(*(_tokens(s) for s in good)), bad_events, router.num_pending
+    good, bad_events, num_pending = _run(_config("disaggregated"), loaded_fp32, body)
+    assert [g[0] for g in good] == hf_greedy[:3]
+    assert [(ev.finish_reason, ev.error) for ev in bad_events] == [("error", PLACEMENT_FAILED)]
+    assert num_pending == 0
+
+
 def test_admission_errors(loaded_fp32, prompt_ids):
     async def body(engine):
         with pytest.raises(PromptTooLong, match="maximum context length is 8192 tokens.*10000 input tokens"):
