@@ -32,7 +32,7 @@ from nodeserve.kv.events import KVEventLog, event_hash
 from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
 from nodeserve.runtime.kv_events import KVEventPublisher, default_topic
 from nodeserve.runtime.kv_tiers import KVTiers
-from nodeserve.runtime.loads import NodeLoad
+from nodeserve.runtime.loads import NodeLoad, decode_rate
 from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
 from nodeserve.model.llama import LlamaModel
 from nodeserve.model.loader import LoadedModel
@@ -357,13 +357,13 @@ class Engine:
 
     def node_load(self) -> NodeLoad:
         """The node as one worker (from the event loop): what vLLM's gauges and SMG's /v1/loads report."""
-        r = self.router
+        r, now = self.router, time.monotonic()
         started = sum(1 for req in r.placed.values() if req.prefill_start is not None)
         pools = [w.kv for w in self.decode_workers]
         return NodeLoad(started, r.num_pending + len(r.placed) - started, r.num_queued_tokens,
                         sum(kv.num_usable for kv in pools), sum(kv.num_free for kv in pools), pools[0].page_size,
                         self.config.scheduler.max_num_seqs * len(pools), r.num_prefix_queried_tokens,
-                        r.num_prefix_hit_tokens)
+                        r.num_prefix_hit_tokens, sum(decode_rate(w.records, now) for w in self.workers))
 
     def flush_cache(self) -> int:
         """Drops every cached page no request holds, in every pool and the host tier (not the disk tier: a

@@ -28,6 +28,7 @@ class NodeLoad:
     max_num_seqs: int               # decode seats, over those devices
     num_prefix_queried_tokens: int  # prompt tokens placed, and of them those taken from a cache of any tier
     num_prefix_hit_tokens: int
+    gen_throughput: float = 0.0     # decode tokens a second over the last PREFILL_WINDOW_S (SMG's least_load)
 
     @property
     def kv_usage(self) -> float:
@@ -52,6 +53,21 @@ def prefill_share(records, now: float, window: float = PREFILL_WINDOW_S) -> floa
             busy += r.end - max(r.start, now - window)
         i += 1
     return min(busy / window, 1.0)
+
+
+def decode_rate(records, now: float, window: float = PREFILL_WINDOW_S) -> float:
+    """Decode tokens a second over the last `window` seconds of a worker's step records (read as prefill_share)."""
+    num, i = 0, 1
+    while i <= len(records):
+        try:
+            r = records[-i]
+        except IndexError:
+            break
+        if r.end < now - window:
+            break
+        num += r.num_decodes
+        i += 1
+    return num / window
 
 
 def worker_load(w: Worker, now: float, seated: Sequence[Request], req: Request | None = None) -> DeviceLoad:

@@ -308,7 +308,7 @@ async def loads(request: web.Request) -> web.Response:
                    "num_waiting_uncached_tokens": node.num_waiting_tokens,
                    "num_total_reqs": node.num_running + node.num_waiting, "num_used_tokens": used,
                    "max_total_num_tokens": node.num_pages * node.page_size, "token_usage": node.kv_usage,
-                   "gen_throughput": 0.0, "cache_hit_rate": hits / queried if queried else 0.0,
+                   "gen_throughput": node.gen_throughput, "cache_hit_rate": hits / queried if queried else 0.0,
                    "utilization": node.kv_usage, "max_running_requests": node.max_num_seqs}]})
 
 

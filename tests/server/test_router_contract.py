@@ -73,6 +73,8 @@ def test_models_loads_and_flush_cache(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     client.completions.create(model="smollm2", prompt="A long enough prompt to fill a page or two. " * 8,
                               max_tokens=2, temperature=0)
+    # The decode rate over the last 10 s (SMG's least_load drains queued work at it): that request's second token.
+    assert json.loads(_get(server, "/v1/loads"))["loads"][0]["gen_throughput"] > 0
     dropped = json.loads(_get(server, "/flush_cache", "POST"))["num_pages_dropped"]
     assert dropped > 0
     assert json.loads(_get(server, "/flush_cache", "POST"))["num_pages_dropped"] == 0  # nothing left to drop
