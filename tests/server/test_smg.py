@@ -37,9 +37,10 @@ pytestmark = [pytest.mark.slow,
 # One core each: a colocated node with one device. The host KV tier is off (two 2 GiB tiers buy nothing here).
 ONE_CORE = 'mode = "colocated"\ndevices = ["cpu:{core}"]'
 NODE_ENV = {"NODESERVE_KV_HOST_MEMORY_GIB": "0"}
-# The recipe's cache_aware settings (deploy/smg/README.md): the warm-up slices would send one cache hit in eight
-# to a node whose index is "thin", which on two static nodes only breaks affinity.
-RECIPE = ["--policy", "cache_aware", "--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0"]
+# The recipe's cache_aware settings (deploy/smg/README.md); without --worker-warmup-divert-every 0 one cache hit
+# in eight may go to a node whose index is "thin", away from the conversation's cache.
+RECIPE = ["--policy", "cache_aware", "--cache-threshold", "0.5", "--balance-abs-threshold", "4",
+          "--balance-rel-threshold", "1.5", "--worker-warmup-divert-every", "0"]
 # Test-only timing: probes and load polls every second, one failed probe is enough, so each wait below is short.
 FAST = ["--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--health-success-threshold", "1",
         "--load-monitor-interval", "1", "--shutdown-grace-period-secs", "5"]
