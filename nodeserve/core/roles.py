@@ -15,7 +15,10 @@ as soon as demand asks for it. Demand counts only while long prompts keep coming
 IDLE_S it asks for none. A prefill device goes back once demand has asked for fewer for HOLD_S and it has no prompt
 queued (a device with a queue would stall the decodes it takes), or at once when no adaptive device has a decode
 seat and it has no prompt queued. So a role follows demand within seconds; the 30 s window only sets how many
-devices a steady stream of long prompts needs.
+devices a steady stream of long prompts needs. A device given back for want of seats is not dedicated again for
+SEAT_HOLD_S, doubled each time that happens again within MAX_SEAT_HOLD_S (up to it): the shortage that sent it
+back outlasts the next long prompt, and re-dedicating at once moved its decodes back and forth every second
+(9,008 role changes in a one-hour soak with a small KV pool).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ WINDOW_S = 30.0
 PREFILL_UTILIZATION = 0.8
 HOLD_S = 1.0
 IDLE_S = 3.0  # no long prompt for this long: demand asks for no prefill device
+SEAT_HOLD_S = 5.0  # after a give-back for want of seats, no new dedication for this long (doubling, see above)
+MAX_SEAT_HOLD_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,8 @@ class RolePolicy:
     demand: deque = field(default_factory=deque)    # (admitted at, predicted prefill seconds) of long prompts
     fewer_since: float | None = None                # since when demand has asked for fewer devices
     last_long: float = -math.inf                    # when the last long prompt was admitted
+    seat_hold_s: float = SEAT_HOLD_S                # the next seat hold (doubles while seats keep running out)
+    seat_held_until: float = -math.inf              # no dedication before this: seats ran out
 
     def prefill_seconds(self, num_prompt_tokens: int) -> float:
         """Predicted seconds to prefill this prompt alone (on the first device: every device runs the model)."""
@@ -85,6 +92,8 @@ class RolePolicy:
     def update(self, now: float, loads: Sequence[DeviceLoad]) -> list[RoleChange]:
         """Dedicates or gives back devices as demand asks (loads: every device, by name in self.devices)."""
         wanted, have = self.num_wanted(now), len(self.prefill)
+        if now < self.seat_held_until:
+            wanted = min(wanted, have)
         if wanted >= have:
             self.fewer_since = None
         elif self.fewer_since is None:
@@ -117,7 +126,11 @@ class RolePolicy:
         them once more (under KV pressure that flapped every second or two)."""
         if not any(x.name in self.prefill and not x.queued_prefill_tokens for x in loads):
             return None
-        return self.give_back(now, loads, "no decode seat on the other devices")
+        again = now < self.seat_held_until + MAX_SEAT_HOLD_S
+        self.seat_hold_s = min(self.seat_hold_s * 2, MAX_SEAT_HOLD_S) if again else SEAT_HOLD_S
+        self.seat_held_until = now + self.seat_hold_s
+        return self.give_back(now, loads, f"no decode seat on the other devices; no dedication for "
+                                          f"{self.seat_hold_s:g} s")
 
     def _set(self, now: float, device: str, role: str, reason: str) -> RoleChange:
         (self.prefill.add if role == PREFILL else self.prefill.discard)(device)

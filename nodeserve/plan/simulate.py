@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
@@ -39,6 +39,7 @@ from nodeserve.core.roles import RoleChange
 from nodeserve.core.sampling_params import SamplingParams
 from nodeserve.core.scheduler import Batch, Scheduler, Seq, StepOutput, WorkerLimits
 from nodeserve.kv.manager import KVManager
+from nodeserve.runtime.records import RecordLog
 from nodeserve.runtime.router import Router
 
 PAGE_SIZE = 16                  # config's kv.page_size default
@@ -112,7 +113,7 @@ class SimDevice:
         self.kv = KVManager(num_pages, PAGE_SIZE)
         self.scheduler = Scheduler(self.kv, limits, frozenset())
         self.num_outstanding_prefill_tokens = 0
-        self.records: deque[StepRecord] = deque()
+        self.records = RecordLog(StepRecord, 4096)  # prefill_share reads the last 10 s only
         self.inbox: list[Migrate] = []
         self.migrating: list[Seq] = []   # its requests that were asked to move live (some may have ended)
         self.busy = False   # in a turn or a step: what arrives now is seen at its next turn
@@ -252,9 +253,6 @@ class Simulation:
     def _step_done(self, d: SimDevice, batch: Batch, start: float, num_prefill_tokens: int) -> None:
         if num_prefill_tokens:  # prefill_share counts these only (the others add nothing to it)
             d.records.append(StepRecord(start, self.now, num_prefill_tokens))
-            if len(d.records) > 4096:  # it reads the last 10 s only
-                for _ in range(2048):
-                    d.records.popleft()
         outcomes = [TokenEvent(TOKEN) if c.want_logits else None for c in batch.chunks]
         self._finish(d, d.scheduler.postprocess(batch, outcomes, self.now))
         d.busy = False

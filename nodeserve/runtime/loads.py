@@ -38,30 +38,15 @@ class NodeLoad:
 PREFILL_WINDOW_S = 10.0  # a device's prefill share is measured over its steps of the last this many seconds
 
 
-def _recent(records, now: float, window: float):
-    """A worker's step records ending in the last `window` seconds, newest first (read from the newest back by
-    index: the worker thread may append meanwhile, which iterating would not allow)."""
-    i = 1
-    while i <= len(records):
-        try:
-            r = records[-i]
-        except IndexError:
-            return
-        if r.end < now - window:
-            return
-        yield r
-        i += 1
-
-
 def prefill_share(records, now: float, window: float = PREFILL_WINDOW_S) -> float:
     """Share of the last `window` seconds spent in steps with prefill chunks, from a worker's step records."""
-    busy = sum(r.end - max(r.start, now - window) for r in _recent(records, now, window) if r.num_prefill_tokens)
+    busy = sum(r.end - max(r.start, now - window) for r in records.since(now - window) if r.num_prefill_tokens)
     return min(busy / window, 1.0)
 
 
 def decode_rate(records, now: float, window: float = PREFILL_WINDOW_S) -> float:
     """Decode tokens a second over the last `window` seconds of a worker's step records."""
-    return sum(r.num_decodes for r in _recent(records, now, window)) / window
+    return sum(r.num_decodes for r in records.since(now - window)) / window
 
 
 def worker_load(w: Worker, now: float, seated: Sequence[Request], req: Request | None = None) -> DeviceLoad:

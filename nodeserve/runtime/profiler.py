@@ -145,7 +145,7 @@ class Profiler:
         """Adds the step records made since the last call to each device's samples and refits."""
         with self._lock:
             for w in self.workers:
-                records = [r for r in list(w.records) if r.end > self._seen[w.name]]
+                records = w.records.since(self._seen[w.name])
                 if not records:
                     continue
                 self._seen[w.name] = records[-1].end

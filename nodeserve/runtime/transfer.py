@@ -24,14 +24,14 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from nodeserve.device import Device
 from nodeserve.kv.pool import KVPool
+from nodeserve.runtime.records import RecordLog
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,15 @@ def contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]
 
 
 MAX_DIRECT_RUNS = 8  # more runs than this per layer: one gather + copy + scatter beats a copy call per run
+MAX_COPY_RECORDS = 100_000  # kept for /debug/steps and the bandwidth fit
+
+
+class CopyRecord(NamedTuple):
+    """One copy job: when it ran (monotonic seconds) and how many bytes it moved."""
+
+    start: float
+    end: float
+    num_bytes: int
 
 
 def peer_access(src: torch.device, dst: torch.device) -> bool | None:
@@ -114,7 +123,7 @@ class KVTransfer:
         self.busy_since: float | None = None  # when the job in hand started (the watchdog's view); None: idle
         self.num_bytes = 0        # bytes copied so far
         self.busy_seconds = 0.0   # time spent copying, for the device timeline
-        self.records: deque[tuple[float, float, int]] = deque(maxlen=100_000)  # (start, end, bytes) per copy, a ring
+        self.records = RecordLog(CopyRecord, MAX_COPY_RECORDS)
 
     def start(self) -> None:
         peer = peer_access(self.src_device.torch_device, self.dst_device.torch_device)
@@ -189,7 +198,7 @@ class KVTransfer:
         end = time.monotonic()
         self.num_bytes += nbytes
         self.busy_seconds += end - start
-        self.records.append((start, end, nbytes))
+        self.records.append(CopyRecord(start, end, nbytes))
 
     def _copy_pages(self, layer: int, pages: PageMap) -> int:
         """Issues one layer's copy on the transfer's streams; returns the bytes moved."""

@@ -18,7 +18,6 @@ import queue
 import threading
 import time
 import traceback
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -31,6 +30,7 @@ from nodeserve.core.request import Request, TokenEvent
 from nodeserve.core.scheduler import Batch, SamplingFailed, SamplingLimit, Scheduler, Seq, StepOutput, WorkerLimits
 from nodeserve.device import Device
 from nodeserve.runtime.model_runner import ModelRunner
+from nodeserve.runtime.records import RecordLog
 from nodeserve.sampling.constrain import MASK_FILL_BUDGET_S
 from nodeserve.sampling.sampler import Sampler
 
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_FAILED_STEPS = 3  # consecutive steps in which every request failed: the device is taken for dead
+MAX_STEP_RECORDS = 100_000  # kept for /debug/steps and the profiler: about an hour of steps, ~5 MiB
 
 __all__ = ["Arrival", "FreePages", "Handoff", "Migrate", "Role", "StepRecord", "Worker", "WorkerLimits"]
 
@@ -82,7 +83,7 @@ class Worker:
         self.num_computed_prompt_tokens = 0            # prompt tokens prefilled here (/metrics)
         self.num_failed_steps = 0                      # consecutive steps in which every request failed
         self.failure: str | None = None                # why this device is taken for dead
-        self.records: deque[StepRecord] = deque(maxlen=100_000)
+        self.records = RecordLog(StepRecord, MAX_STEP_RECORDS)
         self._last_turn = time.monotonic()             # for the watchdog: updated every loop turn
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"worker {device.name}", daemon=True)

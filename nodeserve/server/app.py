@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import bisect
 import copy
 import datetime
 import hmac
@@ -257,20 +256,16 @@ async def debug_steps(request: web.Request) -> web.Response:
         raise P.APIError(400, f"'limit' must be an integer from 1 to {DEBUG_STEPS_MAX_RECORDS}", param="limit")
     engine = state.engine
     now = time.monotonic()
-    # Both kinds of records are rings appended in time order, so the first record ending at or after `since` is a
-    # bisection away; at most `limit` of each go out (a page: ask again from the last one's end).
+    # Both kinds of records are logs appended in time order (runtime/records.py): at most `limit` of each go out,
+    # oldest first (a page: ask again from the last one's end).
     devices, transfers = [], []
     for w in engine.workers:
-        records = list(w.records)
-        first = bisect.bisect_left(records, since, key=lambda r: r.end)
-        page = records[first:first + limit]
-        devices.append({"device": w.name, "role": w.role, "truncated": first + limit < len(records),
-                        "steps": [[r.start, r.end, r.num_prefill_tokens, r.num_decodes] for r in page]})
+        page = w.records.since(since, limit + 1)
+        devices.append({"device": w.name, "role": w.role, "truncated": len(page) > limit,
+                        "steps": [[r.start, r.end, r.num_prefill_tokens, r.num_decodes] for r in page[:limit]]})
     for t in engine.transfers:
-        records = list(t.records)
-        first = bisect.bisect_left(records, since, key=lambda c: c[1])
-        transfers.append({"name": t.name, "truncated": first + limit < len(records),
-                          "copies": [list(c) for c in records[first:first + limit]]})
+        page = t.records.since(since, limit + 1)
+        transfers.append({"name": t.name, "truncated": len(page) > limit, "copies": [list(c) for c in page[:limit]]})
     return web.json_response({"now": now, "devices": devices, "transfers": transfers,
                               "role_changes": engine.role_changes(since)[-limit:]})
 

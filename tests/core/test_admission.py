@@ -3,7 +3,7 @@ is left, admit otherwise, predict even when off, and read a device's load from t
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +13,7 @@ from nodeserve.core.cost_model import CostModel, StepModel
 from nodeserve.core.load import SloTarget, StepLimits
 from nodeserve.core.scheduler import Seq
 from nodeserve.runtime.loads import prefill_share, snapshot
+from nodeserve.runtime.records import RecordLog
 from nodeserve.runtime.worker import StepRecord, WorkerLimits
 from nodeserve.core.request import Request
 from nodeserve.core.sampling_params import SamplingParams
@@ -24,10 +25,17 @@ class _Worker(SimpleNamespace):
     __hash__ = object.__hash__  # snapshots group seats per worker object
 
 
+def _log(records) -> RecordLog:
+    log = RecordLog(StepRecord, 1000)
+    for r in records:
+        log.append(r)
+    return log
+
+
 def worker(name, role, queued=0, records=()):
     return _Worker(name=name, role=role, num_outstanding_prefill_tokens=queued,
                    scheduler=SimpleNamespace(running=[]), limits=WorkerLimits(64, 1024, 8192),
-                   records=deque(records), kv=SimpleNamespace(num_free=1000, page_size=16))
+                   records=_log(records), kv=SimpleNamespace(num_free=1000, page_size=16))
 
 
 def loads(queued=0, seated=()):
@@ -89,8 +97,8 @@ def test_prefill_share_from_step_records():
             StepRecord(89.0, 91.0, 512, 0),    # 1 s of it inside
             StepRecord(91.0, 92.0, 0, 8),      # decode only
             StepRecord(95.0, 98.0, 100, 8)]    # 3 s
-    assert prefill_share(deque(recs), now) == pytest.approx(0.4)
-    assert prefill_share(deque(), now) == 0
+    assert prefill_share(_log(recs), now) == pytest.approx(0.4)
+    assert prefill_share(_log([]), now) == 0
 
 
 def test_rejects_when_the_batch_it_joins_would_miss_the_tpot_target():

@@ -101,3 +101,28 @@ def test_a_seat_is_freed_only_by_a_prefill_device_with_nothing_queued():
     c = p.free_a_seat(0.0, _loads())
     assert (c.device, c.role) == ("d1", "adaptive") and p.prefill == set()
     assert p.free_a_seat(0.0, _loads()) is None  # none dedicated
+
+
+def test_a_device_given_back_for_seats_is_not_dedicated_again_at_once_and_the_hold_doubles():
+    # Seats run out while long prompts keep coming: before the hold, each long prompt re-dedicated the device
+    # and the next placement gave it back (two role changes a second in the one-hour soak).
+    p = _policy(devices=("d0", "d1"))
+    loads = [DeviceLoad("d0", "adaptive", 0, 4, 400, 0), DeviceLoad("d1", "adaptive", 0, 1, 100, 0)]
+    changes, t = 0, 0.0
+    while t < 60.0:
+        p.observe(t, 2000)
+        changes += len(p.update(t, loads))
+        if p.prefill and (c := p.free_a_seat(t, loads)) is not None:
+            changes += 1
+            assert "no dedication for" in c.reason
+        t += 0.5
+    # dedicated at 0, back at 0, then again after 5, 10, 20 s holds: 8 changes in a minute instead of 240
+    assert changes == 8
+    assert p.seat_hold_s == 40.0
+    # Once seats stop running out for a while, the hold starts small again.
+    p.prefill = {"d1"}
+    p.free_a_seat(200.0, loads)
+    assert p.seat_hold_s == 5.0 and p.seat_held_until == 205.0
+    assert p.update(204.0, loads) == [] and p.prefill == set()
+    p.observe(205.0, 2000)
+    assert [c.role for c in p.update(205.0, loads)] == ["prefill"]

@@ -162,7 +162,10 @@ def test_failed_kv_copy_fails_only_the_requests_it_carried(loaded_fp32, prompt_i
         return [g[0] for g in good], bad_events
     good, bad_events = _run(_config("disaggregated"), loaded_fp32, body)
     assert good == hf_greedy[:3]
-    assert [ev.token_id for ev in bad_events] == [hf_greedy[3][0], None]  # its first token came from prefill
+    # Its first token, sampled by the prefill step, reaches it unless the copy (which overlaps that step layer by
+    # layer) failed first: which comes first depends on thread timing on a loaded machine.
+    tokens = [ev.token_id for ev in bad_events]
+    assert tokens in ([hf_greedy[3][0], None], [None])
     assert bad_events[-1].finish_reason == "error" and "injected" not in bad_events[-1].error
     assert bad_events[-1].error.startswith("KV transfer kv cpu:0->cpu:1 failed")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from collections import deque
 from types import SimpleNamespace
 
 from nodeserve.core.handoff import Handoff, Migrate, MigrationOutcome
@@ -12,7 +11,8 @@ from nodeserve.core.load import Role
 from nodeserve.core.placer import Decision
 from nodeserve.core.pending import MAX_OVERTAKES
 from nodeserve.runtime.router import QueueFull, Router, TooLarge
-from nodeserve.runtime.worker import WorkerLimits
+from nodeserve.runtime.records import RecordLog
+from nodeserve.runtime.worker import StepRecord, WorkerLimits
 from nodeserve.kv.manager import KVManager, OutOfPages
 from nodeserve.core.request import Request
 from nodeserve.core.sampling_params import SamplingParams
@@ -25,7 +25,7 @@ class StubWorker:
         self.name, self.role = name, role
         self.kv = KVManager(num_pages, 16)
         self.scheduler = SimpleNamespace(running=[])
-        self.records = deque()
+        self.records = RecordLog(StepRecord, 100)
         self.sent = []
         self.send = self.sent.append
         self.limits = WorkerLimits(max_num_seqs, 1024, 8192)

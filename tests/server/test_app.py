@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nodeserve.config import config_from_dict
 from nodeserve.runtime.engine import PromptTooLong, RequestStream
+from nodeserve.runtime.records import RecordLog
+from nodeserve.runtime.transfer import CopyRecord
 from nodeserve.runtime.worker import StepRecord
 from nodeserve.core.request import Request, TokenEvent
 from nodeserve.server import app as app_module
@@ -389,11 +390,12 @@ def test_streamed_completion_logprobs_offsets_continue_across_chunks(tokenizer):
 
 def _steps_engine(tokenizer, num: int) -> FakeEngine:
     engine = FakeEngine(tokenizer)
-    records = deque((StepRecord(float(i), float(i) + 0.5, i, 1) for i in range(num)), maxlen=100_000)
-    engine.workers = [SimpleNamespace(name="cpu:0", role="prefill", records=records)]
-    engine.transfers = [SimpleNamespace(name="kv cpu:0->cpu:1",
-                                        records=deque(((float(i), float(i) + 0.25, 4096) for i in range(num)),
-                                                      maxlen=100_000))]
+    steps, copies = RecordLog(StepRecord, 100_000), RecordLog(CopyRecord, 100_000)
+    for i in range(num):
+        steps.append(StepRecord(float(i), float(i) + 0.5, i, 1))
+        copies.append(CopyRecord(float(i), float(i) + 0.25, 4096))
+    engine.workers = [SimpleNamespace(name="cpu:0", role="prefill", records=steps)]
+    engine.transfers = [SimpleNamespace(name="kv cpu:0->cpu:1", records=copies)]
     engine.changes = [[50.0, "cpu:0", "prefill", "demand"], [19998.7, "cpu:0", "adaptive", "hold"]]
     return engine
 
@@ -429,7 +431,7 @@ def test_transfer_records_are_a_ring():
 
     records = KVTransfer.__new__(KVTransfer)
     KVTransfer.__init__(records, SimpleNamespace(name="a"), None, SimpleNamespace(name="b"), None, lambda p, e: None)
-    assert isinstance(records.records, deque) and records.records.maxlen == 100_000
+    assert isinstance(records.records, RecordLog) and records.records.maxlen == 100_000
 
 
 # ---- adaptive: /debug/profile and SLO rejections ------------------------------------------------------------
