@@ -1,4 +1,5 @@
-"""Warm-up before READY: compile FlashInfer's kernels and capture the decode graphs, so no request pays for it.
+"""Warm-up before READY: compile FlashInfer's kernels, capture the decode graphs and build the grammar mask kernel,
+so no request pays for them.
 
 FlashInfer JIT-compiles each kernel at first use (cached in ~/.cache/flashinfer) and CUDA graphs are captured
 once per bucket. On CPU devices there is nothing to warm: a no-op. FP8 pools must have their scales before
@@ -14,6 +15,7 @@ import torch
 
 from nodeserve.core.scheduler import SeqChunk
 from nodeserve.runtime.model_runner import ModelRunner
+from nodeserve.sampling.constrain import warm_masks
 
 log = logging.getLogger(__name__)
 
@@ -32,5 +34,9 @@ def warmup_runner(runner: ModelRunner) -> None:
         runner.run([SeqChunk([0], num_tokens, pages)])          # decode kernels (eager)
         if runner.graphs is not None:
             runner.graphs.capture()
+        try:
+            warm_masks(runner.device, runner.model.cfg.vocab_size)
+        except Exception:  # structured output still works; its first request pays for the build
+            log.warning("%s: warming up the grammar mask kernel failed", runner.device, exc_info=True)
         torch.cuda.synchronize(runner.device)
     log.info("%s: warmed up in %.1fs", runner.device, time.monotonic() - start)

@@ -51,6 +51,21 @@ def apply_grammar_masks(
     return logits, slow
 
 
+def warm_masks(device: torch.device, vocab_size: int) -> None:
+    """Applies one mask on `device` so its kernel is built now: on a GPU xgrammar compiles it at first use (seconds,
+    and a compiler), which would otherwise land on the worker thread in the middle of the first structured-output
+    request's step."""
+    import xgrammar as xgr
+
+    logits = torch.zeros(1, vocab_size, device=device)
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    bitmask.fill_(0)
+    bitmask[0, 0] = 1  # only token 0 allowed
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(device), indices=[0])
+    if not (torch.isinf(logits[0, 1:]).all() and logits[0, 0] == 0):
+        raise RuntimeError("the grammar mask kernel gave a wrong result in its warm-up")
+
+
 def accept_tokens(grammars: Sequence[Any | None], token_ids: Sequence[int]) -> None:
     """Advances each row's matcher past its sampled token."""
     for g, token in zip(grammars, token_ids):

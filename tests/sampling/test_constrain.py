@@ -81,3 +81,37 @@ def test_random_logits_under_a_schema_give_valid_json(grammars, smollm2_tokenize
     for o in outputs:
         assert o[-1] in tok.eos_token_ids, "the grammar ended every row with a stop token"
         jsonschema.validate(json.loads(tok.decode(o)), SCHEMA)
+
+
+def test_warm_masks_applies_a_real_mask_on_the_device():
+    from nodeserve.sampling.constrain import warm_masks
+
+    warm_masks(torch.device("cpu"), 49152)  # raises if the kernel's result were wrong
+
+
+def test_warmup_builds_the_mask_kernel_on_a_gpu_and_survives_its_failure(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from nodeserve.runtime import warmup
+
+    class Kv:
+        def pages_for(self, n):
+            return 1
+
+        def borrow(self, n):
+            import contextlib
+            return contextlib.nullcontext([0])
+    calls = []
+    runner = SimpleNamespace(device=torch.device("cuda", 0), pool=SimpleNamespace(manager=Kv()), graphs=None,
+                             run=lambda chunks: None, model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=7)))
+    monkeypatch.setattr(warmup.torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(warmup.torch.cuda, "synchronize", lambda d: None)
+    monkeypatch.setattr(warmup, "warm_masks", lambda device, vocab: calls.append((device, vocab)))
+    warmup.warmup_runner(runner)
+    assert calls == [(torch.device("cuda", 0), 7)]
+
+    def broken(device, vocab):
+        raise RuntimeError("no compiler")
+    monkeypatch.setattr(warmup, "warm_masks", broken)
+    warmup.warmup_runner(runner)  # logs, does not fail the start
+    assert any("grammar mask kernel" in r.getMessage() for r in caplog.records)
