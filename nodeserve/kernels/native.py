@@ -1,4 +1,4 @@
-"""Builds nodeserve's C kernels (csrc/cpu_kernels.c) for the CPU this process runs on, and calls them on tensors.
+"""Builds nodeserve's C kernels (csrc/*.c) for the CPU this process runs on, and calls them on tensors.
 
 Why hand-written C: no maintained package runs GGUF's Q4_0/Q4_1/Q8_0 blocks with float32 activations from
 torch on x86 (torch's weight-only int4/int8 kernels vectorise only for bf16 activations on AVX2 and are ~10x
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 # ggml type ids of the block formats the kernels read (gguf.GGMLQuantizationType)
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # bytes per 32 weights
+R16 = 0x100  # type flag: weights repacked in 16-row groups for the AVX-512 VNNI kernels (csrc/vnni_gemm.c)
 BLOCK_SIZE = 32
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -45,6 +46,9 @@ _SIGNATURES = {
     "ns_rope": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]),
     "ns_write_kv": (None, [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]),
     "ns_isa": (_int, []),
+    "ns_r16_supported": (_int, []),
+    "ns_r16_bytes": (_i64, [_int, _i64, _i64]),
+    "ns_repack_r16": (None, [_int, _ptr, _i64, _i64, _ptr]),
 }
 
 
@@ -67,13 +71,14 @@ def _cache_dir() -> str:
     return os.path.join(base, "nodeserve", "kernels")
 
 
-def _compile(cc: str, src: str, out: str) -> None:
+def _compile(cc: str, srcs: list[str], out: str) -> None:
     flags = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-math-errno"]
     tmp_dir = os.path.dirname(out)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=tmp_dir)
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, src, "-o", tmp, "-lm"], check=True, capture_output=True, text=True, timeout=120)
+        subprocess.run([cc, *flags, *srcs, "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+                       timeout=120)
         os.replace(tmp, out)  # atomic: processes building at once never load a half-written file
     finally:
         if os.path.exists(tmp):
@@ -89,7 +94,16 @@ class NativeKernels:
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
-        self.isa = {2: "avx2", 0: "scalar"}[lib.ns_isa()]
+        self.r16 = bool(lib.ns_r16_supported())  # the VNNI GEMM over repacked weights is built in
+        self.isa = "avx512-vnni" if self.r16 else {2: "avx2", 0: "scalar"}[lib.ns_isa()]
+
+    def repack(self, qtype: int, weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+        """GGUF blocks uint8 [N, K / 32 * block bytes] -> the same weights in 16-row groups (type qtype | R16),
+        as uint8 [ceil(N / 16), bytes a group]."""
+        num_bytes = self.lib.ns_r16_bytes(qtype, out_features, in_features)
+        out = torch.empty((out_features + 15) // 16, num_bytes // ((out_features + 15) // 16), dtype=torch.uint8)
+        self.lib.ns_repack_r16(qtype, weight.data_ptr(), out_features, in_features, out.data_ptr())
+        return out
 
     def linear(self, qtype: int, weight: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
         """x [M, K] float32 @ W[N, K]^T -> [M, N]; weight: GGUF blocks as uint8 [N, K / 32 * block bytes]."""
@@ -101,9 +115,10 @@ class NativeKernels:
         return y
 
     def dequantize(self, qtype: int, weight: torch.Tensor, in_features: int,
-                   rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The rows `rows` (int64 [R]; all when None) of a block-quantized matrix as float32 [R, in_features]."""
-        n = weight.shape[0] if rows is None else rows.numel()
+                   rows: torch.Tensor | None = None, num_rows: int | None = None) -> torch.Tensor:
+        """The rows `rows` (int64 [R]; when None, the first num_rows, by default every row of GGUF blocks) of a
+        block-quantized matrix as float32 [R, in_features]."""
+        n = rows.numel() if rows is not None else weight.shape[0] if num_rows is None else num_rows
         out = torch.empty(n, in_features, dtype=torch.float32)
         self.lib.ns_dequant_rows(qtype, weight.data_ptr(), in_features, None if rows is None else rows.data_ptr(),
                                  n, out.data_ptr())
@@ -162,9 +177,9 @@ def load() -> NativeKernels | None:
         log.warning("no C compiler found: CPU kernels for quantized weights and paged decode attention are off "
                     "(install gcc for them)")
         return None
-    src = str(resources.files("nodeserve.kernels") / "csrc" / "cpu_kernels.c")
-    with open(src, "rb") as f:
-        source = f.read()
+    csrc = resources.files("nodeserve.kernels") / "csrc"
+    files = sorted((p for p in csrc.iterdir() if p.name.endswith(".c")), key=lambda p: p.name)
+    srcs, source = [str(p) for p in files], b"".join(p.read_bytes() for p in files)
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
@@ -180,7 +195,7 @@ def load() -> NativeKernels | None:
     path = os.path.join(cache, f"cpu_kernels-{key}.so")
     try:
         if not os.path.exists(path):
-            _compile(cc, src, path)
+            _compile(cc, srcs, path)
         kernels = NativeKernels(ctypes.CDLL(path), path)
     except subprocess.CalledProcessError as e:
         log.warning("building the CPU kernels failed, using torch paths: %s", (e.stderr or "").strip()[-500:])

@@ -9,11 +9,18 @@ inside the kernel (see cpu_kernels.c), far finer than llama.cpp's int8 activatio
 
 Large batches (prefill chunks) dequantize the matrix to float32 and run torch's GEMM: compute-bound work goes
 to the best GEMM the CPU has, and the dequantization costs a few percent of it.
+
+On a CPU with AVX-512 VNNI, repack() moves every block-quantized matrix into 16-row groups (the same bytes) for the
+integer GEMM of kernels/csrc/vnni_gemm.c, which quantizes activations to int8 per 32-block as llama.cpp does and
+runs every row count, prefill chunks included (bench/kernels.py: 3-15x the float32 paths on batched rows).
+NODESERVE_KERNELS=avx2 keeps the float32 / int16 paths above (for A/B measurements).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +31,7 @@ from nodeserve.kernels import native
 BLOCK_FORMATS = {"int8": native.Q8_0, "int4": native.Q4_1}
 # Rows up to which the fused kernel beats dequantize + GEMM (bench/kernels.py measures both; bench/README.md).
 MAX_GEMV_ROWS = 32
+MAX_REPACKED_ROWS = 1 << 20  # repacked weights: the VNNI kernel takes every step, in passes of 8 rows
 ROWS_PER_PASS = 8  # activation rows per pass over a weight row (MAX_TILE in kernels/csrc/cpu_kernels.c)
 
 
@@ -36,7 +44,7 @@ class QuantizedWeight:
     shape: tuple[int, int]
 
     def dequantize(self) -> torch.Tensor:
-        return _kernels().dequantize(self.qtype, self.data, self.shape[1])
+        return _kernels().dequantize(self.qtype, self.data, self.shape[1], num_rows=self.shape[0])
 
 
 def _kernels() -> native.NativeKernels:
@@ -91,7 +99,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # [M, in]
-        if x2.shape[0] <= MAX_GEMV_ROWS:
+        if x2.shape[0] <= MAX_GEMV_ROWS or self.qtype & native.R16:
             y = self.kernels.linear(self.qtype, self.weight, x2, self.out_features)
             if self.bias is not None:
                 y += self.bias
@@ -105,10 +113,34 @@ class QuantLinear(nn.Module):
 
 def gemv_rows(model: nn.Module) -> tuple[int, int]:
     """(max rows multiplied in passes over the weights, rows a pass) for the cost model's LinearKernels: a model
-    with block-quantized linears runs small steps that way; (0, 1) for one whose linears are all dense."""
-    if any(isinstance(m, QuantLinear) for m in model.modules()):
+    with block-quantized linears runs small steps that way (repacked ones, every step); (0, 1) for one whose
+    linears are all dense."""
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if linears and all(m.qtype & native.R16 for m in linears):
+        return MAX_REPACKED_ROWS, ROWS_PER_PASS
+    if linears:
         return MAX_GEMV_ROWS, ROWS_PER_PASS
     return 0, 1
+
+
+def repack(model: nn.Module) -> int:
+    """Moves every block-quantized linear and embedding of `model` into 16-row groups for the AVX-512 VNNI GEMM,
+    when this CPU's kernels have it (a table shared by the embedding and a tied lm_head is repacked once).
+    Returns how many matrices were repacked."""
+    kernels = native.load()
+    if kernels is None or not kernels.r16 or os.environ.get("NODESERVE_KERNELS", "") == "avx2":
+        return 0
+    repacked: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        if isinstance(m, (QuantLinear, QuantEmbedding)) and not m.qtype & native.R16:
+            n, k = (m.out_features, m.in_features) if isinstance(m, QuantLinear) else (m.num_embeddings,
+                                                                                       m.embedding_dim)
+            key = m.weight.data_ptr()
+            if key not in repacked:
+                repacked[key] = kernels.repack(m.qtype, m.weight, n, k)
+            m.weight = repacked[key]
+            m.qtype |= native.R16
+    return len(repacked)
 
 
 class QuantEmbedding(nn.Module):
@@ -132,7 +164,8 @@ class QuantEmbedding(nn.Module):
 def fuse(linears: list[nn.Module]) -> nn.Module | None:
     """One QuantLinear whose output is the given QuantLinears' outputs concatenated, or None when they can't
     share one (not all block-quantized in the same format)."""
-    if not all(isinstance(m, QuantLinear) for m in linears) or len({m.qtype for m in linears}) != 1:
+    if not all(isinstance(m, QuantLinear) for m in linears) or len({m.qtype for m in linears}) != 1 \
+            or linears[0].qtype & native.R16:  # fused before repack(): 16-row groups need not line up
         return None
     data = torch.cat([m.weight for m in linears])
     bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])

@@ -138,6 +138,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     if quantization in block_quant.BLOCK_FORMATS:
         _quantize_dense_linears(model, block_quant.BLOCK_FORMATS[quantization])
     if blocks or quantization in block_quant.BLOCK_FORMATS:
+        block_quant.repack(model)
         ops = NativeOps(native.load(), model.rope, cfg.max_position_embeddings)
         model.use_kernels(ops)
         if NativeDecoder.usable(model):

@@ -87,6 +87,54 @@ def test_linear_on_raw_random_blocks(m):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+needs_vnni = pytest.mark.skipif(kernels is None or not kernels.r16, reason="needs AVX-512 VNNI (the R16 kernels)")
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", TYPES)
+def test_repacked_weights_dequantize_to_the_files_weights(matrices, name):
+    """16-row groups (40 rows: the last group padded) hold the same weights, bit for bit, row by row."""
+    r16 = kernels.repack(TYPES[name], matrices[name], 40, 96)
+    assert r16.shape[0] == 3
+    want = gguf_dense(matrices[name], name, 96)
+    assert torch.equal(kernels.dequantize(TYPES[name] | native.R16, r16, 96, num_rows=40), want)
+    rows = torch.tensor([39, 0, 16, 15, 17])
+    assert torch.equal(kernels.dequantize(TYPES[name] | native.R16, r16, 96, rows), want[rows])
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 20])
+def test_repacked_linear_rounds_activations_to_int16_per_block(matrices, name, m):
+    """Every row count: activations rounded to 15 bits per block of 32, so each output is within
+    sum_b |w_b| * amax(x_b) / 32767 / 2 of the float32 product (and padded rows are never written)."""
+    torch.manual_seed(m)
+    x = torch.randn(m, 96) * torch.logspace(-2, 1, 96)
+    dense = gguf_dense(matrices[name], name, 96)
+    want = x @ dense.T
+    r16 = kernels.repack(TYPES[name], matrices[name], 40, 96)
+    got = kernels.linear(TYPES[name] | native.R16, r16, x, 40)
+    xb = x.view(m, 3, 32).abs().amax(-1)                                      # [m, blocks]
+    bound = (dense.abs().view(40, 3, 32).sum(-1)[None] * xb[:, None] / 32767 / 2).sum(-1) + 1e-5  # [m, 40]
+    assert ((got - want).abs() <= bound).all()
+    assert not torch.equal(got, want)
+    if m == 1:  # the same rounding as the AVX2 path's one-row kernel on the GGUF layout (float sums reordered)
+        torch.testing.assert_close(got, kernels.linear(TYPES[name], matrices[name], x, 40), rtol=1e-5,
+                                   atol=1e-5 * want.abs().max().item())
+
+
+@needs_vnni
+def test_repacked_linear_writes_only_the_columns_asked_for(matrices):
+    """n_begin / n_end select whole 16-row groups (the split a helper thread would take); the rest is untouched."""
+    r16 = kernels.repack(native.Q4_1, matrices["Q4_1"], 40, 96)
+    x = torch.randn(2, 96)
+    full = kernels.linear(native.Q4_1 | native.R16, r16, x, 40)
+    y = torch.full((2, 40), 7.0)
+    assert kernels.lib.ns_linear(native.Q4_1 | native.R16, r16.data_ptr(), x.data_ptr(), y.data_ptr(), 2, 96, 40,
+                                 16, 40) == 0
+    assert torch.equal(y[:, 16:], full[:, 16:]) and (y[:, :16] == 7.0).all()
+
+
 def test_paged_decode_attention_matches_sdpa_over_gathered_pages(one_thread):
     from nodeserve.attention.torch_ref import attend_decode, gather_kv
 

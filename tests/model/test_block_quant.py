@@ -30,9 +30,11 @@ def test_auto_keeps_the_files_blocks(loaded_auto, loaded_fp32):
     assert not [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     quant = {n: m for n, m in model.named_modules() if isinstance(m, block_quant.QuantLinear)}
     assert len(quant) == 4 * model.cfg.num_layers + 1
-    assert {m.qtype for n, m in quant.items() if n != "lm_head"} == {native.Q4_1}
+    assert {m.qtype & ~native.R16 for n, m in quant.items() if n != "lm_head"} == {native.Q4_1}
+    # repacked in 16-row groups where the CPU has AVX-512 VNNI, every matrix alike
+    assert {bool(m.qtype & native.R16) for m in quant.values()} == {native.load().r16}
     # tied embeddings: the Q8_0 table is shared by the lookup and the lm_head, not copied
-    assert model.lm_head.qtype == native.Q8_0 and model.lm_head.weight is model.embed_tokens.weight
+    assert model.lm_head.qtype & ~native.R16 == native.Q8_0 and model.lm_head.weight is model.embed_tokens.weight
     assert weight_bytes(model) < 0.2 * weight_bytes(loaded_fp32.model)
     assert isinstance(model.ops, NativeOps) and model.dtype == torch.float32
     # the weights are the file's, exactly: dequantized they are what the float32 path loaded
@@ -57,18 +59,28 @@ def test_dense_weights_quantize_within_half_a_step(fmt, one_thread):
 
 
 def test_gemv_rows_tells_the_cost_model_how_small_steps_run(loaded_auto, loaded_fp32):
-    assert block_quant.gemv_rows(loaded_auto.model) == (block_quant.MAX_GEMV_ROWS, block_quant.ROWS_PER_PASS)
+    max_rows = block_quant.MAX_REPACKED_ROWS if native.load().r16 else block_quant.MAX_GEMV_ROWS
+    assert block_quant.gemv_rows(loaded_auto.model) == (max_rows, block_quant.ROWS_PER_PASS)
     assert block_quant.gemv_rows(loaded_fp32.model) == (0, 1)  # dense: every step is a GEMM
     src = (Path(native.__file__).parent / "csrc" / "cpu_kernels.c").read_text()
     assert f"#define MAX_TILE {block_quant.ROWS_PER_PASS} " in src  # the Python mirror of the C constant
 
 
-def test_prefill_sized_batches_take_the_dense_gemm_and_agree(loaded_auto, one_thread):
+def test_prefill_sized_batches_agree_with_float32_math(loaded_auto, one_thread):
+    """Past MAX_GEMV_ROWS the GGUF layout takes the dense GEMM (float32 exactly); repacked weights take the VNNI
+    kernel (int16 activations: within its rounding)."""
     mod = loaded_auto.model.layers[0].mlp.down_proj
     x = torch.randn(block_quant.MAX_GEMV_ROWS + 1, mod.in_features)
-    want = x @ mod.quantized.dequantize().T
-    torch.testing.assert_close(mod(x), want)
-    torch.testing.assert_close(mod(x[:5]), want[:5], rtol=1e-5, atol=1e-4)  # the fused kernel
+    dense = mod.quantized.dequantize()
+    want = x @ dense.T
+    if not mod.qtype & native.R16:
+        torch.testing.assert_close(mod(x), want)
+        torch.testing.assert_close(mod(x[:5]), want[:5], rtol=1e-5, atol=1e-4)  # the fused kernel
+    else:  # within the int16 rounding bound of tests/kernels/test_native.py, of the product in float64
+        nb = mod.in_features // 32
+        xb = x.view(len(x), nb, 32).abs().amax(-1)
+        bound = (dense.abs().view(-1, nb, 32).sum(-1)[None] * xb[:, None] / 32767 / 2).sum(-1) + 1e-5
+        assert ((mod(x).double() - x.double() @ dense.double().T).abs() <= bound).all()
 
 
 @pytest.mark.slow

@@ -27,6 +27,10 @@
 #endif
 
 enum { NS_Q4_0 = 2, NS_Q4_1 = 3, NS_Q8_0 = 8 };  /* ggml type ids */
+#define NS_R16 0x100  /* type flag: the weights are repacked in 16-row groups for the VNNI kernels (vnni_gemm.c) */
+int ns_linear_r16(int type, const uint8_t *wr, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
+                  int64_t n_begin, int64_t n_end);
+void ns_dequant_rows_r16(int type, const uint8_t *wr, int64_t K, const int64_t *rows, int64_t n_rows, float *out);
 #define QK 32
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8
@@ -109,6 +113,10 @@ static void dequant_row(int type, const uint8_t *row, float *out, int64_t K) {
 
 /* out[i] = row rows[i] of w, dequantized: out [n_rows, K]. rows == NULL: every row 0..n_rows-1. */
 void ns_dequant_rows(int type, const uint8_t *w, int64_t K, const int64_t *rows, int64_t n_rows, float *out) {
+    if (type & NS_R16) {
+        ns_dequant_rows_r16(type & 0xff, w, K, rows, n_rows, out);
+        return;
+    }
     const size_t row_bytes = (size_t)(K / QK) * block_bytes(type);
     for (int64_t i = 0; i < n_rows; i++) {
         const int64_t r = rows ? rows[i] : i;
@@ -299,6 +307,7 @@ static inline __attribute__((always_inline)) void linear_rows(
 
 int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
               int64_t n_begin, int64_t n_end) {
+    if (type & NS_R16) return ns_linear_r16(type & 0xff, w, x, y, M, K, ldy, n_begin, n_end);
     const int64_t nb = K / QK;
     const size_t row_bytes = (size_t)nb * block_bytes(type);
 #if NS_AVX2

@@ -1,0 +1,247 @@
+/* GEMM over GGUF weight blocks with int16 activations and AVX-512 VNNI integer dot products (vpdpwssd), on
+ * weights repacked at load into groups of 16 rows ("R16").
+ *
+ * Why repack: GGUF keeps each row's blocks together, so a vector holds 32 weights of one row and every block
+ * needs its own float scaling per activation row. Interleaving 16 rows puts one output row in each 32-bit lane:
+ * a vpdpwssd multiplies 2 weights of 16 rows by the same 2 activations (broadcast), 32 multiply-adds, and a block
+ * (32 weights x 16 rows) is 16 of them plus one float scaling for all 16 rows, where the float path needs 64
+ * FMAs. The weight bytes stay those of the file (the same quants and fp16 scales, moved), so memory traffic per
+ * weight is unchanged.
+ *
+ * Activations are rounded to int16 per 32-value block (d = amax / 32767), as the AVX2 path's single-row kernel
+ * does. int8 (vpdpbusd, llama.cpp's choice) would double the multiply rate, but on SmolLM2 it moved logits by up
+ * to 4.3 against the float32 path where int16 moves them by 0.01 (tests/model/test_block_quant.py); the offset
+ * term of Q4_0 / Q4_1 (w = d q + m) multiplies the exact float sum of the block.
+ *
+ * R16 block of 16 rows (one 32-weight block each), by type:
+ *   Q4_0: fp16 d[16]; uint8 q[4][16][4]                             288 bytes
+ *   Q4_1: fp16 d[16]; fp16 m[16]; uint8 q[4][16][4]                 320 bytes
+ *   Q8_0: fp16 d[16]; int8 q[8][16][4]                              544 bytes
+ * q[j][r] holds row r's GGUF bytes qs[4j .. 4j + 3]: for 4-bit types their low nibbles are weights 4j .. 4j + 3
+ * and their high nibbles weights 16 + 4j .. 16 + 4j + 3; for Q8_0, weights 4j .. 4j + 3. Rows past N (the last
+ * group's padding) have d = m = 0. Groups follow each other; within a group, blocks in K order.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define NS_R16 1
+#else
+#define NS_R16 0
+#endif
+
+enum { R_Q4_0 = 2, R_Q4_1 = 3, R_Q8_0 = 8 };
+#define QK 32
+#define GROUP 16
+#define MAX_ROWS 8  /* activation rows per pass over a group: 8 float accumulators, 16 weight vectors, 4 chains */
+
+int ns_r16_supported(void) { return NS_R16; }
+
+static int64_t gguf_block_bytes(int type) { return type == R_Q4_0 ? 18 : type == R_Q4_1 ? 20 : 34; }
+
+static int64_t r16_block_bytes(int type) { return type == R_Q4_0 ? 288 : type == R_Q4_1 ? 320 : 544; }
+
+static int64_t quant_offset(int type) { return type == R_Q4_1 ? 64 : 32; }
+
+/* Bytes of an [N, K] matrix in R16. */
+int64_t ns_r16_bytes(int type, int64_t N, int64_t K) {
+    return (N + GROUP - 1) / GROUP * (K / QK) * r16_block_bytes(type);
+}
+
+/* w: GGUF rows [N, K / 32 blocks] -> out: R16 (ns_r16_bytes bytes). */
+void ns_repack_r16(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
+    const int64_t nb = K / QK, gb = gguf_block_bytes(type), rb = r16_block_bytes(type), qo = quant_offset(type);
+    const int nq = type == R_Q8_0 ? 8 : 4;
+    const int64_t groups = (N + GROUP - 1) / GROUP;
+    memset(out, 0, (size_t)ns_r16_bytes(type, N, K));
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + (g * nb + b) * rb;
+            for (int r = 0; r < GROUP && g * GROUP + r < N; r++) {
+                const uint8_t *blk = w + ((g * GROUP + r) * nb + b) * gb;
+                memcpy(o + 2 * r, blk, 2);                                   /* d */
+                if (type == R_Q4_1) memcpy(o + 32 + 2 * r, blk + 2, 2);     /* m */
+                const uint8_t *qs = blk + (type == R_Q4_1 ? 4 : 2);
+                for (int j = 0; j < nq; j++) memcpy(o + qo + (j * GROUP + r) * 4, qs + 4 * j, 4);
+            }
+        }
+}
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* out[i] = row rows[i] (all rows when rows == NULL) of an R16 matrix, dequantized as GGUF's dequantize does. */
+void ns_dequant_rows_r16(int type, const uint8_t *wr, int64_t K, const int64_t *rows, int64_t n_rows, float *out) {
+    const int64_t nb = K / QK, rb = r16_block_bytes(type), qo = quant_offset(type);
+    for (int64_t i = 0; i < n_rows; i++) {
+        const int64_t n = rows ? rows[i] : i, g = n / GROUP, r = n % GROUP;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *o = wr + (g * nb + b) * rb;
+            uint16_t h;
+            memcpy(&h, o + 2 * r, 2);
+            const float d = half_to_float(h);
+            float m = 0.0f;
+            if (type == R_Q4_1) { memcpy(&h, o + 32 + 2 * r, 2); m = half_to_float(h); }
+            if (type == R_Q4_0) m = -8.0f * d;
+            float *y = out + i * K + b * QK;
+            if (type == R_Q8_0) {
+                for (int k = 0; k < QK; k++) y[k] = d * (float)(int8_t)o[qo + ((k / 4) * GROUP + r) * 4 + k % 4];
+            } else {
+                for (int k = 0; k < 16; k++) {
+                    const uint8_t q = o[qo + ((k / 4) * GROUP + r) * 4 + k % 4];
+                    y[k] = d * (float)(q & 0x0f) + m;
+                    y[k + 16] = d * (float)(q >> 4) + m;
+                }
+            }
+        }
+    }
+}
+
+#if NS_R16
+/* Word t (0..15) of a block's int16 activations pairs with weight vector t of group_rows: it holds x[k], x[k + 2]
+ * for k = pair_k(type, t), the two weights a vpdpwssd lane multiplies (bytes 0 and 2, or 1 and 3, of a lane). */
+static int pair_k(int type, int t) {
+    if (type == R_Q8_0) return 4 * (t / 2) + t % 2;              /* vector j = t / 2 holds weights 4j .. 4j + 3 */
+    return 4 * (t / 4) + (t % 4 >= 2 ? 16 : 0) + t % 2;         /* low nibbles 4j .., high nibbles 16 + 4j .. */
+}
+
+/* x [M, K] -> per 32-block: xq int16 in pair_k order (round to nearest, d = amax / 32767: 15 bits, as the AVX2
+ * path's single-row kernel), dx = d, sx = the block's float sum (for the offset term of 4-bit types). */
+static void quantize_rows(int type, const float *x, int64_t M, int64_t K, int16_t *xq, float *dx, float *sx) {
+    const int64_t nb = K / QK;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    int32_t idx[QK];
+    for (int t = 0; t < 16; t++) { idx[2 * t] = pair_k(type, t); idx[2 * t + 1] = pair_k(type, t) + 2; }
+    const __m512i i0 = _mm512_loadu_si512((const void *)idx), i1 = _mm512_loadu_si512((const void *)(idx + 16));
+    for (int64_t i = 0; i < M * nb; i++) {
+        const float *xb = x + i * QK;
+        const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+        const float d = amax / 32767.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        const __m512 pa = _mm512_permutex2var_ps(a, i0, b), pb = _mm512_permutex2var_ps(a, i1, b);
+        _mm256_storeu_si256((__m256i *)(xq + i * QK), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(pa, vinv))));
+        _mm256_storeu_si256((__m256i *)(xq + i * QK + 16),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(pb, vinv))));
+        dx[i] = d;
+        sx[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    }
+}
+
+/* One group (16 weight rows) against MT activation rows: f[i] lane r = y[i, 16 g + r]. A block's weights are
+ * widened once to 16 vectors of int16 pairs (lane r: two of row r's weights) and shared by the MT rows; each row
+ * then takes 16 vpdpwssd, its activation pair broadcast, in four chains so the dot-product latency overlaps. */
+static inline __attribute__((always_inline)) void group_rows(
+        int type, const int MT, const uint8_t *wg, int64_t nb, const int16_t *xq, const float *dx, const float *sx,
+        __m512 f[MAX_ROWS]) {
+    const int64_t rb = r16_block_bytes(type), qo = quant_offset(type);
+    for (int i = 0; i < MT; i++) f[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *o = wg + b * rb;
+        const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)o));
+        __m512i w[16];
+        __m512 vm = _mm512_setzero_ps();
+        if (type == R_Q8_0) {
+            for (int j = 0; j < 8; j++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(o + qo + 64 * j));
+                w[2 * j] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);  /* bytes 0, 2: sign-extended */
+                w[2 * j + 1] = _mm512_srai_epi16(v, 8);                    /* bytes 1, 3 */
+            }
+        } else {
+            const __m512i mask = _mm512_set1_epi16(0x000f);
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(o + qo + 64 * j));
+                w[4 * j] = _mm512_and_si512(v, mask);                         /* low nibbles of bytes 0, 2 */
+                w[4 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), mask);  /* of bytes 1, 3 */
+                w[4 * j + 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);  /* high nibbles of bytes 0, 2 */
+                w[4 * j + 3] = _mm512_srli_epi16(v, 12);                         /* of bytes 1, 3 */
+            }
+            vm = type == R_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 32)))
+                                : _mm512_mul_ps(vd, _mm512_set1_ps(-8.0f));
+        }
+        for (int i = 0; i < MT; i++) {
+            const int32_t *xw = (const int32_t *)(xq + (i * nb + b) * QK);
+            __m512i a[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                            _mm512_setzero_si512()};
+            for (int t = 0; t < 16; t++) a[t % 4] = _mm512_dpwssd_epi32(a[t % 4], w[t], _mm512_set1_epi32(xw[t]));
+            const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
+            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(vd, _mm512_set1_ps(dx[i * nb + b])), f[i]);
+            if (type != R_Q8_0) f[i] = _mm512_fmadd_ps(vm, _mm512_set1_ps(sx[i * nb + b]), f[i]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void linear_groups(
+        int type, const uint8_t *wr, const int16_t *xq, const float *dx, const float *sx, float *y, int64_t M,
+        int64_t K, int64_t ldy, int64_t n_begin, int64_t n_end) {
+    const int64_t nb = K / QK, gbytes = nb * r16_block_bytes(type);
+    __m512 f[MAX_ROWS];
+    for (int64_t g = n_begin / GROUP; g * GROUP < n_end; g++) {
+        const uint8_t *wg = wr + g * gbytes;
+        /* the next group's first blocks while this one computes: the hardware prefetcher alone lags a GEMV */
+        if ((g + 1) * GROUP < n_end)
+            for (int64_t off = 0; off < gbytes && off < 4096; off += 64)
+                _mm_prefetch((const char *)(wg + gbytes + off), _MM_HINT_T0);
+        const int64_t lo = g * GROUP, hi = lo + GROUP < n_end ? lo + GROUP : n_end;
+        const __mmask16 keep = (__mmask16)((1u << (hi - lo)) - 1);
+        for (int64_t i0 = 0; i0 < M; i0 += MAX_ROWS) {
+            const int64_t mt = M - i0 >= MAX_ROWS ? MAX_ROWS : M - i0;
+            const int16_t *xt = xq + i0 * K;
+            const float *dt = dx + i0 * nb, *st = sx + i0 * nb;
+            switch (mt) {  /* constant tile sizes unroll fully */
+                case 8: group_rows(type, 8, wg, nb, xt, dt, st, f); break;
+                case 7: group_rows(type, 7, wg, nb, xt, dt, st, f); break;
+                case 6: group_rows(type, 6, wg, nb, xt, dt, st, f); break;
+                case 5: group_rows(type, 5, wg, nb, xt, dt, st, f); break;
+                case 4: group_rows(type, 4, wg, nb, xt, dt, st, f); break;
+                case 3: group_rows(type, 3, wg, nb, xt, dt, st, f); break;
+                case 2: group_rows(type, 2, wg, nb, xt, dt, st, f); break;
+                default: group_rows(type, 1, wg, nb, xt, dt, st, f); break;
+            }
+            for (int64_t i = 0; i < mt; i++) _mm512_mask_storeu_ps(y + (i0 + i) * ldy + lo, keep, f[i]);
+        }
+    }
+}
+#endif
+
+/* y [M, ldy] columns n_begin..n_end (n_begin a multiple of 16) = x [M, K] @ W^T, W in R16. Returns 0; -1 when
+ * out of memory or this build has no VNNI path (callers only pass R16 weights when ns_r16_supported()). */
+int ns_linear_r16(int type, const uint8_t *wr, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
+                  int64_t n_begin, int64_t n_end) {
+#if NS_R16
+    const int64_t nb = K / QK;
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)(M * K > 0 ? M * K : 1));
+    float *dx = malloc(sizeof(float) * (size_t)(M * nb + 1)), *sx = malloc(sizeof(float) * (size_t)(M * nb + 1));
+    if (!xq || !dx || !sx) { free(xq); free(dx); free(sx); return -1; }
+    quantize_rows(type, x, M, K, xq, dx, sx);
+    switch (type) {
+        case R_Q4_0: linear_groups(R_Q4_0, wr, xq, dx, sx, y, M, K, ldy, n_begin, n_end); break;
+        case R_Q4_1: linear_groups(R_Q4_1, wr, xq, dx, sx, y, M, K, ldy, n_begin, n_end); break;
+        default: linear_groups(R_Q8_0, wr, xq, dx, sx, y, M, K, ldy, n_begin, n_end); break;
+    }
+    free(xq); free(dx); free(sx);
+    return 0;
+#else
+    (void)type; (void)wr; (void)x; (void)y; (void)M; (void)K; (void)ldy; (void)n_begin; (void)n_end;
+    return -1;
+#endif
+}
