@@ -19,6 +19,7 @@ from aiohttp import web
 
 from nodeserve.config import Config
 from nodeserve.runtime.engine import Engine
+from nodeserve.runtime.memory import heap_trim_loop
 from nodeserve.metrics import DeviceState
 from nodeserve.model.loader import load_model, parse_dtype
 from nodeserve.server.app import AccessLogger, ServerState, create_app, is_loopback
@@ -191,6 +192,7 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     stats = None
     if config.server.stats_interval > 0:
         stats = asyncio.create_task(stats_loop(StatsLine(state.metrics, engine), config.server.stats_interval))
+    heap_trim = asyncio.create_task(heap_trim_loop())
     watchdog = None
     interval = notifier.watchdog_interval()
     if interval is not None:
@@ -208,6 +210,7 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
         await asyncio.sleep(0.2)  # let their handlers write the final error event
     if stats is not None:
         stats.cancel()
+    heap_trim.cancel()
     if watchdog is not None:
         watchdog.cancel()
     await runner.cleanup()
