@@ -47,6 +47,9 @@ class ServerSection:
     api_key: str = ""                     # if set (or NODESERVE_API_KEY is), clients must send Authorization: Bearer
     open_health: bool = True              # /health answers without the API key
     open_metrics: bool = True             # /metrics answers without the API key
+    console: bool = True                  # GET / serves the live node console (docs/console.md)
+    console_public: bool = False          # allow the console on a non-loopback host without an API key
+    open_console: bool = False            # the console's live feed (/debug/events) answers without the API key
     max_tokens_limit: int = 1_000_000     # largest max_tokens a request may ask for
     default_max_tokens: int = 2048        # chat requests that give no max_tokens get min(this, context - prompt)
     max_n: int = 16

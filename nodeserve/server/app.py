@@ -21,6 +21,7 @@ from nodeserve import __version__
 from nodeserve.config import Config
 from nodeserve.metrics import Metrics
 from nodeserve.runtime.engine import Engine, PromptTooLong, QueueFull, TooLarge
+from nodeserve.server import console
 from nodeserve.server import protocol as P
 from nodeserve.server.chat_prompt import render_chat
 from nodeserve.server.generation import Generation, GenerationError, Piece
@@ -165,11 +166,11 @@ async def origin_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     """Authorization: Bearer <key>, when a key is configured; /health and /metrics may be left open, /debug/*
-    never is."""
+    never is, but for the console's feed with server.open_console (the console's static page is always open)."""
     state = request.app[STATE]
     if state.api_key:
         open_paths = {"/health": state.config.server.open_health, "/metrics": state.config.server.open_metrics}
-        if not open_paths.get(request.path, False):
+        if not open_paths.get(request.path, False) and not console.is_open_path(request):
             given = request.headers.get("Authorization", "")
             scheme, _, token = given.partition(" ")
             # aiohttp keeps a header's non-UTF-8 bytes as surrogates, which .encode() refuses: such a key is
@@ -633,4 +634,5 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
     app.router.add_get("/openapi.json", openapi)
+    console.register(app, state, is_loopback(state.config.server.host))  # GET / and /debug/events, when on
     return app

@@ -38,7 +38,7 @@ CONTEXT = 8192                  # SmolLM2's max_model_len (checked against /v1/m
 OUT_OF_VOCAB = 262_144          # above any vocabulary the fixture could load
 ROLES = ("system", "user", "assistant", "tool", "developer")
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-GET_ROUTES = ("/health", "/v1/models", "/debug/kv", "/metrics")
+GET_ROUTES = ("/health", "/v1/models", "/debug/kv", "/metrics", "/", "/console/console.js", "/console/console.css")
 POST_ROUTES = (CHAT, COMPLETIONS)
 
 _SCALE = float(os.environ.get("NODESERVE_FUZZ_SCALE", "1"))
