@@ -9,8 +9,10 @@ What each row means:
   * bandwidth: sum() over 1 GiB of written float32 on one thread (GB/s): the read bound everything below uses.
   * crossover M=m: the layers' projections through the fused kernel vs dequantize + F.linear.
   * gemm M=m: every projection of one decode step (30 layers + lm_head) at m activation rows, from DRAM: the
-    file's Q4_1/Q8_0 blocks through the native kernel vs the dense float32 weights through F.linear;
-    "x bound" = time / (weight bytes / bandwidth).
+    file's Q4_1/Q8_0 blocks through the native kernels (auto: the AVX-512 VNNI kernel on repacked weights where
+    the CPU has it; avx2: the GGUF-layout kernels, NODESERVE_KERNELS=avx2) vs the dense float32 weights through
+    F.linear; "x bound" = time / (weight bytes / bandwidth); ns per row block = time / (m x weight rows x blocks
+    of 32 a row).
   * attention B x L: one layer's paged decode attention for B sequences of L tokens (pages scattered),
     "x bound" = time / (K and V bytes / bandwidth).
   * step B x L: ModelRunner.run of B decode rows with L tokens each (what a decode worker runs per step),
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -59,19 +62,19 @@ def matmul_peak() -> float:
     return 2 * 1024 ** 3 / timed(lambda: a @ b, 10) / 1e9
 
 
-def gemm_rows(quant, dense, gbs: float, ms: list[int]) -> list[dict]:
-    q_mods = [m for m in quant.modules() if isinstance(m, QuantLinear)]
-    d_mods = [m for m in dense.modules() if isinstance(m, torch.nn.Linear)]
-    q_bytes = sum(m.weight.numel() for m in q_mods)
-    d_bytes = sum(m.weight.numel() * 4 for m in d_mods)
+def gemm_rows(models: dict, gbs: float, ms: list[int]) -> list[dict]:
     rows = []
     for m in ms:
-        xs = {k: torch.randn(m, k) for k in {mod.in_features for mod in q_mods}}
-        tq = timed(lambda: [mod(xs[mod.in_features]) for mod in q_mods], 5)
-        td = timed(lambda: [mod(xs[mod.in_features]) for mod in d_mods], 3)
-        rows.append({"what": f"gemm M={m}", "auto_ms": tq * 1e3, "none_ms": td * 1e3,
-                     "auto_x_bound": tq / (q_bytes / gbs / 1e9), "none_x_bound": td / (d_bytes / gbs / 1e9),
-                     "auto_MB": q_bytes / 1e6, "none_MB": d_bytes / 1e6})
+        row = {"what": f"gemm M={m}"}
+        for name, model in models.items():
+            mods = [mod for mod in model.modules() if isinstance(mod, (QuantLinear, torch.nn.Linear))]
+            num_bytes = sum(mod.weight.numel() * mod.weight.element_size() for mod in mods)
+            row_blocks = sum(mod.out_features * mod.in_features // 32 for mod in mods)
+            xs = {k: torch.randn(m, k) for k in {mod.in_features for mod in mods}}
+            t = timed(lambda: [mod(xs[mod.in_features]) for mod in mods], 5 if name != "none" else 3)
+            row.update({f"{name}_ms": t * 1e3, f"{name}_x_bound": t / (num_bytes / gbs / 1e9),
+                        f"{name}_ns_per_row_block": t * 1e9 / (m * row_blocks), f"{name}_MB": num_bytes / 1e6})
+        rows.append(row)
     return rows
 
 
@@ -151,13 +154,16 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("the native kernels could not be built (is a C compiler installed?)")
     gbs, peak = bandwidth(), matmul_peak()
     quant = load_model(MODEL, torch.float32, quantization="auto").model
+    os.environ["NODESERVE_KERNELS"] = "avx2"  # the GGUF-layout kernels, for comparison (read at load)
+    gguf_layout = load_model(MODEL, torch.float32, quantization="auto").model
+    del os.environ["NODESERVE_KERNELS"]
     dense = load_model(MODEL, torch.float32, quantization="none").model
-    models = {"auto": quant, "none": dense}
+    models = {"auto": quant, "avx2": gguf_layout, "none": dense} if kernels.r16 else {"auto": quant, "none": dense}
     result = {"machine": platform.processor() or platform.machine(), "isa": kernels.isa,
               "bandwidth_GBs": gbs, "fp32_peak_GFLOPs": peak, "rows": []}
     print(f"one-core DRAM read {gbs:.1f} GB/s, fp32 matmul peak {peak:.1f} GFLOP/s, kernels: {kernels.isa}")
-    result["rows"] += gemm_rows(quant, dense, gbs, [1, 2, 4, 8, 16, 32])
-    result["rows"] += crossover_rows(quant, [16, 32, 48, 64])
+    result["rows"] += gemm_rows(models, gbs, [1, 2, 4, 8, 16, 32])
+    result["rows"] += crossover_rows(quant, [16, 32, 64, 256])
     result["rows"] += attention_rows(kernels, gbs, [(1, 512), (1, 2048), (16, 1024), (32, 256)])
     result["rows"] += step_rows(models, gbs, [(1, 128), (1, 1024), (16, 1024), (32, 128)])
     result["rows"] += prefill_rows(models, peak)

@@ -864,7 +864,8 @@ def long_inputs(rng: random.Random, tokens: int = 1500) -> tuple[list[int], str]
     return ids, text
 
 
-def criteria_rows(summary: dict, leaked: int | None, alive: bool, rss: dict, windows: dict) -> list[tuple]:
+def criteria_rows(summary: dict, leaked: int | None, alive: bool, rss: dict, windows: dict,
+                  rss_judged: bool = True) -> list[tuple]:
     """(criterion, measured, PASS / FAIL / not judged) for the printed table."""
     ok = lambda b: "PASS" if b else "FAIL"  # noqa: E731
     growth = rss.get("growth_pct")
@@ -872,7 +873,7 @@ def criteria_rows(summary: dict, leaked: int | None, alive: bool, rss: dict, win
     judged = p99_judged(windows)
     return [
         (f"RSS growth after warm-up < {RSS_GROWTH_LIMIT_PCT:g} %", f"{growth} %",
-         ok(growth is not None and growth < RSS_GROWTH_LIMIT_PCT)),
+         ok(growth is not None and growth < RSS_GROWTH_LIMIT_PCT) if rss_judged else "not judged (--no-rss-verdict)"),
         ("leaked KV pages == 0", str(leaked), ok(leaked == 0)),
         ("5xx == 0", str(summary["http_5xx"]), ok(summary["http_5xx"] == 0)),
         (f"e2e p99 last / first window <= {P99_RATIO_LIMIT:g}", f"{ratio}",
@@ -906,6 +907,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rss-interval", type=float, default=3.0)
     ap.add_argument("--idle-timeout", type=float, default=120.0, help="seconds to wait for the server to go idle")
+    ap.add_argument("--no-rss-verdict", action="store_true",
+                    help="report RSS but leave it out of the verdict (a minutes-long run, e.g. CI's, still sees "
+                         "lazy first-time allocations; the RSS criterion is for the hour)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "soak.json"))
     args = ap.parse_args()
     duration = args.duration if args.duration is not None else args.minutes * 60
@@ -962,13 +966,13 @@ def main() -> int:
     rss = rss_growth(samples, rss_start, rss_end)
     plateau = rss_report(samples, duration, rss_end, before_kib=rss_start)
     windows = latency_windows(records, duration)
-    passed, reasons = verdict(summary, leaked, alive, rss=plateau, windows=windows)
+    passed, reasons = verdict(summary, leaked, alive, rss=None if args.no_rss_verdict else plateau, windows=windows)
     changes = counters.get("device_role_changes", {})
     changes_before = counters_before.get("device_role_changes", {})
     role_changes = {"total": int(sum(changes.values())),
                     "during_soak": int(sum(changes.values()) - sum(changes_before.values())),
                     "by_device": changes}
-    criteria = criteria_rows(summary, leaked, alive, plateau, windows)
+    criteria = criteria_rows(summary, leaked, alive, plateau, windows, rss_judged=not args.no_rss_verdict)
     results.update(summary=summary, load_seconds=round(load_s, 1), idle_wait_seconds=round(idle_wait, 1),
                    leaked_pages=leaked, debug_kv_after=idle, rss=rss, rss_plateau=plateau,
                    latency_windows=windows, role_changes=role_changes,
