@@ -57,6 +57,10 @@ class Device:
     def init_copy_thread(self) -> None:
         """Called first thing in a KV transfer thread that copies out of this device."""
 
+    def lend(self, idle: bool) -> None:
+        """The worker thread's own: True while it waits for work (its core may help another device), False before
+        it runs anything. A no-op unless core lending is set up (runtime/lending.py)."""
+
     def record_event(self) -> Any:
         """An event marking the work issued so far on this device's current stream (of the calling thread)."""
         return None

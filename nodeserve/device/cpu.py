@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
@@ -24,6 +25,10 @@ class CPUDevice(Device):
         self.core = core
         self.name = f"cpu:{core}"
         self.torch_device = torch.device("cpu")
+        # Core lending (runtime/lending.py): set before the worker starts. on_thread_start: run in the worker
+        # thread (it borrows a helper there); on_lend: called with True / False as the worker idles / works.
+        self.on_thread_start: Callable[[], None] | None = None
+        self.on_lend: Callable[[bool], None] | None = None
 
     def init_worker_thread(self) -> None:
         # One core per worker: torch releases the GIL inside ops, so one thread per core is a real split.
@@ -33,6 +38,12 @@ class CPUDevice(Device):
                 os.sched_setaffinity(0, {self.core})  # pid 0 = the calling thread on Linux
             except OSError:
                 pass
+        if self.on_thread_start is not None:
+            self.on_thread_start()
+
+    def lend(self, idle: bool) -> None:
+        if self.on_lend is not None:
+            self.on_lend(idle)
 
     def init_copy_thread(self) -> None:
         torch.set_num_threads(1)

@@ -49,6 +49,12 @@ _SIGNATURES = {
     "ns_r16_supported": (_int, []),
     "ns_r16_bytes": (_i64, [_int, _i64, _i64]),
     "ns_repack_r16": (None, [_int, _ptr, _i64, _i64, _ptr]),
+    "ns_helper_new": (_ptr, [_int]),
+    "ns_helper_lend": (None, [_ptr, _int]),
+    "ns_helper_want": (None, [_ptr, _int]),
+    "ns_helper_use": (None, [_ptr]),
+    "ns_helper_jobs": (ctypes.c_long, [_ptr]),
+    "ns_helper_free": (None, [_ptr]),
 }
 
 
@@ -72,7 +78,7 @@ def _cache_dir() -> str:
 
 
 def _compile(cc: str, srcs: list[str], out: str) -> None:
-    flags = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-math-errno"]
+    flags = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-math-errno", "-pthread"]
     tmp_dir = os.path.dirname(out)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=tmp_dir)
     os.close(fd)

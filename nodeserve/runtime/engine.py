@@ -32,6 +32,7 @@ from nodeserve.kv.events import KVEventLog, event_hash
 from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
 from nodeserve.runtime.kv_events import KVEventPublisher, default_topic
 from nodeserve.runtime.kv_tiers import KVTiers
+from nodeserve.runtime.lending import CoreLending
 from nodeserve.runtime.loads import NodeLoad, decode_rate
 from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
 from nodeserve.model.llama import LlamaModel
@@ -96,6 +97,7 @@ class Engine:
         self.tiers: KVTiers | None = None  # the host and disk tiers and the loaders (prefix_cache on)
         self._prefix_retry_armed = False
         self.kv_events: KVEventPublisher | None = None  # [kv_events]
+        self.lending: CoreLending | None = None         # devices.lend_idle_cores
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -161,6 +163,8 @@ class Engine:
             self.router.on_prefix_wait = self._arm_prefix_retry
         if cfg.kv_events.enabled:  # before any page is published (config: it needs the prefix cache)
             self.kv_events = self._start_kv_events()
+        if cfg.devices.lend_idle_cores:
+            self.lending = CoreLending.build([w.device for w in self.workers])
         for t in self.transfers:
             t.start()
         for w in self.workers:
@@ -242,6 +246,8 @@ class Engine:
             w.stop()
         for t in self.transfers:
             t.stop()
+        if self.lending is not None:
+            self.lending.stop()
         if self.tiers is not None:
             self.tiers.stop()
         if self.kv_events is not None:  # last: the stop's own flush to disk is reported too

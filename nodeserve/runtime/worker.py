@@ -133,7 +133,12 @@ class Worker:
         self.device.init_worker_thread()
         while not self._stop:
             try:
-                self._drain_inbox(block=not self.scheduler.has_work)  # a loader wakes it when a prompt is ready
+                idle = not self.scheduler.has_work
+                if idle:
+                    self.device.lend(True)  # this core may help another device while nothing is to do here
+                self._drain_inbox(block=idle)  # a loader wakes it when a prompt is ready
+                if idle:
+                    self.device.lend(False)
                 self._last_turn = time.monotonic()
                 if not self._stop:
                     self._finish(self.scheduler.drop_aborted())

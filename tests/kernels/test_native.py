@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -217,3 +220,41 @@ def test_no_compiler_means_no_kernels(monkeypatch, tmp_path):
         assert native.load() is None
     finally:
         native.load.cache_clear()
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_a_lent_core_takes_half_the_rows_and_the_result_is_the_same(name):
+    """kernels/csrc/lend.c: with a helper lent and wanted, a GEMM's upper rows run on the helper thread; the output
+    equals the unsplit one bit for bit; not lent, nothing is posted to it; freed, the thread ends."""
+    lib = kernels.lib
+    torch.manual_seed(4)
+    n, k = 1000, 256
+    w = gguf_blocks((np.random.default_rng(4).standard_normal((n, k)) * 0.1).astype(np.float32), name)
+    qtype = TYPES[name]
+    if kernels.r16:
+        w, qtype = kernels.repack(qtype, w, n, k), qtype | native.R16
+    x = torch.randn(3, k)
+    alone = kernels.linear(qtype, w, x, n)
+    cores = sorted(os.sched_getaffinity(0))
+    h = lib.ns_helper_new(cores[-1])  # the helper on one core, this thread on another (when there are two)
+    assert h
+    os.sched_setaffinity(0, {cores[0]})
+    try:
+        lib.ns_helper_use(h)
+        lib.ns_helper_lend(h, 1)
+        lib.ns_helper_want(h, 1)
+        deadline = time.monotonic() + 5  # on a quiet machine the first call; on a loaded one, once scheduled
+        while lib.ns_helper_jobs(h) == 0 and time.monotonic() < deadline:
+            assert torch.equal(kernels.linear(qtype, w, x, n), alone)
+        assert lib.ns_helper_jobs(h) > 0  # it spins while lent and wanted: it takes halves
+        for _ in range(20):
+            assert torch.equal(kernels.linear(qtype, w, x, n), alone)
+        lib.ns_helper_lend(h, 0)
+        before = lib.ns_helper_jobs(h)
+        for _ in range(10):
+            assert torch.equal(kernels.linear(qtype, w, x, n), alone)
+        assert lib.ns_helper_jobs(h) == before
+    finally:
+        os.sched_setaffinity(0, set(cores))
+        lib.ns_helper_use(None)
+        lib.ns_helper_free(h)

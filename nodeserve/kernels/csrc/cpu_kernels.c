@@ -31,6 +31,8 @@ enum { NS_Q4_0 = 2, NS_Q4_1 = 3, NS_Q8_0 = 8 };  /* ggml type ids */
 int ns_linear_r16(int type, const uint8_t *wr, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
                   int64_t n_begin, int64_t n_end);
 void ns_dequant_rows_r16(int type, const uint8_t *wr, int64_t K, const int64_t *rows, int64_t n_rows, float *out);
+int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
+              int64_t n_begin, int64_t n_end);  /* lend.c: splits with a lent core, then ns_linear_local */
 #define QK 32
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8
@@ -305,8 +307,9 @@ static inline __attribute__((always_inline)) void linear_rows(
 }
 #endif
 
-int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
-              int64_t n_begin, int64_t n_end) {
+/* ns_linear (lend.c) calls this for its rows, and for the half a lent core's helper thread takes. */
+int ns_linear_local(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
+                    int64_t n_begin, int64_t n_end) {
     if (type & NS_R16) return ns_linear_r16(type & 0xff, w, x, y, M, K, ldy, n_begin, n_end);
     const int64_t nb = K / QK;
     const size_t row_bytes = (size_t)nb * block_bytes(type);
