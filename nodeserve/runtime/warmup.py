@@ -1,5 +1,5 @@
-"""Warm-up before READY: compile FlashInfer's kernels, capture the decode graphs and build the grammar mask kernel,
-so no request pays for them.
+"""Warm-up before READY: compile FlashInfer's kernels, capture the decode graphs and check the grammar mask on the
+device (plain torch ops: nothing to compile, its kernels load now), so no request pays for them.
 
 FlashInfer JIT-compiles each kernel at first use (cached in ~/.cache/flashinfer) and CUDA graphs are captured
 once per bucket. On CPU devices there is nothing to warm: a no-op. FP8 pools must have their scales before
@@ -36,7 +36,7 @@ def warmup_runner(runner: ModelRunner) -> None:
             runner.graphs.capture()
         try:
             warm_masks(runner.device, runner.model.cfg.vocab_size)
-        except Exception:  # structured output still works; its first request pays for the build
-            log.warning("%s: warming up the grammar mask kernel failed", runner.device, exc_info=True)
+        except Exception:  # logged for the operator; structured output's requests still try it
+            log.warning("%s: warming up the grammar mask failed", runner.device, exc_info=True)
         torch.cuda.synchronize(runner.device)
     log.info("%s: warmed up in %.1fs", runner.device, time.monotonic() - start)

@@ -192,20 +192,20 @@ def test_an_event_loop_blocked_for_a_second_loses_nothing(loaded_fp32, prompt_id
 
 
 def test_a_grammar_whose_mask_is_too_slow_ends_its_request_only(loaded_fp32, prompt_ids, hf_greedy):
-    """A grammar whose mask fill takes longer than the budget in a step (one uninterruptible C++ call in real
+    """A grammar whose mask fill takes longer than the budget in a step (one uninterruptible Rust call in real
     life) ends its own request with an error naming the limit; the requests decoding beside it are untouched."""
     import time
 
     from nodeserve.sampling.constrain import MASK_FILL_BUDGET_S
 
     class SlowMatcher:
-        def is_terminated(self):
+        def is_finished(self):
             return False
 
         def fill_next_token_bitmask(self, bitmask, row):
             time.sleep(MASK_FILL_BUDGET_S * 1.5)
 
-        def accept_token(self, token):
+        def consume_token(self, token):
             return True
 
     async def body(engine):
