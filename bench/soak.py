@@ -815,7 +815,8 @@ async def _read_stream(r, spec: dict, rec: dict, t0: float) -> list[dict]:
 async def run_load(url: str, seconds: float, concurrency: int, rng: random.Random, long_ids: list[int],
                    long_text: str, disconnect_prob: float, pid: int, rss_interval: float,
                    rss_samples: list[tuple[float, int]], log_every: float = 15.0,
-                   workload: Workload | None = None) -> list[dict]:
+                   workload: Workload | None = None, consoles: int = 0,
+                   console_stats: dict | None = None) -> list[dict]:
     import aiohttp
 
     records: list[dict] = []
@@ -852,7 +853,24 @@ async def run_load(url: str, seconds: float, concurrency: int, rng: random.Rando
                     next_log += log_every
                 await asyncio.sleep(min(rss_interval, max(0.0, deadline - time.perf_counter())))
 
-        await asyncio.gather(sampler(), *(client() for _ in range(concurrency)))
+        async def console():
+            """A browser's console left open: reads the live feed (/debug/events) until the soak ends."""
+            while time.perf_counter() < deadline:
+                try:
+                    async with session.get(url + "/debug/events") as r:
+                        while time.perf_counter() < deadline:
+                            chunk = await asyncio.wait_for(r.content.readany(), max(0.1, deadline - time.perf_counter()))
+                            if not chunk:
+                                break
+                            if console_stats is not None:
+                                console_stats["bytes"] = console_stats.get("bytes", 0) + len(chunk)
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    if console_stats is not None and time.perf_counter() < deadline:
+                        console_stats["reconnects"] = console_stats.get("reconnects", 0) + 1
+                    await asyncio.sleep(0.5)
+
+        await asyncio.gather(sampler(), *(client() for _ in range(concurrency)),
+                             *(console() for _ in range(consoles)))
     return records
 
 
@@ -907,6 +925,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rss-interval", type=float, default=3.0)
     ap.add_argument("--idle-timeout", type=float, default=120.0, help="seconds to wait for the server to go idle")
+    ap.add_argument("--consoles", type=int, default=0,
+                    help="this many live-console feeds (/debug/events) kept open through the soak, as browsers would")
     ap.add_argument("--no-rss-verdict", action="store_true",
                     help="report RSS but leave it out of the verdict (a minutes-long run, e.g. CI's, still sees "
                          "lazy first-time allocations; the RSS criterion is for the hour)")
@@ -944,9 +964,11 @@ def main() -> int:
                   f"windows {window_seconds(duration):g} s", flush=True)
             samples: list[tuple[float, int]] = []
             t_load = time.perf_counter()
+            console_stats: dict = {}
             records = asyncio.run(run_load(url, duration, args.concurrency, rng, long_ids, long_text,
                                            args.disconnect_prob, proc.pid, args.rss_interval, samples,
-                                           log_every=max(15.0, min(60.0, duration / 40)), workload=workload))
+                                           log_every=max(15.0, min(60.0, duration / 40)), workload=workload,
+                                           consoles=args.consoles, console_stats=console_stats))
             load_s = time.perf_counter() - t_load
             idle, idle_wait = wait_idle(url, args.idle_timeout)
             rss_end = read_rss_kib(proc.pid)
@@ -979,6 +1001,7 @@ def main() -> int:
                    criteria=[{"criterion": c, "measured": m, "result": v} for c, m, v in criteria],
                    rss_samples=samples, server_counters=counters, server_counters_after_warmup=counters_before,
                    fresh_schemas=workload.num_fresh_schemas if workload else 0,
+                   consoles={"open": args.consoles, **console_stats},
                    passed=passed, reasons=reasons, records=records)
     if not passed:
         results["server_log_tail"] = log_tail

@@ -1,6 +1,6 @@
 """CI's two-minute soak (issue #26): bench/soak.py end to end against a real adaptive server with a small pool, a
-host tier evicting, tools, json_schema, shared prefixes, multi-turn and client aborts: no failed request, no 5xx,
-no leaked page. RSS is reported, not judged (the criterion is for the hour; bench/README.md has that run)."""
+host tier evicting, tools, json_schema, shared prefixes, multi-turn and client aborts, and a console's live feed
+open throughout: no failed request, no 5xx, no leaked page. RSS is reported, not judged (the criterion is for the hour; bench/README.md has that run)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ def test_two_minute_soak_passes(tmp_path):
     out = tmp_path / "soak.json"
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "soak.py"), "--minutes", "2", "--mode", "adaptive",
                            "--concurrency", "8", "--kv-memory-gib", "0.1", "--kv-extra", "host_memory_gib = 0.2",
-                           "--no-rss-verdict", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--consoles", "1", "--no-rss-verdict", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
     result = json.loads(out.read_text())
     assert proc.returncode == 0 and result["passed"], (result.get("reasons"), proc.stdout[-3000:])
     s = result["summary"]
     assert s["failed"] == 0 and s["http_5xx"] == 0 and result["leaked_pages"] == 0
     assert s["completed"] > 50 and s["aborted"] > 0  # a real load, aborts included
     assert s["tools_completed"] > 0 and s["json_schema_completed"] > 0 and s["multiturn_completed"] > 0
+    assert result["consoles"]["bytes"] > 10_000  # a console's feed stayed open and kept streaming
