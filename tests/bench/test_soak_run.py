@@ -1,6 +1,8 @@
 """CI's two-minute soak (issue #26): bench/soak.py end to end against a real adaptive server with a small pool, a
 host tier evicting, tools, json_schema, shared prefixes, multi-turn and client aborts, and a console's live feed
-open throughout: no failed request, no 5xx, no leaked page. RSS is reported, not judged (the criterion is for the hour; bench/README.md has that run)."""
+open throughout: no failed request, no 5xx, no leaked page. RSS and latency drift are reported, not judged: both
+criteria are for the hour (bench/README.md has that run); a 2-minute run's 20-second windows hold a few dozen
+requests, whose p99 is their maximum (a contended run failed on it at 1.28x)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ def test_two_minute_soak_passes(tmp_path):
     out = tmp_path / "soak.json"
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "soak.py"), "--minutes", "2", "--mode", "adaptive",
                            "--concurrency", "8", "--kv-memory-gib", "0.1", "--kv-extra", "host_memory_gib = 0.2",
-                           "--consoles", "1", "--no-rss-verdict", "--out", str(out)],
+                           "--consoles", "1", "--no-rss-verdict", "--no-latency-verdict", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     result = json.loads(out.read_text())
     assert proc.returncode == 0 and result["passed"], (result.get("reasons"), proc.stdout[-3000:])
