@@ -63,6 +63,8 @@ static float fp16_to_fp32(uint16_t h) {
 #endif
 }
 
+float ns_fp16_to_fp32(uint16_t h) { return fp16_to_fp32(h); }  /* for vnni_gemm.c's row dequantization */
+
 static size_t block_bytes(int type) {
     return type == NS_Q4_0 ? 18 : type == NS_Q4_1 ? 20 : 34;
 }

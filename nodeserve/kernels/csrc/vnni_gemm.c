@@ -69,25 +69,7 @@ void ns_repack_r16(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *ou
         }
 }
 
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else {
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400)) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000 | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+float ns_fp16_to_fp32(uint16_t h);  /* cpu_kernels.c */
 
 /* out[i] = row rows[i] (all rows when rows == NULL) of an R16 matrix, dequantized as GGUF's dequantize does. */
 void ns_dequant_rows_r16(int type, const uint8_t *wr, int64_t K, const int64_t *rows, int64_t n_rows, float *out) {
@@ -98,9 +80,9 @@ void ns_dequant_rows_r16(int type, const uint8_t *wr, int64_t K, const int64_t *
             const uint8_t *o = wr + (g * nb + b) * rb;
             uint16_t h;
             memcpy(&h, o + 2 * r, 2);
-            const float d = half_to_float(h);
+            const float d = ns_fp16_to_fp32(h);
             float m = 0.0f;
-            if (type == R_Q4_1) { memcpy(&h, o + 32 + 2 * r, 2); m = half_to_float(h); }
+            if (type == R_Q4_1) { memcpy(&h, o + 32 + 2 * r, 2); m = ns_fp16_to_fp32(h); }
             if (type == R_Q4_0) m = -8.0f * d;
             float *y = out + i * K + b * QK;
             if (type == R_Q8_0) {
