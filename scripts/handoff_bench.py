@@ -21,7 +21,6 @@ import torch
 from nodeserve.device import make_device
 from nodeserve.runtime.transfer import KVTransfer
 from nodeserve.kv.pool import KVPool, pages_for
-from nodeserve.core.request import Request
 from nodeserve.core.sampling_params import SamplingParams
 
 # Llama-3.1-8B's shape: the KV per token and the per-layer weights a prefill multiplies by.
@@ -35,7 +34,6 @@ def _prefill_and_copy(args, src, dst, transfer, src_pages, dst_pages, compute: b
     # One [hidden, layer_params / hidden] matmul per layer: the FLOPs of a layer's linear layers.
     w = torch.randn(MODEL.hidden, MODEL.layer_params // MODEL.hidden, dtype=torch.bfloat16, device=src.torch_device)
     pages = transfer.page_indices(src_pages, dst_pages)
-    req = Request("bench", [0] * args.tokens, SamplingParams(max_tokens=1))  # no prefill_pages: finish frees none
     landed = threading.Event()
     done = []
     torch.cuda.synchronize(src.torch_device)
@@ -45,8 +43,14 @@ def _prefill_and_copy(args, src, dst, transfer, src_pages, dst_pages, compute: b
             x @ w
         transfer.copy_layer(layer, pages)
     errors = []
-    transfer.finish(req, lambda r, ev: (done.append(ev), landed.set()), lambda r: None,
-                    lambda r, error: (errors.append(error), landed.set()))
+
+    def on_done(event, error):
+        if error is None:
+            done.append(event)
+        else:
+            errors.append(error)
+        landed.set()
+    transfer.finish("bench", [], on_done)  # no source pages given back: the next repeat copies the same ones
     torch.cuda.synchronize(src.torch_device)  # the compute is done here
     compute_end = time.perf_counter()
     landed.wait()
