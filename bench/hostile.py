@@ -15,10 +15,13 @@ What the clients send (random, seeded; `--concurrency` at once):
 - about a tenth of the clients give up mid-request (the compile keeps running; its result is cached).
 
 Expected statuses are 200 and 400 (413 for bodies past the size limit); anything else, a 5xx, an error event in
-a stream or a connection error fails the run. /health is probed on its own connection; its latency is what a
-load balancer or systemd's watchdog sees when a grammar compile or a mask fill holds the event loop.
+a stream or a connection error fails the run. /health is probed from a process of its own (so this client's GIL
+never delays a probe) on its own connection; its latency is what a load balancer or systemd's watchdog sees when
+something holds the event loop. The server's own account of its loop comes from /metrics
+(`event_loop_stalls_total` by cause: busy, starved, blocked; server/loop_monitor.py) and its log's stall lines,
+which carry the loop's stack.
 
-    python bench/hostile.py --duration 600 --out bench/results/hostile.json
+    python bench/hostile.py --duration 600 --host-memory-gib 0.2 --out bench/results/hostile.json
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import argparse
 import asyncio
 import http.client
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -35,12 +39,11 @@ import string
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from local_server import cpu_model, start_server  # noqa: E402  (bench/ is scripts, not a package)
-from soak import leaked_pages, percentile, read_rss_kib, rss_report, wait_idle  # noqa: E402
+from soak import leaked_pages, percentile, read_rss_kib, rss_report, scrape_counters, wait_idle  # noqa: E402
 
 HEALTH_EVERY_S = 0.05
 HEALTH_STALL_LIMIT_S = 0.2
@@ -157,22 +160,23 @@ async def send(session, url: str, spec: dict) -> dict:
     return rec
 
 
-def probe_health(url: str, stop: threading.Event, out: list[tuple[float, float]]) -> None:
-    """(seconds since start, /health latency) every HEALTH_EVERY_S, from a thread of its own on a connection of its
-    own, so the clients' work (building megabyte bodies) never delays a probe."""
+def probe_health(url: str, stop, path: str) -> None:
+    """In a process of its own: appends "seconds-since-start latency" lines to path every HEALTH_EVERY_S, on one
+    connection, until stop (a multiprocessing Event) is set."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
     t_start = time.perf_counter()
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        try:
-            conn.request("GET", "/health")
-            conn.getresponse().read()
-        except (OSError, http.client.HTTPException):
-            conn.close()
-        took = time.perf_counter() - t0
-        out.append((round(t0 - t_start, 3), round(took, 4)))
-        stop.wait(max(0.0, HEALTH_EVERY_S - took))
+    with open(path, "w") as out:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                conn.request("GET", "/health")
+                conn.getresponse().read()
+            except (OSError, http.client.HTTPException):
+                conn.close()
+            took = time.perf_counter() - t0
+            out.write(f"{t0 - t_start:.3f} {took:.4f}\n")
+            stop.wait(max(0.0, HEALTH_EVERY_S - took))
 
 
 async def run(url: str, seconds: float, concurrency: int, seed: int, pid: int,
@@ -183,8 +187,10 @@ async def run(url: str, seconds: float, concurrency: int, seed: int, pid: int,
     records: list[dict] = []
     deadline = time.perf_counter() + seconds
     stop = asyncio.Event()
-    stop_probe = threading.Event()
-    prober = threading.Thread(target=probe_health, args=(url, stop_probe, health), daemon=True)
+    ctx = multiprocessing.get_context("spawn")
+    stop_probe = ctx.Event()
+    probe_path = tempfile.mktemp(suffix=".health")
+    prober = ctx.Process(target=probe_health, args=(url, stop_probe, probe_path), daemon=True)
     prober.start()
     t_start = time.perf_counter()
 
@@ -206,6 +212,10 @@ async def run(url: str, seconds: float, concurrency: int, seed: int, pid: int,
         stop_probe.set()
         await rss_task
     prober.join()
+    if os.path.exists(probe_path):
+        with open(probe_path) as f:
+            health.extend(tuple(float(x) for x in line.split()) for line in f if len(line.split()) == 2)
+        os.unlink(probe_path)
     return records
 
 
@@ -215,6 +225,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--mode", default="disaggregated")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--host-memory-gib", type=float, default=None, help="kv.host_memory_gib (default: the "
+                    "server's, twice the pools: that tier filling shows as RSS growth)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "hostile.json"))
     args = ap.parse_args()
     results: dict = {"command": " ".join([os.path.basename(sys.executable)] + [shlex.quote(a) for a in sys.argv]),
@@ -223,7 +235,8 @@ def main() -> int:
                      "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
         log_path = os.path.join(tmp, "server.log")
-        proc, url = start_server(args.mode, "auto", tmp, log_path, kv_memory_gib=0.5)
+        kv_extra = f"host_memory_gib = {args.host_memory_gib}" if args.host_memory_gib is not None else ""
+        proc, url = start_server(args.mode, "auto", tmp, log_path, kv_memory_gib=0.5, kv_extra=kv_extra)
         try:
             rss: list[tuple[float, int]] = []
             health: list[tuple[float, float]] = []
@@ -234,6 +247,7 @@ def main() -> int:
             records = asyncio.run(run(url, args.duration, args.concurrency, args.seed, proc.pid, rss, health))
             idle, _ = wait_idle(url, 300)
             end = read_rss_kib(proc.pid)
+            stalls = scrape_counters(url)["event_loop_stalls"]
             alive = proc.poll() is None
         finally:
             proc.terminate()
@@ -242,7 +256,11 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
             with open(log_path, errors="replace") as f:
-                log_tail = f.read()[-3000:]
+                server_log = f.read()
+            log_tail = server_log[-3000:]
+            # each stall line and the stack under it, up to the next log line
+            stall_logs = ["event loop stalled" + part.split("\n20", 1)[0]
+                          for part in server_log.split("event loop stalled")[1:]][:50]
     statuses: dict[str, int] = {}
     for r in records:
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
@@ -266,6 +284,7 @@ def main() -> int:
                    health={"num_probes": len(lat), "p50_ms": round(percentile(lat, 50) * 1000, 2),
                            "p99_ms": round(percentile(lat, 99) * 1000, 2), "max_ms": round(max(lat) * 1000, 2),
                            "over_limit": sum(t >= HEALTH_STALL_LIMIT_S for t in lat)},
+                   server_loop_stalls=stalls, server_stall_logs=stall_logs,
                    rss_plateau=plateau, leaked_pages=leaked,
                    criteria=[{"criterion": c, "measured": str(m), "result": "PASS" if ok else "FAIL"}
                              for c, m, ok in criteria],
@@ -278,7 +297,7 @@ def main() -> int:
     print(f"hostile fuzz {args.duration:g} s, concurrency {args.concurrency}: {len(records)} requests {by_kind}, "
           f"statuses {statuses}, aborted {results['aborted']}")
     print(f"/health: {len(lat)} probes, p50 {results['health']['p50_ms']} ms, p99 {results['health']['p99_ms']} ms, "
-          f"max {results['health']['max_ms']} ms")
+          f"max {results['health']['max_ms']} ms; the server's loop stalls past 100 ms by cause: {stalls}")
     print(f"RSS after warm-up {plateau['after_warmup_mib']} MiB -> end {plateau['end_mib']} MiB "
           f"({plateau['growth_pct']} %), slopes {plateau['slope_first_half_mib_per_min']} / "
           f"{plateau['slope_second_half_mib_per_min']} MiB/min")

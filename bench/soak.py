@@ -348,6 +348,8 @@ def check_output(spec: dict, outputs: list[dict]) -> str | None:
     """What is wrong with a structured request's choices (None: nothing). outputs: per choice {"finish",
     "content", "calls": [{"name", "arguments"}]}. A choice cut by max_tokens ("length") is not checked."""
     for o in outputs:
+        if o.get("finish") == "length":  # a call's arguments streamed as they came may stop mid-JSON, as OpenAI's
+            continue
         for c in o.get("calls") or []:
             try:
                 args = json.loads(c.get("arguments") or "")
@@ -355,8 +357,6 @@ def check_output(spec: dict, outputs: list[dict]) -> str | None:
                 return f"tool call arguments are not JSON: {c.get('arguments')!r}"[:200]
             if not isinstance(args, dict):
                 return f"tool call arguments are not an object: {c.get('arguments')!r}"[:200]
-        if o.get("finish") == "length":
-            continue
         choice = spec.get("tool_choice")
         if spec["kind"] == "tools" and choice not in (None, "auto"):
             calls = o.get("calls") or []
@@ -430,7 +430,7 @@ def wait_idle(url: str, timeout: float) -> tuple[dict | None, float]:
 
 COUNTERS = (("request_success", "finished_reason"), ("request_rejected", "reason"),
             ("device_role_changes", "device"), ("prefix_cache_queries", "device"), ("prefix_cache_hits", "device"),
-            ("kv_tier_evictions", "tier"), ("kv_tier_hit_tokens", "tier"))
+            ("kv_tier_evictions", "tier"), ("kv_tier_hit_tokens", "tier"), ("event_loop_stalls", "cause"))
 
 
 def parse_counters(text: str) -> dict:

@@ -30,6 +30,9 @@ def _load_config(path: str, prefix: str, args: argparse.Namespace | None = None)
 def _cmd_run(args: argparse.Namespace) -> int:
     from nodeserve.config import ConfigError
     from nodeserve.model.config import LoadError
+    from nodeserve.runtime import memory
+
+    memory.limit_malloc_arenas()  # before the worker, copy and tokenizer threads exist
 
     config = _load_config(args.config, "nodeserve: config error: ", args)
     if config is None:

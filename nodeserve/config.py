@@ -67,7 +67,7 @@ class DevicesSection:
     local_prefill_threshold: int = 0      # disaggregated: prompts shorter than this prefill on the decode device
     attention: str = "auto"               # auto | torch | flashinfer (auto: flashinfer on CUDA when it imports)
     cuda_graphs: bool = True              # CUDA + flashinfer: replay decode steps from captured graphs; false: eager
-    lend_idle_cores: bool = False         # CPU: an idle device's core takes half of a busy one's GEMM rows
+    lend_idle_cores: bool = True          # CPU: an idle device's core takes half of a busy one's GEMM rows
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ PREFIX = "nodeserve:"
 VLLM = "vllm:"
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+STALL_CAUSES = ("busy", "starved", "blocked", "unseen")  # server/loop_monitor.py
 REJECT_REASONS = ("queue_full", "slo", "too_large", "bad_request", "unauthorized", "draining")
 MIGRATION_OUTCOMES = ("moved", "finished", "not_running", "no_convergence", "failed")  # core.handoff.MigrationOutcome
 
@@ -78,6 +79,7 @@ _TRANSFER_TIME_BUCKETS = (0.0001, 0.00025, 0.0005) + _LATENCY_BUCKETS
 # Actual minus predicted TTFT: either sign, 10 ms to a minute.
 _ERROR_BUCKETS = tuple(sorted({-b for b in _LATENCY_BUCKETS[4:]} | {0.0} | set(_LATENCY_BUCKETS[4:])))
 # 4 KiB .. 4 GiB in powers of 4: a few pages of one layer up to a long prompt's full KV.
+_LOOP_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _BYTES_BUCKETS = tuple(float(4096 * 4**i) for i in range(11))
 
 
@@ -347,6 +349,8 @@ class Metrics:
                                           "predicted TTFT: actual minus predicted TTFT.", _ERROR_BUCKETS)
         self.kv_transfer_bytes = hist("kv_transfer_bytes", "Bytes moved by one KV cache copy between devices.",
                                       _BYTES_BUCKETS)
+        self.event_loop_lag = hist("event_loop_lag_seconds", "How late the event loop ran a timer (every 50 ms): "
+                                   "what every request's handling waited on top of its own work.", _LOOP_LAG_BUCKETS)
         self.migration_downtime = hist("migration_downtime_seconds", "Per request moved between devices: from "
                                        "its last step on the source to its resumption on the target.",
                                        _TRANSFER_TIME_BUCKETS)
@@ -367,6 +371,10 @@ class Metrics:
                                    m + ["outcome"], registry=reg)
         self.migration_pages = Counter(PREFIX + "migration_pages", "KV pages copied by moves between devices.", m,
                                        registry=reg).labels(model_name)
+        self._loop_stalls = Counter(PREFIX + "event_loop_stalls", "Event-loop lags past 100 ms, by cause: busy "
+                                    "(running Python), starved (no CPU free), blocked (the GIL or a lock), unseen.",
+                                    m + ["cause"], registry=reg)
+        self._loop_stalls_by = {c: self._loop_stalls.labels(model_name, c) for c in STALL_CAUSES}
         self._migrations_by = {o: self._migrations.labels(model_name, o) for o in MIGRATION_OUTCOMES}
         # Create every label set now so each series exists (at 0) from the first scrape: rate() and
         # dashboards then see a reason's first occurrence as an increase, not as a new series.
@@ -435,6 +443,10 @@ class Metrics:
         self.migration_pages.inc(max(num_pages, 0))
         if outcome == "moved":
             self.migration_downtime.observe(max(downtime, 0.0))
+
+    def observe_loop_stall(self, seconds: float, cause: str) -> None:
+        """An event-loop stall past server/loop_monitor's threshold and why (one of STALL_CAUSES)."""
+        self._loop_stalls_by.get(cause, self._loop_stalls_by["unseen"]).inc()
 
     def rejected(self, reason: str) -> None:
         """A request refused before it ran; reason is one of REJECT_REASONS (others count as bad_request)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from array import array
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from nodeserve.kv.disk import DiskTier
 
 FLUSH_CHUNK = 128  # pages copied in per disk flush at a stop: the disk queue drops pages past its bound
+STORE_AHEAD_WINDOW = 512  # write-back: the next pages to evict a pool keeps copied here ahead of time
+STORE_AHEAD_CHUNK = 16    # pages a store_ahead() copies under the pool's lock (~12 MB, a few ms, for SmolLM2)
 
 
 class HostTier:
@@ -45,10 +48,14 @@ class HostTier:
     def num_slots(self) -> int:
         return self.index.num_pages
 
-    def store(self, pool: KVPool, pages: Sequence[int], hashes: Sequence[bytes]) -> int:
+    def store(self, pool: KVPool, pages: Sequence[int], hashes: Sequence[bytes],
+              tokens: Sequence[array | None] = ()) -> int:
         """Copies device pages (full, published: their KV never changes) into slots under their hashes, skipping
-        those already here. Returns how many were copied; fewer when every slot is held by a load."""
-        new = [(p, h) for p, h in zip(pages, hashes) if not self.index.lookup([h])]
+        those already here. tokens: each page's tokens where the pool knew them, so a prompt that meets a page
+        here under its hash with other tokens (a collision) does not take it (KVManager.scrub). Returns how many
+        were copied; fewer when every slot is held by a load."""
+        tokens = tokens or [None] * len(pages)
+        new = [(p, h, t) for p, h, t in zip(pages, hashes, tokens) if not self.index.lookup([h])]
         if not new:
             return 0
         try:
@@ -56,22 +63,39 @@ class HostTier:
         except OutOfPages:  # loads took the last free slots since num_free was read
             return 0
         new = new[:len(slots)]
-        src = torch.tensor([p for p, _ in new], dtype=torch.int64, device=pool.device)
+        src = torch.tensor([p for p, _, _ in new], dtype=torch.int64, device=pool.device)
         # [L, n, 2, P, H, D] -> [n, L, 2, P, H, D]; on a GPU one gather and one copy to pinned memory
         self.data[slots] = pool.data.index_select(1, src).transpose(0, 1).to("cpu")
-        self.index.publish(slots, [h for _, h in new])
+        self.index.publish(slots, [h for _, h, _ in new], page_tokens=[t for _, _, t in new])
         self.index.free(slots)
         with self._lock:
             self.num_stored_pages += len(slots)
         if self.disk is not None:
-            for s, (_, h) in zip(slots, new):
+            for s, (_, h, _) in zip(slots, new):
                 if h not in self.disk:  # clone only what the writer will take
                     self.disk.put(h, self.page_bytes(s).clone())
         return len(slots)
 
-    def store_evicted(self, pool: KVPool, evicted: list[tuple[int, bytes]]) -> None:
-        """A device pool's on_evict: write-back."""
-        self.store(pool, [p for p, _ in evicted], [h for _, h in evicted])
+    def store_evicted(self, pool: KVPool, evicted: list[tuple[int, bytes, array | None]]) -> None:
+        """A device pool's on_evict: write-back (pages store_ahead() copied already are skipped)."""
+        if evicted:
+            self.store(pool, *zip(*evicted))
+
+    def store_ahead(self, pool: KVPool, window: int = STORE_AHEAD_WINDOW, max_pages: int = STORE_AHEAD_CHUNK) -> int:
+        """Write-back ahead of eviction: copies up to max_pages of the pool's `window` next pages to evict (its least
+        recently used cached ones) that are not here yet, under the pool's lock (they cannot be handed out
+        meanwhile). Returns how many were copied. Why: an allocation evicting hundreds of pages copied them all
+        inside the router's placement, on the event loop (a 4,700-token prompt: a 250 ms stall of every stream and
+        of /health); with this run from a thread, evictions find their pages here already."""
+        copied = 0
+
+        def copy(cached: list[tuple[int, bytes, array | None]]) -> None:
+            nonlocal copied
+            new = [c for c in cached if not self.index.lookup([c[1]])][:max_pages]
+            if new:
+                copied = self.store(pool, *zip(*new))
+        pool.manager.visit_evictable(window, copy)
+        return copied
 
     def page_bytes(self, slot: int) -> torch.Tensor:
         """A slot's bytes, as the disk tier reads and writes them: [page_nbytes] uint8, a view."""

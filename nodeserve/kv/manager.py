@@ -62,9 +62,9 @@ class KVManager:
         self.num_queried_tokens = 0  # prompt tokens looked up by allocate_prompt(), and how many were cached here
         self.num_hit_tokens = 0
         self.num_evictions = 0
-        # Called, under this manager's lock, with the (page, hash) pairs an allocation evicts, before their pages
-        # are handed out: the host tier copies them out (kv/host.py). None: evicted KV is gone.
-        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
+        # Called, under this manager's lock, with the (page, hash, tokens or None) of the pages an allocation
+        # evicts, before they are handed out: the host tier copies them out (kv/host.py). None: evicted KV is gone.
+        self.on_evict: Callable[[list[tuple[int, bytes, array | None]]], None] | None = None
         # Called, outside the lock, with the pages publish() entered and their hashes: write-through.
         self.on_publish: Callable[[list[int], list[bytes]], None] | None = None
         # Told, under the lock, every hash entering or leaving the cache: the node's KV events ([kv_events]).
@@ -109,10 +109,10 @@ class KVManager:
             evicted = [self._evict() for _ in range(count - num_fresh)]
             self.num_evictions += len(evicted)
             if self.events is not None:
-                self.events.removed([h for _, h in evicted])
+                self.events.removed([h for _, h, _ in evicted])
             if self.on_evict is not None:
                 self.on_evict(evicted)
-            pages += [b for b, _ in evicted]
+            pages += [b for b, _, _ in evicted]
         for b in pages:
             self._refcount[b] = 1
         return pages
@@ -131,12 +131,18 @@ class KVManager:
         finally:
             self.free(pages)
 
-    def _evict(self) -> tuple[int, bytes]:
+    def _evict(self) -> tuple[int, bytes, array | None]:
         page, _ = self._evictable.popitem(last=False)
         h = self._hash_of.pop(page)
         del self._page_of[h]
-        self._tokens_of.pop(page, None)
-        return page, h
+        return page, h, self._tokens_of.pop(page, None)
+
+    def visit_evictable(self, max_pages: int, fn: Callable[[list[tuple[int, bytes, array | None]]], None]) -> None:
+        """fn((page, hash, tokens or None) of the max_pages least recently used cached pages no one holds, oldest
+        first), under the lock: those pages are neither evicted nor handed out while fn runs, so it may read them (a
+        write-back tier copies them out ahead of their eviction)."""
+        with self._lock:
+            fn([(b, self._hash_of[b], self._tokens_of.get(b)) for b, _ in zip(self._evictable, range(max_pages))])
 
     def share(self, pages: Iterable[int]) -> None:
         """Adds a holder to pages that are allocated or cached."""
@@ -234,16 +240,20 @@ class KVManager:
             pages.append(b)
         return pages
 
-    def scrub(self, hashes: Sequence[bytes], token_ids: Sequence[int]) -> int:
+    def scrub(self, hashes: Sequence[bytes], token_ids: Sequence[int], stop_at_miss: bool = True) -> int:
         """Checks the cached pages matching a prompt's leading `hashes` against its tokens: a page found under a
         hash but holding other tokens (a hash collision) leaves the cache, so the prompt's match stops before
         it and the prompt computes its own KV there. Returns how many pages left (0 or 1: nothing past a
-        collision can match, its hashes chain over it). Pages published without tokens are taken as they are."""
+        collision can match, its hashes chain over it). Pages published without tokens are taken as they are.
+        stop_at_miss False: checks every page of the prompt found here, not only the leading run (a lower tier,
+        whose pages a prompt takes after those it finds on a device)."""
         size = self.page_size
         with self._lock:
             for i, h in enumerate(hashes if self.prefix_cache else ()):
                 if (b := self._page_of.get(h)) is None:
-                    return 0
+                    if stop_at_miss:
+                        return 0
+                    continue
                 stored = self._tokens_of.get(b)
                 if stored is not None and stored != array("q", token_ids[i * size:(i + 1) * size]):
                     self.num_collisions += 1
@@ -283,10 +293,12 @@ class KVManager:
             return [(b, self._hash_of[b]) for b in self._evictable] + held
 
     def publish(self, pages: Sequence[int], hashes: Sequence[bytes], parent: bytes | None = None,
-                token_ids: Sequence[int] = ()) -> None:
+                token_ids: Sequence[int] = (), page_tokens: Sequence[array | None] = ()) -> None:
         """Enters full pages whose KV is written into the cache, each under its hash. A hash already cached on
         another page (two requests computed the same prefix at once) keeps the first; this page stays private.
-        parent (the hash of the page before the first) and token_ids (every page's tokens) are for the KV events."""
+        parent (the hash of the page before the first) and token_ids (every page's tokens) are for the KV events;
+        page_tokens: each page's tokens (None: unknown) for scrub(), when token_ids is not given (a lower tier
+        taking pages from a pool)."""
         if not self.prefix_cache:
             return
         entered: list[int] = []
@@ -299,6 +311,8 @@ class KVManager:
                     self._page_of[h], self._hash_of[b] = b, h
                     if token_ids:
                         self._tokens_of[b] = array("q", token_ids[i * self.page_size:(i + 1) * self.page_size])
+                    elif page_tokens and page_tokens[i] is not None:
+                        self._tokens_of[b] = page_tokens[i]
                     entered.append(i)
             if entered and self.events is not None:
                 self._report_stored(entered, hashes, parent, token_ids)

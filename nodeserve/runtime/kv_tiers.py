@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nodeserve.kv.disk import DiskTier, model_fingerprint
-from nodeserve.kv.host import HostTier
+from nodeserve.kv.host import STORE_AHEAD_WINDOW, HostTier
 from nodeserve.runtime.kv_loader import KVLoader, LoadJob
 from nodeserve.runtime.prefix_fetch import PrefixFetch
 
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 AUTO_HOST_POOLS = 2.0     # kv.host_memory_gib = -1: twice the device pools (SGLang HiCache's default ratio) ...
 AUTO_HOST_RAM = 0.25      # ... but at most this share of the host's RAM
 STOP_FLUSH_S = 30.0       # at a stop, time given to writing cached pages to disk
+STORE_AHEAD_IDLE_S = 0.02  # write-back: how often the store-ahead thread looks again once nothing is left to copy
 
 
 @dataclass
@@ -49,6 +51,39 @@ class TierStats:
     num_held: int = 0         # pages a request or a load holds now: 0 whenever the server is idle
 
 
+class StoreAhead:
+    """Write-back ahead of eviction (HostTier.store_ahead) for CPU pools, on a thread of its own: an eviction then
+    finds its pages in the host tier already instead of copying them on the event loop. CPU only: there the copy is
+    a memcpy of the pages on the loop (~100 ms for a 4,700-token prompt's evictions); from a GPU it is one gather
+    and a DMA into pinned memory, and a side thread's copies would need ordering against the workers' streams."""
+
+    def __init__(self, host: HostTier, pools: list):
+        self.host, self.pools = host, pools
+        # a quarter of the host tier for all the windows: pages copied ahead must not push each other out of it
+        self.window = min(STORE_AHEAD_WINDOW, host.num_slots // (4 * len(pools)))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-store-ahead", daemon=True)
+        self.num_pages = 0  # pages copied ahead of their eviction
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                copied = sum(self.host.store_ahead(pool, self.window) for pool in self.pools) if self.window else 0
+            except Exception:  # a failed copy only costs the eviction its copy later
+                log.exception("KV store-ahead failed")
+                copied = 0
+            self.num_pages += copied
+            # between chunks a short pause, so the pools' locks (held for each chunk) are free most of the time
+            self._stop.wait(0.001 if copied else STORE_AHEAD_IDLE_S)
+
+
 def host_tier_bytes(setting: float, pool_bytes: int, ram_bytes: int) -> int:
     """kv.host_memory_gib in bytes: -1 is AUTO_HOST_POOLS x the device pools, capped at AUTO_HOST_RAM of RAM."""
     if setting == -1:
@@ -63,6 +98,7 @@ def host_ram_bytes() -> int:
 class KVTiers:
     def __init__(self, workers: list[Worker], fetch: PrefixFetch, host: HostTier | None):
         self.workers, self.fetch, self.host = workers, fetch, host
+        self.store_ahead: StoreAhead | None = None
         self.disk: DiskTier | None = None
         self.events: KVEventLog | None = None  # the node's KV events, when on: the disk tier reports there too
         self.disk_settings: tuple[str, float] = ("", 0.0)  # kv.disk_path, kv.disk_gib
@@ -87,6 +123,10 @@ class KVTiers:
                 else:
                     w.kv.on_evict = lambda evicted, pool=w.pool: host.store_evicted(pool, evicted)
         tiers = cls(workers, PrefixFetch(workers, host), host)
+        cpu_pools = [p for p in pools if p.device.type == "cpu"]
+        if host is not None and kv.host_write != "through" and cpu_pools:
+            tiers.store_ahead = StoreAhead(host, cpu_pools)
+            tiers.store_ahead.start()
         router.fetch = tiers.fetch
         for w in workers:
             w.loader = KVLoader(w.device, w.pool, tiers.fetch, lambda w=w: w.send(None), tiers._count)
@@ -110,6 +150,8 @@ class KVTiers:
         self.host.disk = self.fetch.disk = self.disk
 
     def stop(self) -> None:
+        if self.store_ahead is not None:
+            self.store_ahead.stop()
         for w in self.workers:
             if w.loader is not None:
                 w.loader.stop()

@@ -151,11 +151,14 @@ class Router:
         request is computing (core/prefix.py)."""
         decode, prefill = self.workers[decision.decode], self.workers[decision.prefill]
         hashes, n = req.page_hashes, req.num_prompt_tokens
-        for w in self.workers.values():  # a page cached under these hashes but holding other tokens: not reused
-            if w.kv.scrub(hashes, req.prompt_ids):
+        # a page cached under these hashes but holding other tokens, on a device or in the host tier: not reused
+        host = self.fetch.host if self.fetch is not None else None
+        caches = [(w.name, w.kv, True) for w in self.workers.values()] + ([("host", host.index, False)] if host else [])
+        for name, kv, leading_only in caches:
+            if kv.scrub(hashes, req.prompt_ids, stop_at_miss=leading_only):
                 log.warning("%s: a cached KV page matched request %s's page hash but holds other tokens (a hash "
                             "collision): it left the cache, and the request computes that part itself",
-                            w.name, req.request_id)
+                            name, req.request_id)
         if self.fetch is not None:
             sources = self.fetch.sources(req, prefill, len(prefill.kv.lookup(hashes, n)))
             if wait_for_prefix(sources):

@@ -24,6 +24,7 @@ from nodeserve.metrics import DeviceState
 from nodeserve.model.loader import load_model, parse_dtype
 from nodeserve.server.app import AccessLogger, ServerState, create_app, is_loopback
 from nodeserve.server.stats_line import StatsLine, stats_loop
+from nodeserve.server.loop_monitor import LoopMonitor
 from nodeserve.server.systemd import Notifier, watchdog_loop, workers_healthy
 
 log = logging.getLogger("nodeserve")
@@ -193,6 +194,8 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     if config.server.stats_interval > 0:
         stats = asyncio.create_task(stats_loop(StatsLine(state.metrics, engine), config.server.stats_interval))
     heap_trim = asyncio.create_task(heap_trim_loop())
+    loop_monitor = asyncio.create_task(LoopMonitor(on_lag=state.metrics.event_loop_lag.observe,
+                                                   on_stall=state.metrics.observe_loop_stall).run())
     watchdog = None
     interval = notifier.watchdog_interval()
     if interval is not None:
@@ -211,6 +214,7 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     if stats is not None:
         stats.cancel()
     heap_trim.cancel()
+    loop_monitor.cancel()
     if watchdog is not None:
         watchdog.cancel()
     await runner.cleanup()

@@ -249,6 +249,8 @@ def test_check_output(soak):
     auto = {"kind": "tools", "tool_choice": "auto"}
     assert soak.check_output(auto, [{"finish": "stop", "content": "It is sunny.", "calls": []}]) is None
     assert "not JSON" in soak.check_output(auto, [{"finish": "tool_calls", "calls": [{"name": "f", "arguments": "{"}]}])
+    # cut by max_tokens mid-arguments (streamed as they came): not checked, as for content
+    assert soak.check_output(auto, [{"finish": "length", "calls": [{"name": "f", "arguments": "{\"ci"}]}]) is None
     schema = {"kind": "json_schema", "schema": soak.SCHEMAS[1]}
     assert soak.check_output(schema, [{"finish": "stop", "content": '{"name": "Ann", "age": 30}'}]) is None
     assert "not JSON" in soak.check_output(schema, [{"finish": "stop", "content": '{"name": "Ann"'}])

@@ -135,3 +135,52 @@ def test_drop_cached_frees_every_unheld_cached_page_and_keeps_held_ones():
     assert kv.lookup(hashes) == pages[:2]    # the held prefix is still found
     kv.free(pages[:2])
     assert kv.num_used == 0 and kv.num_free == 8
+
+
+def test_store_ahead_copies_the_next_pages_to_evict_so_their_eviction_copies_nothing():
+    pool = _pool(8)
+    host = HostTier(32, pool)
+    pool.manager.on_evict = lambda evicted: host.store_evicted(pool, evicted)
+    old_pages, old_hashes = _publish(pool, list(range(16)))         # 4 pages, least recently used
+    new_pages, new_hashes = _publish(pool, list(range(100, 116)))   # 4 more, cached after them
+    before = pool.data[:, old_pages].clone()
+    assert host.store_ahead(pool, window=4, max_pages=3) == 3       # the three oldest, only
+    assert host.store_ahead(pool, window=4, max_pages=3) == 1       # then the fourth
+    assert host.store_ahead(pool, window=4, max_pages=3) == 0       # the window holds nothing new
+    assert host.num_stored_pages == 4 and not host.index.lookup(new_hashes[:1])
+    taken = pool.manager.allocate(4)                                # evicts the old four: nothing left to copy
+    pool.data[:, taken] = 0.0
+    assert sorted(taken) == sorted(old_pages) and host.num_stored_pages == 4
+    slots = host.hold(old_hashes)
+    assert len(slots) == 4 and torch.equal(host.data[slots].transpose(0, 1), before)
+    host.release(slots)
+    pool.manager.free(taken)
+    assert host.index.num_used == 0 and pool.manager.num_used == 0
+
+
+def test_store_ahead_leaves_pages_someone_holds():
+    pool = _pool(8)
+    host = HostTier(32, pool)
+    pages, hashes = _publish(pool, list(range(16)))
+    held = pool.manager.hold_prefix(hashes)                          # a request shares the prefix again
+    assert host.store_ahead(pool) == 0
+    pool.manager.free(held)
+    assert host.store_ahead(pool) == 4
+
+
+def test_pages_carry_their_tokens_into_the_host_tier_so_a_colliding_prompt_cannot_take_them():
+    pool = _pool(8)
+    host = HostTier(32, pool)
+    pool.manager.on_evict = lambda evicted: host.store_evicted(pool, evicted)
+    tokens = list(range(16))
+    hashes = hash_pages(tokens, PAGE)
+    pages, _ = pool.manager.allocate_prompt(hashes, len(tokens) + 1, len(hashes))
+    pool.manager.publish(pages, hashes, token_ids=tokens)
+    pool.manager.free(pages)
+    host.store_ahead(pool, max_pages=2)                   # two pages copied ahead ...
+    pool.manager.free(pool.manager.allocate(8))           # ... two by their eviction
+    assert len(host.index.lookup(hashes)) == 4
+    assert host.index.scrub(hashes, tokens, stop_at_miss=False) == 0   # its own tokens: kept
+    other = tokens[:8] + [99] * 8                         # the same hashes (forced), other tokens from page 2 on
+    assert host.index.scrub(hashes, other, stop_at_miss=False) == 1
+    assert len(host.index.lookup(hashes)) == 2 and host.index.num_collisions == 1

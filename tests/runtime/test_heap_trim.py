@@ -1,9 +1,15 @@
-"""Giving the C heap's free pages back to the OS (runtime/memory.trim_heap), the fix for RSS creep in soaks."""
+"""The C heap in long runs (runtime/memory): free pages given back (trim_heap) and malloc arenas capped
+(limit_malloc_arenas), the fixes for RSS creep in soaks."""
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
 
 from nodeserve.runtime import memory
 
@@ -14,7 +20,7 @@ def _rss_mib() -> float:
 
 
 def test_trim_returns_the_holes_left_between_live_blocks():
-    if memory._malloc_trim() is None:  # not glibc: nothing to call, and it says so
+    if memory._libc() is None:  # not glibc: nothing to call, and it says so
         assert memory.trim_heap() is False
         return
     # 300 MB of heap blocks (under the mmap threshold), every other one freed: holes free() keeps resident
@@ -35,3 +41,51 @@ def test_the_loop_trims_on_its_interval(monkeypatch):
         task.cancel()
     asyncio.run(run())
     assert len(calls) >= 3
+
+
+# Eight threads malloc at once, each holding its block until all have one; then glibc's malloc_info counts the
+# arenas. A new thread's first malloc takes a fresh arena while there are fewer than the limit (8 per core).
+_COUNT_ARENAS = r"""
+import ctypes, os, sys, tempfile, threading
+from nodeserve.runtime import memory
+print("capped" if memory.limit_malloc_arenas() else "uncapped")
+libc = ctypes.CDLL("libc.so.6")
+barrier = threading.Barrier(8)
+def work():
+    block = ctypes.create_string_buffer(100_000)
+    barrier.wait()
+threads = [threading.Thread(target=work) for _ in range(8)]
+[t.start() for t in threads]; [t.join() for t in threads]
+path = tempfile.mktemp()
+libc.fopen.restype = ctypes.c_void_p
+fp = libc.fopen(path.encode(), b"w")
+libc.malloc_info(0, ctypes.c_void_p(fp)); libc.fclose(ctypes.c_void_p(fp))
+print(open(path).read().count("<heap nr="))
+os.unlink(path)
+"""
+
+
+def _arenas(env_extra: dict) -> tuple[str, int]:
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"} | env_extra
+    out = subprocess.run([sys.executable, "-c", _COUNT_ARENAS], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    return out[0], int(out[1])
+
+
+def test_the_server_caps_malloc_arenas_unless_the_operator_chose():
+    if memory._libc() is None:
+        pytest.skip("not glibc")
+    said, arenas = _arenas({})
+    assert said == "capped" and arenas <= memory.MAX_MALLOC_ARENAS, arenas
+    said, arenas = _arenas({"MALLOC_ARENA_MAX": "6"})  # the operator's value is left alone
+    assert said == "uncapped" and memory.MAX_MALLOC_ARENAS < arenas <= 6, arenas
+
+
+def test_nodeserve_run_caps_the_arenas_before_loading(monkeypatch, tmp_path):
+    from nodeserve import cli
+
+    calls = []
+    monkeypatch.setattr(memory, "limit_malloc_arenas", lambda: calls.append(1) or True)
+    (tmp_path / "bad.toml").write_text("[devices]\nmode = 'nonsense'\n")
+    assert cli.main(["run", "--config", str(tmp_path / "bad.toml")]) == 2
+    assert calls == [1]

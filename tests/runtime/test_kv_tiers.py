@@ -82,6 +82,24 @@ def test_pages_evicted_from_a_device_come_back_from_the_host_tier(mode, write, l
     assert cached_on >= (200 // PAGE) * PAGE - PAGE and sources.get("host", 0) > 0, sources
 
 
+def test_write_back_copies_cached_pages_ahead_of_their_eviction(loaded_fp32, convo):
+    """The store-ahead thread (CPU pools, write-back) copies a finished prompt's cached pages into the host tier
+    before anything evicts them, so the eviction that comes later has nothing left to copy on the event loop."""
+    pool_gib = 16 * 737_280 / 2**30
+
+    async def body(engine):
+        await _tokens(engine.add_request(convo[0], _greedy(max_tokens=2)))
+        host, ahead = engine.tiers.host, engine.tiers.store_ahead
+        for _ in range(200):  # the thread looks every 20 ms
+            if host.num_stored_pages > 0:
+                break
+            await asyncio.sleep(0.01)
+        return host.num_stored_pages, ahead.num_pages, engine.workers[0].kv.num_evictions
+
+    stored, ahead, evictions = _run(_config("colocated", pool_gib, 0.05), loaded_fp32, body)
+    assert evictions == 0 and stored > 0 and ahead == stored
+
+
 def test_requests_with_one_prompt_arriving_together_compute_it_once(loaded_fp32, convo):
     prompt = convo[0] * 3  # 600 tokens
 

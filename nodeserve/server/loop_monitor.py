@@ -1,0 +1,113 @@
+"""Event-loop stalls, measured from inside the server.
+
+A heartbeat on the loop times how late a timer fires (`nodeserve_event_loop_lag_seconds`). A watcher thread looks
+at the loop thread while it is late and says why, from the kernel's per-thread counters
+(/proc/thread-self/schedstat: time on a CPU, time runnable but waiting for one):
+- busy: the loop was running Python (its stack, logged, says what);
+- starved: the loop was ready but had no CPU (the worker threads and other processes had them all);
+- blocked: neither: waiting for the GIL or a lock held by another thread;
+- unseen: over before the watcher (itself a thread that may have to wait) could look.
+Each stall past `stall_s` is counted by cause (`nodeserve_event_loop_stalls_total`) and logged once with the
+loop's stack as the watcher saw it mid-stall.
+
+Why: /health answered in 1 ms inside its handler while probes waited up to 446 ms under hostile input
+(bench/hostile.py); a handler's own time cannot show a loop that was busy elsewhere or not running at all."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+def read_schedstat(native_id: int) -> tuple[int, int] | None:
+    """(ns on a CPU, ns runnable without one) of a thread of this process, or None where the kernel has no
+    schedstat."""
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat") as f:
+            run_ns, wait_ns = f.read().split()[:2]
+        return int(run_ns), int(wait_ns)
+    except (OSError, ValueError):
+        return None
+
+
+def classify(run_ns: int, wait_ns: int, elapsed_ns: int) -> str:
+    """Why a thread made no progress for elapsed_ns, given how much of it the thread ran / waited for a CPU:
+    mostly neither: blocked; else whichever of the two was longer (a loop running Python on a shared core both runs
+    and waits)."""
+    if elapsed_ns <= 0:
+        return "unseen"
+    if run_ns + wait_ns < elapsed_ns / 2:
+        return "blocked"
+    return "busy" if run_ns >= wait_ns else "starved"
+
+
+@dataclass
+class Stall:
+    cause: str
+    stack: str  # the loop thread's innermost frames, as the watcher saw them
+
+
+@dataclass
+class LoopMonitor:
+    """Run `run()` as a task on the loop to monitor; on_lag(seconds) gets every heartbeat's lateness and
+    on_stall(seconds, cause) every stall past stall_s."""
+    interval_s: float = 0.05
+    stall_s: float = 0.1
+    on_lag: Callable[[float], None] | None = None
+    on_stall: Callable[[float, str], None] | None = None
+    max_stack_frames: int = 8
+    _beat: float = 0.0                      # perf_counter when the heartbeat last armed its timer
+    _stall: tuple[float, Stall] | None = None  # the watcher's diagnosis, with the beat it is for
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    async def run(self) -> None:
+        loop_thread = threading.current_thread()
+        watcher = threading.Thread(target=self._watch, args=(loop_thread.ident, loop_thread.native_id),
+                                   name="loop-monitor", daemon=True)
+        self._beat = time.perf_counter()
+        watcher.start()
+        try:
+            while True:
+                beat = self._beat = time.perf_counter()
+                await asyncio.sleep(self.interval_s)
+                lag = max(0.0, time.perf_counter() - beat - self.interval_s)
+                if self.on_lag is not None:
+                    self.on_lag(lag)
+                if lag >= self.stall_s:
+                    seen = self._stall
+                    self._report(lag, seen[1] if seen is not None and seen[0] == beat else None)
+        finally:
+            self._stop.set()
+
+    def _report(self, lag: float, stall: Stall | None) -> None:
+        cause = stall.cause if stall is not None else "unseen"
+        if self.on_stall is not None:
+            self.on_stall(lag, cause)
+        where = f"; the loop was at:\n{stall.stack}" if stall is not None and stall.stack else ""
+        log.warning("event loop stalled %.0f ms (%s)%s", lag * 1000, cause, where)
+
+    def _watch(self, loop_ident: int, loop_native_id: int) -> None:
+        """Watcher thread: once a beat is stall_s / 2 late, samples the loop thread's stack and its CPU counters
+        over the next stall_s / 4, once per beat (so the diagnosis is ready when the stall reaches stall_s)."""
+        poll = self.stall_s / 4
+        seen = None
+        while not self._stop.wait(poll):
+            beat = self._beat
+            if beat == seen or time.perf_counter() - beat - self.interval_s < self.stall_s / 2:
+                continue
+            seen = beat
+            before, t0 = read_schedstat(loop_native_id), time.perf_counter_ns()
+            frame = sys._current_frames().get(loop_ident)
+            stack = "".join(traceback.format_stack(frame, limit=self.max_stack_frames)) if frame else ""
+            self._stop.wait(poll)
+            after, t1 = read_schedstat(loop_native_id), time.perf_counter_ns()
+            cause = "unseen" if before is None or after is None else \
+                classify(after[0] - before[0], after[1] - before[1], t1 - t0)
+            self._stall = (beat, Stall(cause, stack))

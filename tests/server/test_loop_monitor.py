@@ -1,0 +1,73 @@
+"""Event-loop stalls (server/loop_monitor.py): a loop blocked in Python code is seen as busy with its stack, one
+waiting on a lock as blocked, and a quiet loop reports lags of a few milliseconds and no stall."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+from nodeserve.server.loop_monitor import LoopMonitor, classify, read_schedstat
+
+
+def _monitor_while(action, seconds: float = 0.6) -> tuple[list[float], list[tuple[float, str]]]:
+    lags, stalls = [], []
+    monitor = LoopMonitor(interval_s=0.02, stall_s=0.1, on_lag=lags.append,
+                          on_stall=lambda s, c: stalls.append((s, c)))
+
+    async def main():
+        task = asyncio.create_task(monitor.run())
+        await asyncio.sleep(0.1)
+        action()
+        await asyncio.sleep(0.1)
+        task.cancel()
+    asyncio.run(main())
+    return lags, stalls
+
+
+def spin_in_python(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_a_quiet_loop_has_no_stall():
+    lags, stalls = _monitor_while(lambda: time.sleep(0))
+    assert stalls == [] and len(lags) >= 5 and max(lags) < 0.1, lags
+
+
+def test_a_loop_running_python_is_busy_and_the_log_names_the_function(caplog):
+    with caplog.at_level(logging.WARNING, logger="nodeserve.server.loop_monitor"):
+        _, stalls = _monitor_while(lambda: spin_in_python(0.4))
+    assert len(stalls) == 1 and stalls[0][0] >= 0.3, stalls
+    assert stalls[0][1] == "busy"
+    assert "spin_in_python" in caplog.text
+
+
+def test_a_loop_waiting_on_a_lock_is_blocked():
+    lock = threading.Lock()
+    lock.acquire()
+    threading.Timer(0.4, lock.release).start()
+
+    def wait_for_lock():
+        with lock:
+            pass
+    _, stalls = _monitor_while(wait_for_lock)
+    assert [c for _, c in stalls] == ["blocked"], stalls
+
+
+def test_classify():
+    assert classify(90, 5, 100) == "busy"
+    assert classify(50, 50, 100) == "busy"  # Python on a core shared with one other thread
+    assert classify(30, 65, 100) == "starved"
+    assert classify(10, 10, 100) == "blocked"
+    assert classify(0, 0, 0) == "unseen"
+
+
+def test_schedstat_reads_this_thread():
+    stat = read_schedstat(threading.get_native_id())
+    if stat is None:  # a kernel without schedstat: the monitor then says "unseen"
+        return
+    spin_in_python(0.05)
+    assert read_schedstat(threading.get_native_id())[0] - stat[0] >= 10_000_000  # even on a shared core
