@@ -10,14 +10,21 @@ at the loop thread while it is late and says why, from the kernel's per-thread c
 Each stall past `stall_s` is counted by cause (`nodeserve_event_loop_stalls_total`) and logged once with the
 loop's stack as the watcher saw it mid-stall.
 
+The watcher is a Python thread: while another thread holds the GIL it cannot look either (cause "unseen"). For
+those, faulthandler's C watchdog, re-armed by the heartbeat, writes every thread's stack once the loop is
+`dump_after_s` late, GIL or not, and the heartbeat logs that dump when the loop runs again: the thread that held
+the GIL is the one inside a C call.
+
 Why: /health answered in 1 ms inside its handler while probes waited up to 446 ms under hostile input
 (bench/hostile.py); a handler's own time cannot show a loop that was busy elsewhere or not running at all."""
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -48,6 +55,17 @@ def classify(run_ns: int, wait_ns: int, elapsed_ns: int) -> str:
     return "busy" if run_ns >= wait_ns else "starved"
 
 
+def _read_dump(dump) -> str:
+    """What faulthandler wrote into the dump file since the last read (then empties it)."""
+    if dump is None or dump.seek(0, 2) == 0:
+        return ""
+    dump.seek(0)
+    text = dump.read().decode(errors="replace")
+    dump.seek(0)
+    dump.truncate()
+    return text.strip()
+
+
 @dataclass
 class Stall:
     cause: str
@@ -63,6 +81,7 @@ class LoopMonitor:
     on_lag: Callable[[float], None] | None = None
     on_stall: Callable[[float, str], None] | None = None
     max_stack_frames: int = 8
+    dump_after_s: float | None = 0.3        # None: no faulthandler dumps (it has one watchdog per process)
     _beat: float = 0.0                      # perf_counter when the heartbeat last armed its timer
     _stall: tuple[float, Stall] | None = None  # the watcher's diagnosis, with the beat it is for
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -73,24 +92,35 @@ class LoopMonitor:
                                    name="loop-monitor", daemon=True)
         self._beat = time.perf_counter()
         watcher.start()
+        dump = tempfile.TemporaryFile("w+b") if self.dump_after_s is not None else None
+        armed_at = 0.0
         try:
             while True:
                 beat = self._beat = time.perf_counter()
+                if dump is not None and beat - armed_at > self.dump_after_s / 3:  # each arm starts a C thread
+                    faulthandler.dump_traceback_later(self.dump_after_s, file=dump)
+                    armed_at = beat
                 await asyncio.sleep(self.interval_s)
                 lag = max(0.0, time.perf_counter() - beat - self.interval_s)
                 if self.on_lag is not None:
                     self.on_lag(lag)
                 if lag >= self.stall_s:
                     seen = self._stall
-                    self._report(lag, seen[1] if seen is not None and seen[0] == beat else None)
+                    self._report(lag, seen[1] if seen is not None and seen[0] == beat else None,
+                                 _read_dump(dump))
         finally:
             self._stop.set()
+            if dump is not None:
+                faulthandler.cancel_dump_traceback_later()
+                dump.close()
 
-    def _report(self, lag: float, stall: Stall | None) -> None:
+    def _report(self, lag: float, stall: Stall | None, dump: str) -> None:
         cause = stall.cause if stall is not None else "unseen"
         if self.on_stall is not None:
             self.on_stall(lag, cause)
         where = f"; the loop was at:\n{stall.stack}" if stall is not None and stall.stack else ""
+        if dump:
+            where += f"\nevery thread {self.dump_after_s * 1000:.0f} ms into it (faulthandler):\n{dump}"
         log.warning("event loop stalled %.0f ms (%s)%s", lag * 1000, cause, where)
 
     def _watch(self, loop_ident: int, loop_native_id: int) -> None:

@@ -162,7 +162,12 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     notifier.status("warming up")
     # CUDA: FlashInfer JIT + decode graphs (minutes when cold); CPU: FP8 scales at most. A signal meanwhile
     # stops here: READY=1 must never follow a SIGTERM.
-    warm = in_daemon_thread(loop, engine.warmup, "warmup")
+    def warm_up() -> None:
+        engine.warmup()
+        # llguidance's view of the vocabulary: built on the first structured request otherwise, holding the GIL
+        # (and so the event loop) for ~0.3 s
+        state.chat_tools(engine)[1].ll_tokenizer()
+    warm = in_daemon_thread(loop, warm_up, "warmup")
     if not await _unless_stopped(warm, stop):
         keep_alive.cancel()
         notifier.stopping()
