@@ -10,7 +10,8 @@ Pass 1, per target:
    (64 to 3,000 tokens), `calib_output` tokens each: the unloaded TTFT per length, fitted as
    TTFT = a + b * prompt_tokens, and the unloaded TPOT (median), stats.calibrate;
 1. single stream: short prompts (64 tokens), 256 output tokens, one request at a time -> decode tok/s
-   (1 / median TPOT) and TPOT;
+   (1 / median TPOT) and TPOT; then prompt processing: three 2,048-token prompts, one output token, one at a time
+   -> prompt tok/s (2,048 / median TTFT);
 2. 32 concurrent short requests: prompts 50-100 tokens, 128 output tokens, 64 requests at concurrency 32
    -> output tok/s, TPOT p99;
 3. bimodal chat at concurrency 16 -> output tok/s, SLO attainment, TTFT p50/p99, TPOT p99, inter-token gap
@@ -104,6 +105,8 @@ class Plan:
     single_requests: int = 4
     single_prompt: int = 64
     single_output: int = 256
+    prompt_requests: int = 3      # prompt processing: prompts of prompt_tokens, one output token, one at a time
+    prompt_tokens: int = 2048
     conc_requests: int = 64
     concurrency: int = 32
     conc_output: int = 128
@@ -121,7 +124,8 @@ class Plan:
 
 
 FULL = Plan()
-QUICK = Plan(calib_lens=(64, 1024), calib_output=8, single_requests=2, single_output=64, conc_requests=32,
+QUICK = Plan(calib_lens=(64, 1024), calib_output=8, single_requests=2, single_output=64, prompt_requests=1,
+             conc_requests=32,
              conc_output=16, chat_requests=4, probe_seconds=15.0, probe_min_requests=4, probe_max_requests=6,
              max_probes=2, goodput_budget_s=90.0)
 
@@ -185,6 +189,7 @@ def headline(res: dict) -> dict:
         "single_tok_s": 1.0 / tpot_single if tpot_single else None,
         "single_tpot": tpot_single,
         "single_ttft": _get(res, "single", "summary", "ttft", "p50"),
+        "prompt_tok_s": _get(res, "prompt", "prompt_tok_s"),
         "conc_tok_s": _get(res, "concurrent", "summary", "output_token_throughput"),
         "conc_tpot_p99": _get(res, "concurrent", "summary", "tpot", "p99"),
         "chat_tok_s": _get(chat, "output_token_throughput"),
@@ -195,16 +200,20 @@ def headline(res: dict) -> dict:
         "goodput_lo": lo, "goodput_hi": hi, "goodput_status": _get(g, "status"),
         "fixed_goodput_lo": flo, "fixed_goodput_hi": fhi,
         # failed requests over phases 1-3 (goodput probes count theirs as SLO misses)
-        "failed": sum(_get(res, phase, "summary", "failed") or 0 for phase in ("single", "concurrent", "chat")),
+        "failed": sum(_get(res, phase, "summary", "failed") or 0
+                      for phase in ("single", "prompt", "concurrent", "chat")),
     }
 
 
-# (label, numerator target, denominator target, headline key, target factor): ratios of exact values
+# (label, numerator target, denominator target, headline key, target factor): ratios of exact values (issue #27)
 RATIO_TARGETS = (
-    ("single-stream decode tok/s, disaggregated / llama-server", DISAGG, LLAMA, "single_tok_s", 0.8),
+    ("single-stream decode tok/s, disaggregated / llama-server", DISAGG, LLAMA, "single_tok_s", 1.0),
+    ("prompt processing tok/s (2,048-token prompt), disaggregated / llama-server", DISAGG, LLAMA, "prompt_tok_s",
+     1.0),
     ("32-concurrent output tok/s, disaggregated / llama-server", DISAGG, LLAMA, "conc_tok_s", 3.0),
     ("bimodal chat @16 output tok/s, disaggregated / llama-server", DISAGG, LLAMA, "chat_tok_s", 2.0),
 )
+ATTAINMENT_TARGET = (0.9, 2.0)  # the default mode's fixed-SLO attainment @16: at least this, and this x llama's
 # (label, numerator, denominator, target factor): ratios of goodput brackets under the derived SLO
 GOODPUT_TARGETS = (
     ("bimodal goodput (derived SLO), disaggregated / llama-server", DISAGG, LLAMA, 2.0),
@@ -228,6 +237,12 @@ def verdicts(heads: dict[str, dict]) -> list[dict]:
                                (hb.get("goodput_lo"), hb.get("goodput_hi")))
         out.append({"label": label, "lo": lo, "hi": hi, "target": f">= {factor:g}x",
                     "verdict": bracket_verdict(lo, hi, factor)})
+    ours, theirs = (heads.get(DISAGG) or {}).get("attainment"), (heads.get(LLAMA) or {}).get("attainment")
+    least, factor = ATTAINMENT_TARGET
+    met = None if ours is None or theirs is None else ours >= least and ours >= factor * theirs
+    out.append({"label": "SLO attainment @16 (fixed SLO), disaggregated", "lo": ours, "hi": ours,
+                "target": f">= {least:g} and >= {factor:g}x llama-server's ({_pct(theirs)})",
+                "verdict": "n/a" if met is None else "met" if met else "not met"})
     itl = (heads.get(DISAGG) or {}).get("itl_p99")
     out.append({"label": "inter-token gap p99 at concurrency 16, disaggregated", "lo": itl, "hi": itl,
                 "target": f"< {ITL_TARGET * 1000:g} ms", "verdict": verdict(itl, ITL_TARGET, higher_is_better=False)})
@@ -257,12 +272,13 @@ def _pct(v: float | None) -> str:
 
 def build_table(heads: dict[str, dict], checks: list[dict]) -> str:
     """The markdown table (one row per target, in run order) and the targets block."""
-    lines = ["| target | single-stream tok/s | 32-conc output tok/s | bimodal @16 output tok/s "
+    lines = ["| target | single-stream tok/s | 2k-prompt tok/s | 32-conc output tok/s | bimodal @16 output tok/s "
              "| TTFT p50 / p99 @16 (s) | TPOT p99 @16 (ms) | ITL p99 @16 (ms) | attainment @16 fixed / derived "
              "| goodput fixed SLO (req/s) | goodput derived SLO (req/s) | failed |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, h in heads.items():
-        lines.append(f"| {name} | {_num(h['single_tok_s'], '.1f')} | {_num(h['conc_tok_s'], '.1f')} "
+        lines.append(f"| {name} | {_num(h['single_tok_s'], '.1f')} | {_num(h['prompt_tok_s'], '.0f')} "
+                     f"| {_num(h['conc_tok_s'], '.1f')} "
                      f"| {_num(h['chat_tok_s'], '.1f')} "
                      f"| {_num(h['ttft_p50'], '.2f')} / {_num(h['ttft_p99'], '.2f')} "
                      f"| {_num(h['tpot_p99'], '.0f', 1000)} | {_num(h['itl_p99'], '.0f', 1000)} "
@@ -273,6 +289,8 @@ def build_table(heads: dict[str, dict], checks: list[dict]) -> str:
     for c in checks:
         if c["label"].startswith("inter-token"):
             shown = _num(c["lo"], ".0f", 1000) + (" ms" if c["lo"] is not None else "")
+        elif c["label"].startswith("SLO attainment"):
+            shown = _pct(c["lo"])
         else:
             shown = fmt_bracket(c["lo"], c["hi"], ".2f", "x")
         lines.append(f"| {c['label']} | {shown} | {c['target']} | {c['verdict']} |")
@@ -382,6 +400,16 @@ class Runner:
         reqs = short_requests(p.single_requests, (p.single_prompt, p.single_prompt), p.single_output, self.seed,
                               "single")
         return _brief(self.measure(reqs, "concurrency", concurrency=1))
+
+    def prompt(self) -> dict:
+        """Prompt processing: prompts of plan.prompt_tokens, one output token, one at a time -> prompt tok/s as
+        prompt tokens / median TTFT (the TTFT holds the HTTP round trip and tokenization, on both servers)."""
+        p = self.plan
+        reqs = short_requests(p.prompt_requests, (p.prompt_tokens, p.prompt_tokens), 1, self.seed + 300, "prompt")
+        out = _brief(self.measure(reqs, "concurrency", concurrency=1))
+        ttft = _get(out, "summary", "ttft", "p50")
+        out["prompt_tok_s"] = p.prompt_tokens / ttft if ttft else None
+        return out
 
     def concurrent(self) -> dict:
         p = self.plan
@@ -622,6 +650,9 @@ def run_target(name: str, args, plan: Plan, tmp: str, log_dir: str, live: list) 
             print(f"  {name} calibration failed: {c['error']}", flush=True)
         res["single"] = r.single()
         print(_line(name, "single stream", res["single"]), flush=True)
+        res["prompt"] = r.prompt()
+        print(f"  {name} prompt processing: {_num(res['prompt']['prompt_tok_s'], '.0f')} tok/s on "
+              f"{plan.prompt_tokens}-token prompts (median TTFT of {plan.prompt_requests})", flush=True)
         res["concurrent"] = r.concurrent()
         print(_line(name, f"concurrency {plan.concurrency}", res["concurrent"]), flush=True)
         res["chat"], snap, t0 = r.chat(url if name in NODESERVE else None)

@@ -18,9 +18,10 @@ def _dist(p50=None, p99=None):
 
 
 def _result(tpot_single, conc_tok_s, chat_tok_s=50.0, ttft=(1.0, 2.0), tpot_p99=0.08, itl_p99=0.12, att=0.95,
-            goodput=None):
+            goodput=None, prompt_tok_s=None):
     return {
         "single": {"summary": {"tpot": _dist(tpot_single), "ttft": _dist(0.05)}},
+        "prompt": {"summary": {"ttft": _dist(4.0)}, "prompt_tok_s": prompt_tok_s},
         "concurrent": {"summary": {"output_token_throughput": conc_tok_s, "tpot": _dist(p99=0.3)}},
         "chat": {"summary": {"output_token_throughput": chat_tok_s, "ttft": _dist(*ttft), "tpot": _dist(p99=tpot_p99),
                              "itl": _dist(p99=itl_p99)},
@@ -85,15 +86,21 @@ def test_headline(C):
 
 
 def _heads(C):
-    return {"disaggregated": C.headline(_result(0.025, 330.0, 60.0, itl_p99=0.140, goodput=_g(1.0, 1.25))),
+    return {"disaggregated": C.headline(_result(0.025, 330.0, 60.0, itl_p99=0.140, goodput=_g(1.0, 1.25),
+                                                prompt_tok_s=540.0)),
             "colocated": C.headline(_result(0.025, 300.0, 50.0, itl_p99=3.0, goodput=_g(0.5, 0.6))),
-            "llama-server": C.headline(_result(0.0125, 100.0, 25.0, itl_p99=3.6, goodput=_g(None, 0.25, "below_min")))}
+            "llama-server": C.headline(_result(0.0125, 100.0, 25.0, itl_p99=3.6, goodput=_g(None, 0.25, "below_min"),
+                                               att=0.4, prompt_tok_s=270.0))}
 
 
 def test_verdicts(C):
     checks = {c["label"]: c for c in C.verdicts(_heads(C))}
     single = checks["single-stream decode tok/s, disaggregated / llama-server"]
-    assert single["lo"] == pytest.approx(0.5) and single["target"] == ">= 0.8x" and single["verdict"] == "not met"
+    assert single["lo"] == pytest.approx(0.5) and single["target"] == ">= 1x" and single["verdict"] == "not met"
+    prompt = checks["prompt processing tok/s (2,048-token prompt), disaggregated / llama-server"]
+    assert prompt["lo"] == pytest.approx(2.0) and prompt["verdict"] == "met"
+    attainment = checks["SLO attainment @16 (fixed SLO), disaggregated"]
+    assert attainment["lo"] == 0.95 and attainment["verdict"] == "met"  # >= 0.9 and >= 2 x 0.4
     conc = checks["32-concurrent output tok/s, disaggregated / llama-server"]
     assert conc["lo"] == pytest.approx(3.3) and conc["verdict"] == "met"
     chat = checks["bimodal chat @16 output tok/s, disaggregated / llama-server"]
@@ -110,7 +117,7 @@ def test_verdicts(C):
 
 def test_verdicts_with_missing_targets(C):
     checks = C.verdicts({"disaggregated": C.headline({})})
-    assert [c["verdict"] for c in checks] == ["n/a"] * 6
+    assert [c["verdict"] for c in checks] == ["n/a"] * 8
 
 
 def test_build_table(C):
@@ -118,14 +125,17 @@ def test_build_table(C):
     table = C.build_table(heads, C.verdicts(heads))
     lines = table.splitlines()
     assert lines[0].startswith("| target | single-stream tok/s")
-    assert lines[2] == ("| disaggregated | 40.0 | 330.0 | 60.0 | 1.00 / 2.00 | 80 | 140 | 95 % / 50 % | < 0.500 "
+    assert lines[2] == ("| disaggregated | 40.0 | 540 | 330.0 | 60.0 | 1.00 / 2.00 | 80 | 140 | 95 % / 50 % | < 0.500 "
                         "| 1.000–1.250 | 0 |")
     assert lines[4].endswith("| < 0.250 | 0 |")  # llama-server: below the lowest rate probed
     assert "| bimodal goodput (derived SLO), disaggregated / llama-server | >= 4.00x | >= 2x | met |" in lines
     assert "| bimodal goodput (derived SLO), disaggregated / colocated | 1.67–2.50x | >= 1.5x | met |" in lines
     assert "| inter-token gap p99 at concurrency 16, disaggregated | 140 ms | < 150 ms | met |" in lines
     # a target that did not run shows dashes, not an error
-    assert "| x | - | - | - | - / - | - | - | - / - | - | - | 0 |" in C.build_table({"x": C.headline({})}, []).splitlines()
+    assert "| SLO attainment @16 (fixed SLO), disaggregated | 95 % | >= 0.9 and >= 2x llama-server's (40 %) | met |" \
+        in lines
+    assert "| x | - | - | - | - | - / - | - | - | - / - | - | - | 0 |" in \
+        C.build_table({"x": C.headline({})}, []).splitlines()
 
 
 def test_scale_table_and_slo_text(C):
