@@ -33,6 +33,19 @@ def _publish(pool: KVPool, tokens: list[int]) -> tuple[list[int], list[bytes]]:
     return pages, hashes
 
 
+def _held_with(host: HostTier, hashes: list[bytes], before: torch.Tensor) -> list[int]:
+    """The host slots under `hashes`, held, after checking they hold `before` ([L, n, ...] pool layout)."""
+    slots = host.hold(hashes)
+    assert len(slots) == len(hashes) and torch.equal(host.data[slots].transpose(0, 1), before)
+    return slots
+
+
+def _release_all(host: HostTier, pool: KVPool, slots: list[int], taken: list[int]) -> None:
+    host.release(slots)
+    pool.manager.free(taken)
+    assert host.index.num_used == 0 and pool.manager.num_used == 0
+
+
 def test_a_page_evicted_from_a_pool_keeps_its_kv_in_the_host_tier():
     pool = _pool(4)
     host = HostTier(16, pool)
@@ -41,16 +54,13 @@ def test_a_page_evicted_from_a_pool_keeps_its_kv_in_the_host_tier():
     before = pool.data[:, pages].clone()
     taken = pool.manager.allocate(4)                         # evicts all four ...
     pool.data[:, taken] = 0.0                                # ... and their new holder overwrites them
-    slots = host.hold(hashes)
-    assert len(slots) == 4 and pool.manager.num_evictions == 4
-    assert torch.equal(host.data[slots].transpose(0, 1), before)
+    slots = _held_with(host, hashes, before)
+    assert pool.manager.num_evictions == 4
     dst = torch.tensor(taken)
     for layer in range(host.num_layers):                     # and they load back, layer by layer
         host.copy_layer(layer, torch.tensor(slots), pool, dst)
     assert torch.equal(pool.data[:, taken], before)
-    host.release(slots)
-    pool.manager.free(taken)
-    assert host.index.num_used == 0 and pool.manager.num_used == 0
+    _release_all(host, pool, slots, taken)
 
 
 def test_a_slot_held_by_a_load_is_never_evicted_under_it():
@@ -151,11 +161,7 @@ def test_store_ahead_copies_the_next_pages_to_evict_so_their_eviction_copies_not
     taken = pool.manager.allocate(4)                                # evicts the old four: nothing left to copy
     pool.data[:, taken] = 0.0
     assert sorted(taken) == sorted(old_pages) and host.num_stored_pages == 4
-    slots = host.hold(old_hashes)
-    assert len(slots) == 4 and torch.equal(host.data[slots].transpose(0, 1), before)
-    host.release(slots)
-    pool.manager.free(taken)
-    assert host.index.num_used == 0 and pool.manager.num_used == 0
+    _release_all(host, pool, _held_with(host, old_hashes, before), taken)
 
 
 def test_store_ahead_leaves_pages_someone_holds():
