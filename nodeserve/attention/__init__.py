@@ -6,13 +6,7 @@ import importlib
 
 import torch
 
-from typing import TYPE_CHECKING
-
-from nodeserve.attention.base import AttentionBackend
-
-if TYPE_CHECKING:
-    from nodeserve.kv.pool import KVPool
-    from nodeserve.model.config import ModelConfig
+from nodeserve.attention.base import AttentionBackend, KVPoolLike, ModelConfigLike
 
 BACKENDS = ("auto", "torch", "flashinfer")
 
@@ -39,7 +33,7 @@ def auto_fallback(name: str, device: torch.device, dtype: torch.dtype | None) ->
     return None
 
 
-def make_backend(name: str, pool: KVPool, cfg: ModelConfig, dtype: torch.dtype) -> AttentionBackend:
+def make_backend(name: str, pool: KVPoolLike, cfg: ModelConfigLike, dtype: torch.dtype) -> AttentionBackend:
     """The backend over `pool` for a model of config `cfg` whose activations are `dtype`. "torch": the PyTorch
     reference; "flashinfer": FlashInfer (CUDA only, bf16/fp16 models); "auto": FlashInfer on a CUDA device when it
     imports and the model is not float32, the reference otherwise. Raises ConfigError when the choice cannot run

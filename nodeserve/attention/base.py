@@ -3,12 +3,41 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from nodeserve.kv.pool import KVPool
+
+class KVPoolLike(Protocol):
+    """What attention reads of a kv.pool.KVPool, declared here since kv is a layer above attention."""
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def layers(self) -> Sequence[torch.Tensor]: ...
+    @property
+    def is_fp8(self) -> bool: ...
+    @property
+    def k_scales(self) -> Sequence[float]: ...
+    @property
+    def v_scales(self) -> Sequence[float]: ...
+
+
+class ModelConfigLike(Protocol):
+    """What attention reads of a model.config.ModelConfig, declared here since model is a layer above attention."""
+
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def max_position_embeddings(self) -> int: ...
 
 
 @dataclass
@@ -51,7 +80,7 @@ class AttentionBackend(Protocol):
     skipped it), raises instead of attending with a stale plan.
     """
 
-    pool: KVPool
+    pool: KVPoolLike
     meta: AttentionMetadata | None  # the step prepare() was last given
 
     def prepare(self, meta: AttentionMetadata) -> None: ...
@@ -64,7 +93,7 @@ class AttentionBackend(Protocol):
 class PagedAttention:
     """The lifecycle both backends share: their pool, the prepared step, and the check that forward() runs on it."""
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPoolLike) -> None:
         self.pool = pool
         self.meta: AttentionMetadata | None = None
         self._next_layer = 0  # the lowest layer that has not run on `meta`

@@ -8,17 +8,13 @@ CUDA graph; run() can, so the graph path prepares outside capture and replay (ru
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
-from nodeserve.attention.base import AttentionMetadata, PagedAttention
+from nodeserve.attention.base import AttentionMetadata, KVPoolLike, ModelConfigLike, PagedAttention
 from nodeserve.attention.torch_ref import write_kv_scaled
 from nodeserve.device import upload
-
-if TYPE_CHECKING:
-    from nodeserve.kv.pool import KVPool
-    from nodeserve.model.config import ModelConfig
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partial results)
 
@@ -99,7 +95,7 @@ class FlashInferAttention(PagedAttention):
     which a captured CUDA graph keeps: calibrate before capturing (runtime/warmup.py).
     """
 
-    def __init__(self, pool: KVPool, cfg: ModelConfig, dtype: torch.dtype, graph_batch_size: int | None = None,
+    def __init__(self, pool: KVPoolLike, cfg: ModelConfigLike, dtype: torch.dtype, graph_batch_size: int | None = None,
                  workspace: torch.Tensor | None = None):
         import flashinfer  # optional dependency ([cuda] extra); its kernels and wrappers need a GPU
 

@@ -4,17 +4,12 @@ dtype or in FP8 (e4m3) with per-layer scales; the quantizing write here is the o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from nodeserve.attention.base import AttentionMetadata, PagedAttention
+from nodeserve.attention.base import AttentionMetadata, KVPoolLike, ModelConfigLike, PagedAttention
 from nodeserve.kernels import native
-
-if TYPE_CHECKING:
-    from nodeserve.kv.pool import KVPool
-    from nodeserve.model.config import ModelConfig
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 
@@ -132,7 +127,7 @@ class TorchAttention(PagedAttention):
     FlashInfer's run(k_scale=, v_scale=) computes, and spares a pass over the gathered K/V.
     """
 
-    def __init__(self, pool: KVPool, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, pool: KVPoolLike, cfg: ModelConfigLike, dtype: torch.dtype):
         """dtype: the model's activations' (q's)."""
         super().__init__(pool)
         self.scale = cfg.head_dim ** -0.5
