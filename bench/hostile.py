@@ -1,6 +1,7 @@
 """Hostile-input fuzz: a real server fed hostile JSON schemas, huge tool lists and adversarial tool outputs for
 `--duration` seconds, while a prober times /health every 50 ms. Pass: no 5xx, /health never stalled past 200 ms,
-RSS flat after the warm-up, no KV page leaked.
+RSS flat after the warm-up (and after the host KV tier has filled: its slots take memory as first written), no KV
+page leaked.
 
 What the clients send (random, seeded; `--concurrency` at once):
 - response_format json_schema with a generated schema: huge enums, deep nesting, hundreds of optional
@@ -40,10 +41,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from local_server import cpu_model, start_server  # noqa: E402  (bench/ is scripts, not a package)
-from soak import leaked_pages, percentile, read_rss_kib, rss_report, scrape_counters, wait_idle  # noqa: E402
+from soak import (leaked_pages, percentile, read_rss_kib, rss_report, scrape_counters, wait_idle,  # noqa: E402
+                  warmup_seconds)
 
 HEALTH_EVERY_S = 0.05
 HEALTH_STALL_LIMIT_S = 0.2
@@ -179,8 +182,26 @@ def probe_health(url: str, stop, path: str) -> None:
             stop.wait(max(0.0, HEALTH_EVERY_S - took))
 
 
+def host_tier_pages(url: str) -> tuple[int, int] | None:
+    """(pages used, pages) of the server's host KV tier, from /metrics; None without one."""
+    gauges = {}
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                for name in ("kv_tier_pages_used", "kv_tier_pages_free"):
+                    if line.startswith(f"nodeserve:{name}{{") and 'tier="host"' in line:
+                        gauges[name] = int(float(line.rsplit(" ", 1)[1]))
+    except OSError:
+        return None
+    if len(gauges) < 2:
+        return None
+    return gauges["kv_tier_pages_used"], gauges["kv_tier_pages_used"] + gauges["kv_tier_pages_free"]
+
+
 async def run(url: str, seconds: float, concurrency: int, seed: int, pid: int,
-              rss: list[tuple[float, int]], health: list[tuple[float, float]]) -> list[dict]:
+              rss: list[tuple[float, int]], health: list[tuple[float, float]],
+              tier_full: list[float] | None = None) -> list[dict]:
+    """tier_full: gets the time (s) of the first sample at which the host KV tier was full."""
     import aiohttp
 
     rng = random.Random(seed)
@@ -201,8 +222,13 @@ async def run(url: str, seconds: float, concurrency: int, seed: int, pid: int,
     async def sample_rss() -> None:
         while not stop.is_set():
             kib = read_rss_kib(pid)
+            now = round(time.perf_counter() - t_start, 1)
             if kib:
-                rss.append((round(time.perf_counter() - t_start, 1), kib))
+                rss.append((now, kib))
+            if tier_full is not None and not tier_full:
+                pages = await asyncio.to_thread(host_tier_pages, url)
+                if pages is not None and pages[0] >= pages[1]:
+                    tier_full.append(now)
             await asyncio.sleep(3.0)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
@@ -244,7 +270,9 @@ def main() -> int:
             asyncio.run(run(url, 20, 2, args.seed + 1, proc.pid, warm_rss, []))  # xgrammar's import, first compiles
             wait_idle(url, 120)
             before = read_rss_kib(proc.pid)
-            records = asyncio.run(run(url, args.duration, args.concurrency, args.seed, proc.pid, rss, health))
+            tier_full: list[float] = []
+            records = asyncio.run(run(url, args.duration, args.concurrency, args.seed, proc.pid, rss, health,
+                                      tier_full))
             idle, _ = wait_idle(url, 300)
             end = read_rss_kib(proc.pid)
             stalls = scrape_counters(url)["event_loop_stalls"]
@@ -268,7 +296,11 @@ def main() -> int:
     failures = [r for r in records if r["error"] and not r["aborted"]]
     num_5xx = sum(1 for r in records if (r["status"] or 0) >= 500 or (r["error"] or "").startswith("error event"))
     lat = [t for _, t in health]
-    plateau = rss_report(rss, args.duration, end, before_kib=before)
+    # The host KV tier's slots take memory as they are first written (torch.empty): RSS grows until it is full,
+    # by design. Memory is judged from then on (or from the usual warm-up, if later; if it never fills, as usual).
+    warm = max(warmup_seconds(args.duration), tier_full[0]) if tier_full else None
+    plateau = rss_report(rss, args.duration, end, before_kib=before, warmup_s=warm)
+    plateau["host_tier_full_at_s"] = tier_full[0] if tier_full else None
     leaked = leaked_pages(idle) if idle is not None else None
     criteria = [
         ("5xx == 0", num_5xx, num_5xx == 0),

@@ -257,11 +257,11 @@ def slope_per_min(samples: list[tuple[float, float]]) -> float | None:
 
 
 def rss_report(samples: list[tuple[float, int]], duration_s: float, end_kib: int | None = None,
-               before_kib: int | None = None) -> dict:
-    """RSS after the warm-up (the first sample at or after warmup_seconds(duration_s)), at the end (`end_kib`,
-    else the last sample), growth after warm-up in MiB and %, the peak, and the least-squares slope (MiB/min)
-    over the first and the second half (by time) of the samples from the warm-up on. samples: (s, KiB)."""
-    warm = warmup_seconds(duration_s)
+               before_kib: int | None = None, warmup_s: float | None = None) -> dict:
+    """RSS after the warm-up (the first sample at or after warmup_s, default warmup_seconds(duration_s)), at the
+    end (`end_kib`, else the last sample), growth after warm-up in MiB and %, the peak, and the least-squares slope
+    (MiB/min) over the first and the second half (by time) of the samples from the warm-up on. samples: (s, KiB)."""
+    warm = warmup_seconds(duration_s) if warmup_s is None else warmup_s
     after = [(t, kib) for t, kib in samples if t >= warm]
     before = None if before_kib is None else round(before_kib / 1024, 1)
     out: dict = {"warmup_s": round(warm, 1), "before_load_mib": before,

@@ -62,7 +62,7 @@ PREFIX = "nodeserve:"
 VLLM = "vllm:"
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-STALL_CAUSES = ("busy", "starved", "blocked", "unseen")  # server/loop_monitor.py
+STALL_CAUSES = ("busy", "starved", "blocked", "unseen", "gc")  # server/loop_monitor.py
 REJECT_REASONS = ("queue_full", "slo", "too_large", "bad_request", "unauthorized", "draining")
 MIGRATION_OUTCOMES = ("moved", "finished", "not_running", "no_convergence", "failed")  # core.handoff.MigrationOutcome
 
@@ -195,7 +195,9 @@ class _TierCollector(Collector):
               ("kv_tier_evictions", "counter", "num_evictions", "KV pages a tier evicted (device pools: to the "
                "host tier when there is one)."),
               ("kv_tier_bad_files", "counter", "num_bad_files", "Disk tier files skipped and removed: corrupt, "
-               "truncated, of another model, or half-written."))
+               "truncated, of another model, or half-written."),
+              ("kv_tier_dropped_pages", "counter", "num_dropped", "KV pages a tier did not take: the host tier, "
+               "evicted pages past its per-eviction copy budget; the disk tier, pages not written (queue full, write failed)."))
 
     def __init__(self, model_name: str):
         self.model_name = model_name

@@ -49,6 +49,7 @@ class TierStats:
     num_evictions: int
     num_bad_files: int = 0    # disk files skipped (corrupt, truncated, foreign, half-written) and removed
     num_held: int = 0         # pages a request or a load holds now: 0 whenever the server is idle
+    num_dropped: int = 0      # pages it did not take: host, evicted past its copy budget; disk, its queue full
 
 
 class StoreAhead:
@@ -180,10 +181,11 @@ class KVTiers:
             out.append(TierStats("host", idx.num_pages, idx.num_cached,
                                  self.num_loaded_pages["host"] * idx.page_size, self.num_loaded_pages["host"],
                                  self.num_loaded_pages["host"] * page_bytes, self.load_seconds["host"],
-                                 idx.num_evictions, 0, idx.num_used))
+                                 idx.num_evictions, 0, idx.num_used, self.host.num_dropped_pages))
         if self.disk is not None:
             d = self.disk
             out.append(TierStats("disk", d.max_bytes // page_bytes, d.num_files,
                                  self.num_loaded_pages["disk"] * self.host.page_size, self.num_loaded_pages["disk"],
-                                 d.num_read_bytes, self.load_seconds["disk"], d.num_evictions, d.num_bad_files))
+                                 d.num_read_bytes, self.load_seconds["disk"], d.num_evictions, d.num_bad_files,
+                                 num_dropped=d.num_dropped))
         return out

@@ -25,6 +25,7 @@ from nodeserve.server import console
 from nodeserve.server import protocol as P
 from nodeserve.server.chat_prompt import render_chat
 from nodeserve.server.generation import Generation, GenerationError, Piece
+from nodeserve.server.offload import offload_executor
 from nodeserve.server.structured import Grammars, grammar_spec
 from nodeserve.server.tool_parsers import ToolFormat, pick_format
 from nodeserve.tokenizer import TemplateError
@@ -32,6 +33,7 @@ from nodeserve.tokenizer import TemplateError
 log = logging.getLogger(__name__)
 
 ERROR_WRITE_TIMEOUT_S = 5.0  # how long a final error event may wait for a client that stopped reading
+MAX_TOKENIZE_THREADS = 2  # more would only queue CPU work on a small node; a megabyte prompt holds one for ~1 s
 DEBUG_STEPS_MAX_RECORDS = 5_000  # per device and per transfer in one /debug/steps answer (~20 ms of JSON each)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -53,6 +55,8 @@ class ServerState:
         self.metrics = Metrics(self.model_name)
         self.api_key = config.api_key.encode()
         self._chat_tools: tuple[ToolFormat | None, Grammars] | None = None
+        # tokenization and template rendering, below the loop (server/offload.py); threads start on first use
+        self.offload = offload_executor("tokenize", MAX_TOKENIZE_THREADS)
 
     def chat_tools(self, engine: Engine) -> tuple[ToolFormat | None, Grammars]:
         """The model's tool-call format (model.tool_parser) and its grammar compiler, made on first use."""
@@ -329,7 +333,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
         echo = [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in req.prompts]
         return prompts, echo
-    prompts, echo_texts = await _off_loop(encode)
+    prompts, echo_texts = await _off_loop(state, encode)
     jobs = [(pi, prompts[pi], echo_texts[pi]) for pi in range(len(prompts)) for _ in range(req.n)]
     gens = _start(state, engine, [(ids, req.params) for _, ids, _ in jobs], seed_offsets=True,
                   want_logprobs=req.params.logprobs is not None, prompt_param="prompt")
@@ -373,7 +377,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         except TemplateError as e:
             raise P.APIError(400, f"chat template error: {e}", param="messages")
         return prompt
-    prompt = await _off_loop(encode)
+    prompt = await _off_loop(state, encode)
     compiled = await grammars.compile_async(spec) if spec is not None else None
     if not req.max_tokens_given:
         req.params.max_tokens = state.config.server.default_max_tokens
@@ -434,7 +438,7 @@ async def tokenize(request: web.Request) -> web.Response:
             return tok.encode(render_chat(tok, req.messages, [], fmt, {}, req.add_generation_prompt))
         except TemplateError as e:
             raise P.APIError(400, f"chat template error: {e}", param="messages")
-    ids = await _off_loop(encode)
+    ids = await _off_loop(state, encode)
     return web.json_response({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
 
 
@@ -447,7 +451,7 @@ async def detokenize(request: web.Request) -> web.Response:
     if outside is not None:
         raise P.APIError(400, f"'tokens[{outside}]' = {ids[outside]} is outside the vocabulary [0, {vocab_size})",
                          param=f"tokens[{outside}]")
-    return web.json_response({"prompt": await _off_loop(lambda: engine.tokenizer.decode(ids))})
+    return web.json_response({"prompt": await _off_loop(state, lambda: engine.tokenizer.decode(ids))})
 
 
 async def version(request: web.Request) -> web.Response:
@@ -461,10 +465,10 @@ async def openapi(request: web.Request) -> web.Response:
 
 # ---- plumbing ------------------------------------------------------------------------------------------
 
-async def _off_loop(fn):
-    """Runs fn (template rendering, tokenization: seconds for a long prompt) in a thread, so that streams,
-    /health and the watchdog keep going meanwhile."""
-    return await asyncio.get_running_loop().run_in_executor(None, fn)
+async def _off_loop(state: ServerState, fn):
+    """Runs fn (template rendering, tokenization: seconds for a long prompt) in a thread below the loop's
+    priority, so that streams, /health and the watchdog keep going meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(state.offload, fn)
 
 
 def _check_logit_bias(engine: Engine, params) -> None:
@@ -615,11 +619,16 @@ async def _write_stream(resp, gens, queue, chunk, role_chunk, obj, rid, model, c
     await resp.write_eof()
 
 
+async def _stop_offload(app: web.Application) -> None:
+    app[STATE].offload.shutdown(wait=False, cancel_futures=True)
+
+
 def create_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[errors_middleware, origin_middleware, auth_middleware],
                           client_max_size=state.config.server.max_body_bytes)
     app[STATE] = state
     app.on_response_prepare.append(_on_prepare)
+    app.on_cleanup.append(_stop_offload)
     app.router.add_get("/metrics", state.metrics.handler())
     app.router.add_get("/health", health)
     app.router.add_get("/debug/kv", debug_kv)

@@ -6,7 +6,9 @@ at the loop thread while it is late and says why, from the kernel's per-thread c
 - busy: the loop was running Python (its stack, logged, says what);
 - starved: the loop was ready but had no CPU (the worker threads and other processes had them all);
 - blocked: neither: waiting for the GIL or a lock held by another thread;
-- unseen: over before the watcher (itself a thread that may have to wait) could look.
+- unseen: over before the watcher (itself a thread that may have to wait) could look;
+- gc: the cyclic garbage collector ran for at least half of it (timed through gc.callbacks; it holds the GIL, so
+  it stops the loop whichever thread triggered it).
 Each stall past `stall_s` is counted by cause (`nodeserve_event_loop_stalls_total`) and logged once with the
 loop's stack as the watcher saw it mid-stall.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import gc
 import logging
 import sys
 import tempfile
@@ -85,6 +88,15 @@ class LoopMonitor:
     _beat: float = 0.0                      # perf_counter when the heartbeat last armed its timer
     _stall: tuple[float, Stall] | None = None  # the watcher's diagnosis, with the beat it is for
     _stop: threading.Event = field(default_factory=threading.Event)
+    _gc_started: float | None = None
+    gc_seconds: float = 0.0                 # the collector's time since run() started, every generation
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None:
+            self.gc_seconds += time.perf_counter() - self._gc_started
+            self._gc_started = None
 
     async def run(self) -> None:
         loop_thread = threading.current_thread()
@@ -94,9 +106,11 @@ class LoopMonitor:
         watcher.start()
         dump = tempfile.TemporaryFile("w+b") if self.dump_after_s is not None else None
         armed_at = 0.0
+        gc.callbacks.append(self._on_gc)
         try:
             while True:
                 beat = self._beat = time.perf_counter()
+                gc_at_beat = self.gc_seconds
                 if dump is not None and beat - armed_at > self.dump_after_s / 3:  # each arm starts a C thread
                     faulthandler.dump_traceback_later(self.dump_after_s, file=dump)
                     armed_at = beat
@@ -106,9 +120,12 @@ class LoopMonitor:
                     self.on_lag(lag)
                 if lag >= self.stall_s:
                     seen = self._stall
-                    self._report(lag, seen[1] if seen is not None and seen[0] == beat else None,
-                                 _read_dump(dump))
+                    stall = seen[1] if seen is not None and seen[0] == beat else None
+                    if self.gc_seconds - gc_at_beat >= lag / 2:
+                        stall = Stall("gc", stall.stack if stall is not None else "")
+                    self._report(lag, stall, _read_dump(dump))
         finally:
+            gc.callbacks.remove(self._on_gc)
             self._stop.set()
             if dump is not None:
                 faulthandler.cancel_dump_traceback_later()

@@ -7,6 +7,7 @@ is loaded and the socket bound, WATCHDOG while every worker makes progress, STOP
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -176,6 +177,10 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
         return 0
     keep_alive.cancel()
     warm.result()  # a warm-up that raised stops the start-up here
+    # Everything built so far (model, tokenizer, vocabularies: ~200k objects) lives as long as the process; frozen,
+    # the collector's full passes skip it. Each took ~140 ms holding the GIL, so stalling the loop (loop_monitor.py).
+    gc.collect()
+    gc.freeze()
     state.engine = engine
     state.metrics.set_state_source(lambda: [DeviceState(s.device, s.role, s.num_running, s.num_waiting,
                                                         s.num_pages, s.num_free, s.num_prefix_queried_tokens,

@@ -13,7 +13,7 @@ can fill max_tokens with newlines. Schemas mean what they meant under xgrammar's
 object schema with `properties` allows no other properties unless it says so, a `prefixItems` array no other items,
 and a `pattern` must match the whole string; keywords llguidance does not implement are ignored, as xgrammar did.
 Compiling is blocking (milliseconds; a quarter second more for the first request: the vocabulary's token trie):
-`compile_async` runs it on this object's own bounded executor (tokenization keeps the default one), with a time
+`compile_async` runs it on this object's own one thread (below the loop's priority, as tokenization's), with a time
 cap, and a schema past the size limits below is a 400 naming the limit before anything compiles. Compiled grammars
 are cached per (kind, schema).
 """
@@ -21,13 +21,13 @@ are cached per (kind, schema).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import threading
 from collections import OrderedDict
 from typing import Any
 
 from nodeserve.sampling.constrain import GrammarMatcher
+from nodeserve.server.offload import offload_executor
 from nodeserve.server.protocol import APIError, ChatRequest
 from nodeserve.server.tool_parsers import ToolFormat
 from nodeserve.tokenizer import Tokenizer
@@ -146,7 +146,7 @@ class Grammars:
         self._cache: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # key -> (compiled, estimated bytes)
         self.num_cached_bytes = 0
         self.timeout_s = COMPILE_TIMEOUT_S
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar compile")
+        self._executor = offload_executor("grammar compile", 1)  # below the loop's priority: server/offload.py
         self._num_queued = 0  # compilations submitted and not finished (event loop only)
 
     async def compile_async(self, spec: tuple[str, str, Any]) -> Any:

@@ -157,6 +157,11 @@ def test_rss_report_warmup_growth_and_plateau(soak):
     assert r["growth_pct"] == pytest.approx(100 * 8.9 / 1001, abs=0.01)
     # no sample after the warm-up: nothing to report
     assert soak.rss_report([(1.0, 1024)], 600)["growth_pct"] is None
+    # a later warm-up end (hostile.py: once the host KV tier is full) judges only what comes after it
+    filling = [(float(t), int(1024 * (1000 + min(t, 240) / 6))) for t in range(0, 600, 6)]
+    assert soak.rss_report(filling, 600)["growth_pct"] > 2
+    r = soak.rss_report(filling, 600, warmup_s=240)
+    assert r["warmup_s"] == 240 and r["growth_pct"] == 0 and r["after_warmup_mib"] == 1040.0
 
 
 def timed(t_send, latency, ttft=None, stream=False, **kw):

@@ -63,6 +63,20 @@ def test_a_page_evicted_from_a_pool_keeps_its_kv_in_the_host_tier():
     _release_all(host, pool, slots, taken)
 
 
+def test_an_eviction_copies_at_most_its_byte_budget_keeping_the_most_recently_used_pages():
+    pool = _pool(8)
+    host = HostTier(32, pool)
+    pool.manager.on_evict = lambda evicted: host.store_evicted(pool, evicted, max_bytes=3 * host.page_nbytes)
+    _, old = _publish(pool, list(range(16)))          # 4 pages, freed first: least recently used
+    _, new = _publish(pool, list(range(100, 116)))    # 4 more, freed after them
+    taken = pool.manager.allocate(8)                  # evicts all eight in one allocation
+    assert host.num_stored_pages == 3 and host.num_dropped_pages == 5
+    stored = [h for h in old + new if host.index.lookup([h])]
+    assert len(stored) == 3 and set(stored) <= set(new)  # only pages of the later prompt were kept
+    pool.manager.free(taken)
+    assert host.index.num_used == 0 and pool.manager.num_used == 0
+
+
 def test_a_slot_held_by_a_load_is_never_evicted_under_it():
     pool = _pool(8)
     host = HostTier(4, pool)

@@ -1,6 +1,6 @@
 """Event-loop stalls (server/loop_monitor.py): a loop running Python is seen as runnable with its stack, one
-waiting on a lock as blocked, one inside C code holding the GIL through faulthandler's dump, and a quiet loop
-reports lags of a few milliseconds and no stall."""
+waiting on a lock as blocked, one inside C code holding the GIL through faulthandler's dump, one inside the
+garbage collector as gc, and a quiet loop reports lags of a few milliseconds and no stall."""
 
 from __future__ import annotations
 
@@ -91,3 +91,20 @@ def test_a_stall_inside_c_code_that_holds_the_gil_is_dumped_by_faulthandler(capl
         _, stalls = _monitor_while(lambda: hold_the_gil_in_c(values))
     assert len(stalls) == 1 and stalls[0][0] >= 0.3, stalls
     assert "faulthandler" in caplog.text and "hold_the_gil_in_c" in caplog.text
+
+
+def test_a_stall_spent_in_the_garbage_collector_is_gc():
+    import gc
+    import math
+
+    objects = [[i] for i in range(1_500_000)]  # the collector visits each of them on a full pass
+    start = time.perf_counter()
+    gc.collect()
+    passes = math.ceil(0.4 / (time.perf_counter() - start))  # a stall of ~0.4 s whatever the machine's speed
+
+    def collect():
+        for _ in range(passes):
+            gc.collect()
+    _, stalls = _monitor_while(collect)
+    del objects
+    assert [c for _, c in stalls] == ["gc"], stalls
