@@ -19,8 +19,8 @@ Expected statuses are 200 and 400 (413 for bodies past the size limit); anything
 a stream or a connection error fails the run. /health is probed from a process of its own (so this client's GIL
 never delays a probe) on its own connection; its latency is what a load balancer or systemd's watchdog sees when
 something holds the event loop. The server's own account of its loop comes from /metrics
-(`event_loop_stalls_total` by cause: busy, starved, blocked; server/loop_monitor.py) and its log's stall lines,
-which carry the loop's stack.
+(`event_loop_stalls_total` by cause: busy, starved, blocked, unseen, gc; server/loop_monitor.py) and its log's
+stall lines, which carry the loop's stack.
 
     python bench/hostile.py --duration 600 --host-memory-gib 0.2 --out bench/results/hostile.json
 """

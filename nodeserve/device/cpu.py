@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from typing import Callable
 
 import torch
 
 from nodeserve.device.base import Device
+
+log = logging.getLogger(__name__)
+
+BACKGROUND_NICE = 10  # CFS weight 110 against 1024: ~10 % of a core the event loop or a worker also wants
+
+
+def lower_thread_priority(nice: int = BACKGROUND_NICE) -> bool:
+    """Raises the calling thread's nice value by `nice`, for background work that must not take a core from the
+    event loop or a device worker (Linux: priorities are per thread; raising the value needs no privilege).
+    Returns whether it did."""
+    if not hasattr(os, "setpriority"):
+        return False
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        return True
+    except OSError as e:
+        log.debug("could not lower a thread's priority: %s", e)
+        return False
 
 
 def has_fast_bf16() -> bool:

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nodeserve.device.cpu import lower_thread_priority
+
 if TYPE_CHECKING:
     from nodeserve.kv.events import KVEventSink
 
@@ -266,6 +268,7 @@ class DiskTier:
             _remove(self._path(h))
 
     def _run(self) -> None:
+        lower_thread_priority()  # background writes: the event loop and the workers come first on a busy core
         while (item := self._queue.get()) is not None:
             h, page = item
             written = not self.disabled and not self._abandon and self._write(h, page)

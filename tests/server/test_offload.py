@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from nodeserve.server.offload import OFFLOAD_NICE, offload_executor
+from nodeserve.device.cpu import BACKGROUND_NICE
+from nodeserve.server.offload import offload_executor
 
 
 def _nice() -> int:
@@ -22,5 +23,5 @@ def test_offload_threads_run_at_a_higher_nice_value_than_the_thread_that_made_th
         theirs = {pool.submit(_nice).result() for _ in range(4)}
     finally:
         pool.shutdown()
-    assert theirs == {min(19, mine + OFFLOAD_NICE)}
+    assert theirs == {min(19, mine + BACKGROUND_NICE)}
     assert _nice() == mine  # the caller's own priority is untouched
