@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 
 FLUSH_CHUNK = 128  # pages copied in per disk flush at a stop: the disk queue drops pages past its bound
 STORE_AHEAD_WINDOW = 512  # write-back: the next pages to evict a pool keeps copied here ahead of time
-STORE_AHEAD_CHUNK = 16    # pages a store_ahead() copies under the pool's lock (~12 MB, a few ms, for SmolLM2)
+# Pages a store_ahead() copies under the pool's lock, which the router's placements on the event loop wait for:
+# ~3 MB, about a millisecond, for SmolLM2 (16 pages let a busy core stretch a chunk past 100 ms: bench/hostile.py)
+STORE_AHEAD_CHUNK = 4
 # Write-back at eviction runs inside an allocation (on the event loop, under the pool's lock): at most this many
 # bytes are copied there, the most recently used pages first, and the rest dropped (counted). 290 pages of a
 # 4,700-token prompt copied there stalled every stream 100-650 ms; 16 MiB is a few ms of memcpy.

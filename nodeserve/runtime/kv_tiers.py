@@ -15,7 +15,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nodeserve.device.cpu import lower_thread_priority
 from nodeserve.kv.disk import DiskTier, model_fingerprint
 from nodeserve.kv.host import STORE_AHEAD_WINDOW, HostTier
 from nodeserve.runtime.kv_loader import KVLoader, LoadJob
@@ -75,7 +74,8 @@ class StoreAhead:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        lower_thread_priority()  # background copies: the event loop and the workers come first on a busy core
+        # Not below the loop's priority, unlike the disk writer: each chunk holds a pool's lock that the loop's
+        # placements wait for, and a preempted low-priority holder would stall the loop for its whole wait.
         while not self._stop.is_set():
             try:
                 copied = sum(self.host.store_ahead(pool, self.window) for pool in self.pools) if self.window else 0

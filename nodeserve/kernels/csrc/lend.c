@@ -16,6 +16,9 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -27,6 +30,7 @@
 int ns_linear_local(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
                     int64_t n_begin, int64_t n_end);
 
+#define HELPER_NICE 5
 #define MIN_SPLIT_ROWS 64  /* below this many output rows a split costs more than the second core gives */
 enum { IDLE, POSTED, RUNNING, DONE };
 
@@ -53,6 +57,10 @@ static void *helper_main(void *arg) {
     CPU_ZERO(&set);
     CPU_SET(h->cpu, &set);
     pthread_setaffinity_np(pthread_self(), sizeof set, &set);  /* best effort: unpinned it still helps */
+    /* Below the event loop, which is not pinned and may want this core: a spinning or computing helper gave it
+     * half the core at equal priority (nice +5: about three quarters). Linux nice values are per thread. */
+    id_t tid = (id_t)syscall(SYS_gettid);
+    setpriority(PRIO_PROCESS, tid, getpriority(PRIO_PROCESS, tid) + HELPER_NICE);
     while (!atomic_load(&h->stop)) {
         int posted = POSTED;
         if (atomic_compare_exchange_strong(&h->state, &posted, RUNNING)) {
