@@ -50,7 +50,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -374,8 +374,13 @@ class Metrics:
         self.migration_pages = Counter(PREFIX + "migration_pages", "KV pages copied by moves between devices.", m,
                                        registry=reg).labels(model_name)
         self._loop_stalls = Counter(PREFIX + "event_loop_stalls", "Event-loop lags past 100 ms, by cause: busy "
-                                    "(running Python), starved (no CPU free), blocked (the GIL or a lock), unseen.",
-                                    m + ["cause"], registry=reg)
+                                    "(running Python), starved (no CPU free), blocked (the GIL or a lock), unseen, "
+                                    "gc (the garbage collector).", m + ["cause"], registry=reg)
+        # Structured output's compiled-grammar cache: bounded (server/structured.py), so it fills, then holds.
+        self._grammar_entries = Gauge(PREFIX + "grammar_cache_entries", "Compiled grammars cached.", m,
+                                      registry=reg).labels(model_name)
+        self._grammar_bytes = Gauge(PREFIX + "grammar_cache_bytes", "Estimated memory of the cached grammars.", m,
+                                    registry=reg).labels(model_name)
         self._loop_stalls_by = {c: self._loop_stalls.labels(model_name, c) for c in STALL_CAUSES}
         self._migrations_by = {o: self._migrations.labels(model_name, o) for o in MIGRATION_OUTCOMES}
         # Create every label set now so each series exists (at 0) from the first scrape: rate() and
@@ -465,6 +470,11 @@ class Metrics:
     def set_node_source(self, fn: Callable[[], Any]) -> None:
         """fn returns a NodeLoad-like object (engine.node_load), read at scrape time for vLLM's gauges."""
         self._node.source = fn
+
+    def set_grammar_source(self, entries: Callable[[], float], num_bytes: Callable[[], float]) -> None:
+        """The grammar cache's size, read at scrape time."""
+        self._grammar_entries.set_function(entries)
+        self._grammar_bytes.set_function(num_bytes)
 
     def set_tier_source(self, fn: Callable[[], Sequence[Any]]) -> None:
         """fn returns TierStats-like objects (engine.tier_stats), read at scrape time."""

@@ -182,6 +182,18 @@ def test_ttft_prediction_error_and_slo_rejections():
     assert value(f, r, r + "_total", reason="slo") == 1
 
 
+def test_grammar_cache_size_read_at_scrape_time():
+    m = Metrics(MODEL)
+    cache = {"a": 1, "b": 2}
+    m.set_grammar_source(lambda: len(cache), lambda: 3 * 2**20)
+    f = scrape(m)
+    assert value(f, "nodeserve:grammar_cache_entries", "nodeserve:grammar_cache_entries") == 2
+    cache["c"] = 3
+    f = scrape(m)
+    assert value(f, "nodeserve:grammar_cache_entries", "nodeserve:grammar_cache_entries") == 3
+    assert value(f, "nodeserve:grammar_cache_bytes", "nodeserve:grammar_cache_bytes") == 3 * 2**20
+
+
 def test_kv_tiers_read_at_scrape_time():
     from nodeserve.runtime.kv_tiers import TierStats
 

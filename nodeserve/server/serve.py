@@ -189,6 +189,8 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
                                                         for s in engine.pool_stats()],
                                    pending=lambda: engine.num_pending)
     state.metrics.set_tier_source(engine.tier_stats)
+    grammars = state.chat_tools(engine)[1]
+    state.metrics.set_grammar_source(lambda: grammars.num_cached, lambda: grammars.num_cached_bytes)
     state.metrics.set_node_source(engine.node_load)
     if engine.kv_events is not None:
         state.metrics.set_kv_events_source(engine.kv_events.stats)

@@ -149,6 +149,10 @@ class Grammars:
         self._executor = offload_executor("grammar compile", 1)  # below the loop's priority: server/offload.py
         self._num_queued = 0  # compilations submitted and not finished (event loop only)
 
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
     async def compile_async(self, spec: tuple[str, str, Any]) -> Any:
         """compile(spec) on the compile thread, within the limits: 400 past the schema limits or the time cap,
         503 when MAX_QUEUED_COMPILES are already waiting."""
