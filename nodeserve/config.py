@@ -65,6 +65,8 @@ class DevicesSection:
     decode: tuple[str, ...] = ("cpu:1",)
     devices: tuple[str, ...] = ()         # colocated and adaptive modes
     local_prefill_threshold: int = 0      # disaggregated: prompts shorter than this prefill on the decode device
+    local_prefill_when_busy: int = 512    # disaggregated: ... and those shorter than this while every prefill
+                                          # device has at least this many prompt tokens queued (0: never)
     attention: str = "auto"               # auto | torch | flashinfer (auto: flashinfer on CUDA when it imports)
     cuda_graphs: bool = True              # CUDA + flashinfer: replay decode steps from captured graphs; false: eager
     lend_idle_cores: bool = True          # CPU: an idle device's core takes half of a busy one's GEMM rows
@@ -321,7 +323,8 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
                             ("scheduler.max_num_seqs", sch.max_num_seqs, 1),
                             ("scheduler.max_num_batched_tokens", sch.max_num_batched_tokens, 16),
                             ("model.max_model_len", m.max_model_len, 0),
-                            ("devices.local_prefill_threshold", d.local_prefill_threshold, 0)):
+                            ("devices.local_prefill_threshold", d.local_prefill_threshold, 0),
+                            ("devices.local_prefill_when_busy", d.local_prefill_when_busy, 0)):
         if value < low:
             raise ConfigError(f"'{key}' must be at least {low}, got {value}")
     if m.tool_parser not in ("auto", "hermes", "llama3", "none"):

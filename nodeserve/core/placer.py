@@ -8,8 +8,9 @@ Nothing here calls back into either.
 
   StaticPlacer    disaggregated and colocated modes: decode where a seat and the KV are free (longest cached
                   prefix, then most free KV, then fewest seats taken), prefill on the prefill device with the least
-                  work ahead (its cache counted), or on the decode device itself (colocated, or a prompt under
-                  local_prefill_threshold).
+                  work ahead (its cache counted), or on the decode device itself (colocated, a prompt under
+                  local_prefill_threshold, or a short one while the prefill devices are busy:
+                  local_prefill_when_busy).
   AdaptivePlacer  adaptive mode: choose_placement (placement.py) on the roles RolePolicy (roles.py) keeps.
 """
 
@@ -51,8 +52,14 @@ def fits(load: DeviceLoad, num_tokens: int) -> bool:
 
 
 class StaticPlacer:
-    def __init__(self, local_prefill_threshold: int = 0):
+    def __init__(self, local_prefill_threshold: int = 0, local_prefill_when_busy: int = 0):
+        """local_prefill_threshold: prompts with fewer new tokens always prefill on their decode device.
+        local_prefill_when_busy: prompts with fewer new tokens prefill there when every prefill device has at least
+        that many prompt tokens queued and the decode device fewer (conditional disaggregation): a short prompt
+        would wait behind a long one longer than its own prefill takes beside the decodes."""
         self.local_prefill_threshold = local_prefill_threshold
+        self.local_prefill_when_busy = local_prefill_when_busy
+        self.num_busy_local = 0  # prompts local_prefill_when_busy kept on their decode device
 
     def observe(self, now: float, req: Request) -> None:
         pass
@@ -67,8 +74,14 @@ class StaticPlacer:
             return Decision(None, None)
         decode = max(decoders, key=lambda x: (x.cached_tokens, x.free_tokens, x.free_seats))
         prefillers = [x for x in loads if x.role == Role.PREFILL]
-        if not prefillers or req.num_prompt_tokens - decode.cached_tokens < self.local_prefill_threshold:
+        num_new = req.num_prompt_tokens - decode.cached_tokens
+        if not prefillers or num_new < self.local_prefill_threshold:
             return Decision(decode.name, decode.name)
+        if num_new < self.local_prefill_when_busy:
+            ahead = min(x.queued_prefill_tokens - x.cached_tokens for x in prefillers)
+            if ahead >= self.local_prefill_when_busy and decode.queued_prefill_tokens < ahead:
+                self.num_busy_local += 1
+                return Decision(decode.name, decode.name)
         # Prefill: the least work ahead, counting what its own cache saves; its prompt pages are taken now.
         room = [x for x in prefillers if fits(x, req.num_prompt_tokens)]
         if not room:

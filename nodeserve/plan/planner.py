@@ -145,6 +145,7 @@ def plan(config: Config, cost: CostModel, wl: WorkloadPlan) -> dict:
     limits = StepLimits(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
     reqs = wl.requests()
     kw = {"local_prefill_threshold": config.devices.local_prefill_threshold,
+          "local_prefill_when_busy": config.devices.local_prefill_when_busy,
           "capacity_tokens": config.kv.memory_gib * 2**30 / cost.kv_bytes_per_token if cost.kv_bytes_per_token
           else float("inf")}
     rows = []

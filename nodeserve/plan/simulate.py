@@ -149,13 +149,14 @@ def pool_pages(capacity_tokens: float, num_devices: int, limits: StepLimits,
 
 class Simulation:
     def __init__(self, cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget,
-                 local_prefill_threshold: int = 0, capacity_tokens: float = float("inf")):
+                 local_prefill_threshold: int = 0, capacity_tokens: float = float("inf"),
+                 local_prefill_when_busy: int = 0):
         self.cost, self.mode, self.limits, self.slo = cost, mode, limits, slo
         self.threshold, self.capacity_tokens = local_prefill_threshold, capacity_tokens
         self.roles = {d: Role(r) for d, r in mode.roles.items()}
         # As the engine orders its workers: prefill devices first.
         self.names = sorted(self.roles, key=lambda d: self.roles[d] != Role.PREFILL)
-        self.placer: Placer = StaticPlacer(local_prefill_threshold)
+        self.placer: Placer = StaticPlacer(local_prefill_threshold, local_prefill_when_busy)
         if Role.ADAPTIVE in self.roles.values():
             self.placer = AdaptivePlacer(lambda: cost, limits, slo, self.names)
         self.devices: dict[str, SimDevice] = {}
@@ -365,10 +366,10 @@ def records(requests: Sequence[SimRequest]) -> list[dict]:
 
 def simulate(cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget, workload: Sequence[tuple[int, int]],
              arrivals: Sequence[float], local_prefill_threshold: int = 0,
-             capacity_tokens: float = float("inf")) -> list[dict]:
+             capacity_tokens: float = float("inf"), local_prefill_when_busy: int = 0) -> list[dict]:
     """Records of (prompt_len, max_tokens) requests sent at `arrivals` (seconds)."""
     reqs = [SimRequest(t, p, m) for (p, m), t in zip(workload, arrivals)]
-    sim = Simulation(cost, mode, limits, slo, local_prefill_threshold, capacity_tokens)
+    sim = Simulation(cost, mode, limits, slo, local_prefill_threshold, capacity_tokens, local_prefill_when_busy)
     return records(sim.run(reqs))
 
 

@@ -23,7 +23,7 @@ from nodeserve.runtime.model_runner import ModelRunner
 from nodeserve.core.admission import QueueFull, SloAdmission, TooLarge
 from nodeserve.core.handoff import MigrationOutcome
 from nodeserve.core.load import Role, SloTarget, StepLimits
-from nodeserve.core.placer import AdaptivePlacer
+from nodeserve.core.placer import AdaptivePlacer, StaticPlacer
 from nodeserve.runtime.router import Router, role_changes_since
 from nodeserve.sampling.sampler import Sampler
 from nodeserve.runtime.transfer import KVTransfer
@@ -154,7 +154,8 @@ class Engine:
             self.transfers.append(t)
         self.router = Router(self.prefill_workers, self.decode_workers,
                              cfg.devices.local_prefill_threshold, cfg.server.max_waiting,
-                             cfg.server.max_queued_tokens)
+                             cfg.server.max_queued_tokens,
+                             StaticPlacer(cfg.devices.local_prefill_threshold, cfg.devices.local_prefill_when_busy))
         if self.on_migration is not None:
             self.router.on_migration = self.on_migration
         self.router.on_placement_failed = self._placement_failed

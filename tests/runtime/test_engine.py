@@ -13,10 +13,15 @@ from nodeserve.core.scheduler import FORWARD_FAILED
 from nodeserve.core.sampling_params import SamplingParams
 
 MODES = {
-    "disaggregated": {"mode": "disaggregated", "prefill": ["cpu:0"], "decode": ["cpu:1"]},
+    # every prompt through the prefill device and a KV transfer
+    "disaggregated": {"mode": "disaggregated", "prefill": ["cpu:0"], "decode": ["cpu:1"],
+                      "local_prefill_when_busy": 0},
     "colocated": {"mode": "colocated", "devices": ["cpu:0", "cpu:1"]},
     "conditional": {"mode": "disaggregated", "prefill": ["cpu:0"], "decode": ["cpu:1"],
-                    "local_prefill_threshold": 30},
+                    "local_prefill_threshold": 30, "local_prefill_when_busy": 0},
+    # the default: a short prompt prefills on the decode device while the prefill device has a queue
+    "busy-local": {"mode": "disaggregated", "prefill": ["cpu:0"], "decode": ["cpu:1"],
+                   "local_prefill_when_busy": 64},
 }
 
 
@@ -61,7 +66,7 @@ def _greedy(max_tokens=32, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated", "conditional"])
 def test_greedy_matches_transformers_in_every_mode(mode, loaded_fp32, prompt_ids, hf_greedy):
     async def body(engine):
         results = await asyncio.gather(*(_tokens(engine.add_request(ids, _greedy())) for ids in prompt_ids))
@@ -69,6 +74,20 @@ def test_greedy_matches_transformers_in_every_mode(mode, loaded_fp32, prompt_ids
     tokens, finishes = _run(_config(mode), loaded_fp32, body)
     assert tokens == hf_greedy
     assert finishes == ["length"] * len(prompt_ids)
+
+
+def test_a_short_prompt_behind_a_long_one_prefills_on_the_decode_device(loaded_fp32, prompt_ids, hf_greedy):
+    short = min(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    assert len(prompt_ids[short]) < 64
+
+    async def body(engine):
+        long = engine.add_request([1000 + i % 500 for i in range(400)], _greedy(max_tokens=2))  # 9 chunks of 48
+        await asyncio.sleep(0.05)
+        out, _ = await _tokens(engine.add_request(prompt_ids[short], _greedy()))
+        await _tokens(long)
+        return out, engine.router.placer.num_busy_local
+    tokens, num_local = _run(_config("busy-local"), loaded_fp32, body)
+    assert num_local == 1 and tokens == hf_greedy[short]
 
 
 @pytest.mark.slow
