@@ -29,6 +29,13 @@ Pass 2, per target:
    also scored against the fixed SLO, which gives the fixed-SLO goodput bracket from the same runs, and the
    first probe (the common rate) against SLO scales 1, 2, 3, 5, 8 (attainment vs scale).
 
+The default mode's SLO-attainment target is judged three ways: closed-loop at concurrency 16 (phase 3; it
+saturates every server on two cores, so it mostly measures queueing), and at the common rate (the first probe, an
+open-loop Poisson load, as DistServe defines attainment) under the fixed and under the derived SLO. With 20 % of
+prompts 1,500-3,000 tokens, the fixed SLO's flat 2.5 s TTFT is out of reach for those prompts on a machine that
+prefills under 600 tok/s, idle or not: the fixed-SLO figures cannot reach 90 % there; the derived SLO scales TTFT
+with prompt length.
+
 Every request streams with ignore_eos, so it produces exactly max_tokens tokens, on a new connection
 (serve.run's force_close); every target gets the same requests (same seeds); llama-server gets
 `cache_prompt: false` and nodeserve `[kv] prefix_cache = false`, as the goodput probes resend the same prompts
@@ -132,11 +139,15 @@ QUICK = Plan(calib_lens=(64, 1024), calib_output=8, single_requests=2, single_ou
 
 # ---- pure: headline numbers, brackets, ratios, verdicts, tables ------------------------------------------
 
-def _get(d: dict | None, *keys):
+def _get(d, *keys):
+    """d[k0][k1]... (an int key indexes a list), or None where a level is missing."""
     for k in keys:
         if d is None:
             return None
-        d = d.get(k)
+        if isinstance(k, int):
+            d = d[k] if isinstance(d, list) and -len(d) <= k < len(d) else None
+        else:
+            d = d.get(k)
     return d
 
 
@@ -197,6 +208,9 @@ def headline(res: dict) -> dict:
         "tpot_p99": _get(chat, "tpot", "p99"), "itl_p99": _get(chat, "itl", "p99"),
         "attainment": _get(res, "chat", "attainment", "attainment"),
         "attainment_derived": _get(res, "chat", "attainment_derived", "attainment"),
+        # the first goodput probe: every target at the same Poisson rate, the SLO attainment DistServe defines
+        "rate_attainment": _get(g, "probes", 0, "attainment", "attainment"),
+        "rate_attainment_fixed": _get(g, "probes", 0, "attainment_fixed", "attainment"),
         "goodput_lo": lo, "goodput_hi": hi, "goodput_status": _get(g, "status"),
         "fixed_goodput_lo": flo, "fixed_goodput_hi": fhi,
         # failed requests over phases 1-3 (goodput probes count theirs as SLO misses)
@@ -213,7 +227,12 @@ RATIO_TARGETS = (
     ("32-concurrent output tok/s, disaggregated / llama-server", DISAGG, LLAMA, "conc_tok_s", 3.0),
     ("bimodal chat @16 output tok/s, disaggregated / llama-server", DISAGG, LLAMA, "chat_tok_s", 2.0),
 )
-ATTAINMENT_TARGET = (0.9, 2.0)  # the default mode's fixed-SLO attainment @16: at least this, and this x llama's
+ATTAINMENT_TARGET = (0.9, 2.0)  # the default mode's SLO attainment: at least this, and this x llama's
+# (label, headline key): where the target is judged. Closed-loop @16 saturates both servers; the common rate is an
+# open-loop Poisson load every target gets, as DistServe measures attainment.
+ATTAINMENTS = (("SLO attainment @16 (fixed SLO), disaggregated", "attainment"),
+               ("SLO attainment at the common rate (fixed SLO), disaggregated", "rate_attainment_fixed"),
+               ("SLO attainment at the common rate (derived SLO), disaggregated", "rate_attainment"))
 # (label, numerator, denominator, target factor): ratios of goodput brackets under the derived SLO
 GOODPUT_TARGETS = (
     ("bimodal goodput (derived SLO), disaggregated / llama-server", DISAGG, LLAMA, 2.0),
@@ -237,12 +256,13 @@ def verdicts(heads: dict[str, dict]) -> list[dict]:
                                (hb.get("goodput_lo"), hb.get("goodput_hi")))
         out.append({"label": label, "lo": lo, "hi": hi, "target": f">= {factor:g}x",
                     "verdict": bracket_verdict(lo, hi, factor)})
-    ours, theirs = (heads.get(DISAGG) or {}).get("attainment"), (heads.get(LLAMA) or {}).get("attainment")
     least, factor = ATTAINMENT_TARGET
-    met = None if ours is None or theirs is None else ours >= least and ours >= factor * theirs
-    out.append({"label": "SLO attainment @16 (fixed SLO), disaggregated", "lo": ours, "hi": ours,
-                "target": f">= {least:g} and >= {factor:g}x llama-server's ({_pct(theirs)})",
-                "verdict": "n/a" if met is None else "met" if met else "not met"})
+    for label, key in ATTAINMENTS:
+        ours, theirs = (heads.get(DISAGG) or {}).get(key), (heads.get(LLAMA) or {}).get(key)
+        met = None if ours is None or theirs is None else ours >= least and ours >= factor * theirs
+        out.append({"label": label, "lo": ours, "hi": ours,
+                    "target": f">= {least:g} and >= {factor:g}x llama-server's ({_pct(theirs)})",
+                    "verdict": "n/a" if met is None else "met" if met else "not met"})
     itl = (heads.get(DISAGG) or {}).get("itl_p99")
     out.append({"label": "inter-token gap p99 at concurrency 16, disaggregated", "lo": itl, "hi": itl,
                 "target": f"< {ITL_TARGET * 1000:g} ms", "verdict": verdict(itl, ITL_TARGET, higher_is_better=False)})

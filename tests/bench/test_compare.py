@@ -30,8 +30,11 @@ def _result(tpot_single, conc_tok_s, chat_tok_s=50.0, ttft=(1.0, 2.0), tpot_p99=
     }
 
 
-def _g(lo, hi, status="found", fixed=(0.0, 0.5)):
-    return {"status": status, "target": 0.9, "bracket": [lo, hi], "fixed_bracket": list(fixed)}
+def _g(lo, hi, status="found", fixed=(0.0, 0.5), first=(0.95, 0.7)):
+    """first: the first probe's (derived, fixed) SLO attainment, at the common rate."""
+    return {"status": status, "target": 0.9, "bracket": [lo, hi], "fixed_bracket": list(fixed),
+            "probes": [{"rate": 0.3, "attainment": {"attainment": first[0]},
+                        "attainment_fixed": {"attainment": first[1]}}]}
 
 
 def test_goodput_bracket(C):
@@ -77,6 +80,7 @@ def test_headline(C):
     assert h["itl_p99"] == 0.12 and h["attainment"] == 0.95 and h["attainment_derived"] == 0.5
     assert (h["goodput_lo"], h["goodput_hi"], h["goodput_status"]) == (2.0, 2.5, "found")
     assert (h["fixed_goodput_lo"], h["fixed_goodput_hi"]) == (0.0, 0.5)
+    assert (h["rate_attainment"], h["rate_attainment_fixed"]) == (0.95, 0.7)
     assert h["failed"] == 0
     empty = C.headline({})
     assert empty.pop("failed") == 0 and all(v is None for v in empty.values())
@@ -89,7 +93,8 @@ def _heads(C):
     return {"disaggregated": C.headline(_result(0.025, 330.0, 60.0, itl_p99=0.140, goodput=_g(1.0, 1.25),
                                                 prompt_tok_s=540.0)),
             "colocated": C.headline(_result(0.025, 300.0, 50.0, itl_p99=3.0, goodput=_g(0.5, 0.6))),
-            "llama-server": C.headline(_result(0.0125, 100.0, 25.0, itl_p99=3.6, goodput=_g(None, 0.25, "below_min"),
+            "llama-server": C.headline(_result(0.0125, 100.0, 25.0, itl_p99=3.6,
+                                               goodput=_g(None, 0.25, "below_min", first=(0.5, 0.3)),
                                                att=0.4, prompt_tok_s=270.0))}
 
 
@@ -101,6 +106,10 @@ def test_verdicts(C):
     assert prompt["lo"] == pytest.approx(2.0) and prompt["verdict"] == "met"
     attainment = checks["SLO attainment @16 (fixed SLO), disaggregated"]
     assert attainment["lo"] == 0.95 and attainment["verdict"] == "met"  # >= 0.9 and >= 2 x 0.4
+    at_rate = checks["SLO attainment at the common rate (derived SLO), disaggregated"]
+    assert at_rate["lo"] == 0.95 and at_rate["verdict"] == "not met"      # >= 0.9 but < 2 x 0.5
+    at_rate_fixed = checks["SLO attainment at the common rate (fixed SLO), disaggregated"]
+    assert at_rate_fixed["lo"] == 0.7 and at_rate_fixed["verdict"] == "not met"  # >= 2 x 0.3 but < 0.9
     conc = checks["32-concurrent output tok/s, disaggregated / llama-server"]
     assert conc["lo"] == pytest.approx(3.3) and conc["verdict"] == "met"
     chat = checks["bimodal chat @16 output tok/s, disaggregated / llama-server"]
@@ -117,7 +126,7 @@ def test_verdicts(C):
 
 def test_verdicts_with_missing_targets(C):
     checks = C.verdicts({"disaggregated": C.headline({})})
-    assert [c["verdict"] for c in checks] == ["n/a"] * 8
+    assert [c["verdict"] for c in checks] == ["n/a"] * 10
 
 
 def test_build_table(C):
