@@ -182,20 +182,26 @@ def probe_health(url: str, stop, path: str) -> None:
             stop.wait(max(0.0, HEALTH_EVERY_S - took))
 
 
-def host_tier_pages(url: str) -> tuple[int, int] | None:
-    """(pages used, pages) of the server's host KV tier, from /metrics; None without one."""
-    gauges = {}
+def read_gauges(url: str, names: tuple[str, ...], label: str = "") -> dict[str, float]:
+    """The nodeserve:<name> gauges in /metrics whose line contains `label` (e.g. 'tier="host"'); {} if unreachable."""
+    out: dict[str, float] = {}
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
             for line in r.read().decode().splitlines():
-                for name in ("kv_tier_pages_used", "kv_tier_pages_free"):
-                    if line.startswith(f"nodeserve:{name}{{") and 'tier="host"' in line:
-                        gauges[name] = int(float(line.rsplit(" ", 1)[1]))
+                for name in names:
+                    if line.startswith(f"nodeserve:{name}{{") and label in line:
+                        out[name] = float(line.rsplit(" ", 1)[1])
     except OSError:
+        return {}
+    return out
+
+
+def host_tier_pages(url: str) -> tuple[int, int] | None:
+    """(pages used, pages) of the server's host KV tier, from /metrics; None without one."""
+    g = read_gauges(url, ("kv_tier_pages_used", "kv_tier_pages_free"), 'tier="host"')
+    if len(g) < 2:
         return None
-    if len(gauges) < 2:
-        return None
-    return gauges["kv_tier_pages_used"], gauges["kv_tier_pages_used"] + gauges["kv_tier_pages_free"]
+    return int(g["kv_tier_pages_used"]), int(g["kv_tier_pages_used"] + g["kv_tier_pages_free"])
 
 
 async def run(url: str, seconds: float, concurrency: int, seed: int, pid: int,
@@ -276,6 +282,7 @@ def main() -> int:
             idle, _ = wait_idle(url, 300)
             end = read_rss_kib(proc.pid)
             stalls = scrape_counters(url)["event_loop_stalls"]
+            grammar_cache = read_gauges(url, ("grammar_cache_entries", "grammar_cache_bytes"))
             alive = proc.poll() is None
         finally:
             proc.terminate()
@@ -316,7 +323,7 @@ def main() -> int:
                    health={"num_probes": len(lat), "p50_ms": round(percentile(lat, 50) * 1000, 2),
                            "p99_ms": round(percentile(lat, 99) * 1000, 2), "max_ms": round(max(lat) * 1000, 2),
                            "over_limit": sum(t >= HEALTH_STALL_LIMIT_S for t in lat)},
-                   server_loop_stalls=stalls, server_stall_logs=stall_logs,
+                   server_loop_stalls=stalls, server_stall_logs=stall_logs, grammar_cache_at_end=grammar_cache,
                    rss_plateau=plateau, leaked_pages=leaked,
                    criteria=[{"criterion": c, "measured": str(m), "result": "PASS" if ok else "FAIL"}
                              for c, m, ok in criteria],
@@ -332,7 +339,8 @@ def main() -> int:
           f"max {results['health']['max_ms']} ms; the server's loop stalls past 100 ms by cause: {stalls}")
     print(f"RSS after warm-up {plateau['after_warmup_mib']} MiB -> end {plateau['end_mib']} MiB "
           f"({plateau['growth_pct']} %), slopes {plateau['slope_first_half_mib_per_min']} / "
-          f"{plateau['slope_second_half_mib_per_min']} MiB/min")
+          f"{plateau['slope_second_half_mib_per_min']} MiB/min; host tier full at {plateau['host_tier_full_at_s']} s, "
+          f"grammar cache at the end {grammar_cache}")
     for c, m, ok in criteria:
         print(f"  {'PASS' if ok else 'FAIL'}  {c}: {m}")
     print("PASS" if passed else "FAIL")
