@@ -29,9 +29,10 @@ STORE_AHEAD_WINDOW = 512  # write-back: the next pages to evict a pool keeps cop
 # ~3 MB, about a millisecond, for SmolLM2 (16 pages let a busy core stretch a chunk past 100 ms: bench/hostile.py)
 STORE_AHEAD_CHUNK = 4
 # Write-back at eviction runs inside an allocation (on the event loop, under the pool's lock): at most this many
-# bytes are copied there, the most recently used pages first, and the rest dropped (counted). 290 pages of a
-# 4,700-token prompt copied there stalled every stream 100-650 ms; 16 MiB is a few ms of memcpy.
-MAX_EVICT_COPY_BYTES = 16 * 2**20
+# bytes are copied there, the most recently used pages first, and the rest dropped (counted). On CPU, 290 pages of
+# a 4,700-token prompt copied there stalled every stream 100-650 ms; 16 MiB is a few ms of memcpy. From a GPU the
+# copy is a gather and a DMA at ~25 GB/s: 256 MiB is ~10 ms.
+MAX_EVICT_COPY_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}
 
 
 class HostTier:
@@ -84,11 +85,14 @@ class HostTier:
         return len(slots)
 
     def store_evicted(self, pool: KVPool, evicted: list[tuple[int, bytes, array | None]],
-                      max_bytes: int = MAX_EVICT_COPY_BYTES) -> None:
+                      max_bytes: int | None = None) -> None:
         """A device pool's on_evict: write-back. Pages store_ahead() copied already cost nothing; of the rest, the
-        most recently used that fit in max_bytes are copied and the older ones dropped (their KV is recomputed if
-        asked for again), so an allocation never waits on a large copy."""
+        most recently used that fit in max_bytes (default: MAX_EVICT_COPY_BYTES for the pool's device) are copied
+        and the older ones dropped (their KV is recomputed if asked for again), so an allocation never waits on a
+        large copy."""
         new = [e for e in evicted if not self.index.lookup([e[1]])]
+        if max_bytes is None:
+            max_bytes = MAX_EVICT_COPY_BYTES.get(pool.device.type, MAX_EVICT_COPY_BYTES["cpu"])
         keep = max(1, max_bytes // self.page_nbytes)
         if len(new) > keep:
             with self._lock:
