@@ -33,6 +33,8 @@ from nodeserve.tokenizer import TemplateError
 log = logging.getLogger(__name__)
 
 ERROR_WRITE_TIMEOUT_S = 5.0  # how long a final error event may wait for a client that stopped reading
+PROBE_CHARS_PER_TOKEN = 8  # texts longer than this per context token are measured on a prefix first
+PROBE_MARGIN = 16          # tokens a prefix's cut may add or merge at its end
 MAX_TOKENIZE_THREADS = 2  # more would only queue CPU work on a small node; a megabyte prompt holds one for ~1 s
 DEBUG_STEPS_MAX_RECORDS = 5_000  # per device and per transfer in one /debug/steps answer (~20 ms of JSON each)
 
@@ -330,7 +332,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     def encode() -> tuple[list[list[int]], list[str]]:
         _check_text_length(engine, texts, "prompt")
-        prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
+        prompts = [_encode_within_context(engine, p, "prompt") if isinstance(p, str) else p for p in req.prompts]
         echo = [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in req.prompts]
         return prompts, echo
     prompts, echo_texts = await _off_loop(state, encode)
@@ -373,10 +375,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     def encode() -> list[int]:
         _check_text_length(engine, [m["content"] for m in req.messages if m["content"]], "messages")
         try:
-            prompt = tok.encode(render_chat(tok, req.messages, tools, fmt, req.chat_template_kwargs))
+            text = render_chat(tok, req.messages, tools, fmt, req.chat_template_kwargs)
         except TemplateError as e:
             raise P.APIError(400, f"chat template error: {e}", param="messages")
-        return prompt
+        return _encode_within_context(engine, text, "messages")
     prompt = await _off_loop(state, encode)
     compiled = await grammars.compile_async(spec) if spec is not None else None
     if not req.max_tokens_given:
@@ -487,6 +489,23 @@ def _check_text_length(engine: Engine, texts: list[str], param: str) -> None:
         raise P.APIError(400, f"This model's maximum context length is {engine.max_model_len} tokens, at most "
                               f"{limit} characters of text; your request has {num_chars} characters.",
                          param=param, reject_reason="too_large")
+
+
+def _encode_within_context(engine: Engine, text: str, param: str) -> list[int]:
+    """tokenizer.encode(text), but a text past PROBE_CHARS_PER_TOKEN characters per context token is first encoded
+    in part: if that prefix alone is longer than the context, the request is refused without the rest. Why: a
+    hostile 860,000-character prompt (128 tools) took 1.35 s to tokenize, and building its id list held the GIL for
+    ~40 ms at a time, stalling the event loop, only for the request to be refused afterwards."""
+    n = engine.max_model_len
+    probe = n * PROBE_CHARS_PER_TOKEN
+    if len(text) > probe:
+        # A prefix's tokens are the whole text's up to the last few before the cut: PROBE_MARGIN covers those.
+        count = len(engine.tokenizer.encode(text[:probe], add_bos=False)) - PROBE_MARGIN
+        if count >= n:
+            raise P.APIError(400, f"This model's maximum context length is {n} tokens. However, your request has "
+                                  f"more than {count} input tokens. Please reduce the length of the input.",
+                             param=param, reject_reason="too_large")
+    return engine.tokenizer.encode(text)
 
 
 def _start(state: ServerState, engine: Engine, jobs: list[tuple[list[int], Any]], seed_offsets: bool,

@@ -222,9 +222,11 @@ class SlowTokenizer:
 
     def __init__(self, tokenizer, delay: float):
         self.inner, self.delay, self.num_encodes = tokenizer, delay, 0
+        self.encoded_chars: list[int] = []
 
     def encode(self, text, *args, **kwargs):
         self.num_encodes += 1
+        self.encoded_chars.append(len(text))
         time.sleep(self.delay)
         return self.inner.encode(text, *args, **kwargs)
 
@@ -274,6 +276,38 @@ def test_text_too_long_for_any_tokenization_is_refused_untokenized(tokenizer, pa
     assert "maximum context length is 64 tokens" in err["error"]["message"]
     assert tok.num_encodes == 0 and engine.added == []
     assert rejected(state)["too_large"] == 1 and rejected(state)["bad_request"] == 0
+
+
+@pytest.mark.parametrize("path, field, make", [
+    ("/v1/completions", "prompt", lambda text: {"prompt": text}),
+    ("/v1/chat/completions", "messages", lambda text: {"messages": [{"role": "user", "content": text}]}),
+])
+def test_text_far_past_the_context_is_refused_from_a_prefix(tokenizer, path, field, make):
+    """Within max_token_chars per token, but ~3 characters a token: only a prefix is tokenized before the 400."""
+    tok = SlowTokenizer(tokenizer, delay=0.0)
+    engine = FakeEngine(tok, script=[42], max_model_len=64)
+    state = make_state(engine)
+    text = "word " * (64 * tokenizer.max_token_chars // 6)
+    assert len(text) > 64 * app_module.PROBE_CHARS_PER_TOKEN
+
+    async def body(client):
+        async with client.post(path, json=make(text)) as r:
+            return r.status, await r.json()
+    status, err = run(state, body)
+    assert status == 400 and err["error"]["param"] == field
+    assert "maximum context length is 64 tokens" in err["error"]["message"] and "more than" in err["error"]["message"]
+    assert tok.encoded_chars == [64 * app_module.PROBE_CHARS_PER_TOKEN] and engine.added == []
+    # a text under the probe's length is tokenized once, whole
+    tok.encoded_chars.clear()
+    state2 = make_state(FakeEngine(tok, script=[42], max_model_len=64))
+    status, _ = run(state2, lambda client: _status(client, path, make("word " * 20)))
+    assert status == 200 and len(tok.encoded_chars) == 1
+
+
+async def _status(client, path, body):
+    async with client.post(path, json=body) as r:
+        await r.read()
+        return r.status, None
 
 
 def test_max_token_chars_bounds_every_token(tokenizer):
