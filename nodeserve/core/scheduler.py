@@ -33,6 +33,9 @@ class WorkerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # Prompt tokens a step may add to a batch that is decoding (0: up to max_num_batched_tokens). A disaggregated
+    # decode device's own prefills (short prompts) then slow its streams' steps a little at a time.
+    max_prefill_with_decodes: int = 0
 
 
 @dataclass
@@ -102,6 +105,8 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         decodes = self.running[:self.limits.max_num_seqs]
         budget = self.limits.max_num_batched_tokens - len(decodes)
+        if decodes and self.limits.max_prefill_with_decodes:
+            budget = min(budget, self.limits.max_prefill_with_decodes)
         prefills, sizes = [], []
         for seq in self.waiting:
             if budget <= 0 or len(decodes) + len(prefills) >= self.limits.max_num_seqs:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Sequence
 
 from nodeserve import goodput
@@ -150,9 +150,10 @@ def pool_pages(capacity_tokens: float, num_devices: int, limits: StepLimits,
 class Simulation:
     def __init__(self, cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget,
                  local_prefill_threshold: int = 0, capacity_tokens: float = float("inf"),
-                 local_prefill_when_busy: int = 0):
+                 local_prefill_when_busy: int = 0, decode_prefill_chunk: int = 0):
         self.cost, self.mode, self.limits, self.slo = cost, mode, limits, slo
         self.threshold, self.capacity_tokens = local_prefill_threshold, capacity_tokens
+        self.decode_prefill_chunk = decode_prefill_chunk  # a decode device's prefill tokens per decoding step
         self.roles = {d: Role(r) for d, r in mode.roles.items()}
         # As the engine orders its workers: prefill devices first.
         self.names = sorted(self.roles, key=lambda d: self.roles[d] != Role.PREFILL)
@@ -185,7 +186,9 @@ class Simulation:
     def run(self, requests: Sequence[SimRequest]) -> list[SimRequest]:
         num_pages = pool_pages(self.capacity_tokens, len(self.names), self.limits, requests)
         wl = WorkerLimits(self.limits.max_num_seqs, self.limits.max_num_batched_tokens, MAX_MODEL_LEN)
-        self.devices = {n: SimDevice(self, n, self.roles[n], wl, num_pages) for n in self.names}
+        decode_wl = replace(wl, max_prefill_with_decodes=self.decode_prefill_chunk)  # as the engine's decode workers
+        self.devices = {n: SimDevice(self, n, self.roles[n], decode_wl if self.roles[n] == Role.DECODE else wl,
+                                     num_pages) for n in self.names}
         workers = list(self.devices.values())
         # The engine's own router, on the virtual clock; its queue limits are not modelled (no request refused
         # for them), its size checks are (TooLarge).
@@ -366,10 +369,12 @@ def records(requests: Sequence[SimRequest]) -> list[dict]:
 
 def simulate(cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget, workload: Sequence[tuple[int, int]],
              arrivals: Sequence[float], local_prefill_threshold: int = 0,
-             capacity_tokens: float = float("inf"), local_prefill_when_busy: int = 0) -> list[dict]:
+             capacity_tokens: float = float("inf"), local_prefill_when_busy: int = 0,
+             decode_prefill_chunk: int = 0) -> list[dict]:
     """Records of (prompt_len, max_tokens) requests sent at `arrivals` (seconds)."""
     reqs = [SimRequest(t, p, m) for (p, m), t in zip(workload, arrivals)]
-    sim = Simulation(cost, mode, limits, slo, local_prefill_threshold, capacity_tokens, local_prefill_when_busy)
+    sim = Simulation(cost, mode, limits, slo, local_prefill_threshold, capacity_tokens, local_prefill_when_busy,
+                     decode_prefill_chunk)
     return records(sim.run(reqs))
 
 

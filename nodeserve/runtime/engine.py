@@ -8,7 +8,7 @@ import itertools
 import logging
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -137,7 +137,11 @@ class Engine:
                 log.warning(fallback)
                 self.warnings.append(fallback)
             sampler = Sampler(device.torch_device, eos_token_ids=self.tokenizer.eos_token_ids)
-            return Worker(device, role, runner, sampler, self.tokenizer.eos_token_ids, limits,
+            own = limits
+            if role is Role.DECODE:
+                own = replace(limits, max_prefill_with_decodes=cfg.scheduler.prefill_with_decodes(
+                    device.torch_device.type))
+            return Worker(device, role, runner, sampler, self.tokenizer.eos_token_ids, own,
                           self._emit_batch_threadsafe, self._released_threadsafe, self._migrated_threadsafe)
 
         self.prefill_workers = [make_worker(n, Role.PREFILL) for n in cfg.prefill_devices]

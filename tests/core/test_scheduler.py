@@ -43,6 +43,17 @@ def test_a_long_prompt_is_chunked_within_the_budget_and_then_decodes():
     assert seq.req.num_computed_tokens == 41 and seq.req.prefill_end == 1.0
 
 
+def test_a_decoding_batch_takes_at_most_max_prefill_with_decodes_prompt_tokens_a_step():
+    s = Scheduler(KVManager(16, 4), WorkerLimits(4, 16, 64, max_prefill_with_decodes=3), frozenset({EOS}))
+    a = _local(s, 10)
+    batch, _ = _step(s, {})
+    assert [len(c.token_ids) for c in batch.chunks] == [10]        # nothing decoding yet: the whole budget
+    _local(s, 10)
+    sizes = [[len(c.token_ids) for c in _step(s, {})[0].chunks] for _ in range(4)]
+    assert sizes == [[1, 3], [1, 3], [1, 3], [1, 1]]                # beside a's decode: 3 prompt tokens a step
+    assert a.req.num_computed_tokens == 14
+
+
 def test_decodes_go_first_and_prefills_share_what_the_budget_leaves():
     s = _scheduler(max_num_batched_tokens=8)
     a = _local(s, 3)
