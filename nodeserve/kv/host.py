@@ -57,13 +57,20 @@ class HostTier:
         return self.index.num_pages
 
     def store(self, pool: KVPool, pages: Sequence[int], hashes: Sequence[bytes],
-              tokens: Sequence[array | None] = ()) -> int:
+              tokens: Sequence[array | None] = (), max_new: int | None = None, drop_oldest: bool = False) -> int:
         """Copies device pages (full, published: their KV never changes) into slots under their hashes, skipping
         those already here. tokens: each page's tokens where the pool knew them, so a prompt that meets a page
-        here under its hash with other tokens (a collision) does not take it (KVManager.scrub). Returns how many
-        were copied; fewer when every slot is held by a load."""
+        here under its hash with other tokens (a collision) does not take it (KVManager.scrub). max_new: copy at
+        most this many of the pages not here yet, the first ones, or with drop_oldest the last ones (pages come
+        oldest first), counting the others as dropped. Returns how many were copied; fewer when every slot is held
+        by a load."""
         tokens = tokens or [None] * len(pages)
         new = [(p, h, t) for p, h, t in zip(pages, hashes, tokens) if not self.index.lookup([h])]
+        if max_new is not None and len(new) > max_new:
+            if drop_oldest:
+                with self._lock:
+                    self.num_dropped_pages += len(new) - max_new
+            new = new[-max_new:] if drop_oldest else new[:max_new]
         if not new:
             return 0
         try:
@@ -90,16 +97,11 @@ class HostTier:
         most recently used that fit in max_bytes (default: MAX_EVICT_COPY_BYTES for the pool's device) are copied
         and the older ones dropped (their KV is recomputed if asked for again), so an allocation never waits on a
         large copy."""
-        new = [e for e in evicted if not self.index.lookup([e[1]])]
+        if not evicted:
+            return
         if max_bytes is None:
             max_bytes = MAX_EVICT_COPY_BYTES.get(pool.device.type, MAX_EVICT_COPY_BYTES["cpu"])
-        keep = max(1, max_bytes // self.page_nbytes)
-        if len(new) > keep:
-            with self._lock:
-                self.num_dropped_pages += len(new) - keep
-            new = new[-keep:]  # evicted oldest first: the tail is the most recently used
-        if new:
-            self.store(pool, *zip(*new))
+        self.store(pool, *zip(*evicted), max_new=max(1, max_bytes // self.page_nbytes), drop_oldest=True)
 
     def store_ahead(self, pool: KVPool, window: int = STORE_AHEAD_WINDOW, max_pages: int = STORE_AHEAD_CHUNK) -> int:
         """Write-back ahead of eviction: copies up to max_pages of the pool's `window` next pages to evict (its least
@@ -111,9 +113,8 @@ class HostTier:
 
         def copy(cached: list[tuple[int, bytes, array | None]]) -> None:
             nonlocal copied
-            new = [c for c in cached if not self.index.lookup([c[1]])][:max_pages]
-            if new:
-                copied = self.store(pool, *zip(*new))
+            if cached:
+                copied = self.store(pool, *zip(*cached), max_new=max_pages)
         pool.manager.visit_evictable(window, copy)
         return copied
 
