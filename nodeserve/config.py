@@ -57,6 +57,8 @@ class ServerSection:
     max_stop: int = 16
     max_logprobs: int = 20
     max_body_bytes: int = 4 * 1024 * 1024
+    stall_dumps: bool = False             # log every thread's stack 0.3 s into an event-loop stall (diagnostic:
+                                          # faulthandler reads running threads' frames unsafely, may crash)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,12 @@
-"""Traces a nodeserve server's Python allocations during a soak: put this folder on PYTHONPATH and set
+"""Traces a nodeserve server's memory during a soak: put this folder on PYTHONPATH and set
 NODESERVE_MEMTRACE_DIR; a `nodeserve` process then starts tracemalloc after NODESERVE_MEMTRACE_DELAY seconds
 (default 240: tracing the model load and the start-up profile would slow the start past the soak's patience)
 and dumps a snapshot there every NODESERVE_MEMTRACE_EVERY seconds (default 120). Allocations made before tracing
-started are not seen: growth between snapshots is. Other processes (the soak's client) are left alone.
+started are not seen: growth between snapshots is. With each snapshot goes a `.native.json`: glibc's mallinfo2
+(bytes in use vs free inside the C heap: live allocations against fragmentation) and /proc/<pid>/smaps summed by
+kind of mapping (heap, anonymous, files), so what tracemalloc does not see can be placed too. Set
+NODESERVE_MEMTRACE_PY=0 to skip tracemalloc (its overhead) and keep the native view only. Other processes (the
+soak's client) are left alone.
 
     PYTHONPATH=bench/memtrace NODESERVE_MEMTRACE_DIR=/tmp/mt python bench/soak.py --minutes 20 ...
     python bench/memtrace/diff.py /tmp/mt            # growth by allocation site, first dump after warm-up -> last
@@ -12,7 +16,39 @@ import os
 import sys
 
 
+def _mallinfo2() -> dict:
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):  # glibc >= 2.33, malloc.h
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        return {}
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return {name: getattr(info, name) for name, _ in MallInfo2._fields_}
+
+
+def _smaps_by_kind(pid: int) -> dict:
+    """Rss kB summed per mapping kind: [heap], [stack], anonymous, or the mapped file's basename."""
+    totals: dict = {}
+    kind = None
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's header line
+                path = head[5] if len(head) > 5 else ""
+                kind = path if path.startswith("[") else (os.path.basename(path) if path else "anon")
+            elif head[0] == "Rss:" and kind is not None:
+                totals[kind] = totals.get(kind, 0) + int(head[1])
+    return totals
+
+
 def _start() -> None:
+    import json
     import threading
     import time
     import tracemalloc
@@ -20,19 +56,24 @@ def _start() -> None:
     out = os.environ["NODESERVE_MEMTRACE_DIR"]
     every = float(os.environ.get("NODESERVE_MEMTRACE_EVERY", "120"))
     delay = float(os.environ.get("NODESERVE_MEMTRACE_DELAY", "240"))
+    trace_python = os.environ.get("NODESERVE_MEMTRACE_PY", "1") != "0"
     os.makedirs(out, exist_ok=True)
 
     def dump() -> None:
         t0 = time.monotonic()
         time.sleep(delay)
-        tracemalloc.start(int(os.environ.get("NODESERVE_MEMTRACE_FRAMES", "12")))
+        if trace_python:
+            tracemalloc.start(int(os.environ.get("NODESERVE_MEMTRACE_FRAMES", "12")))
         while True:
             time.sleep(every)
-            snap = tracemalloc.take_snapshot()
             with open(f"/proc/{os.getpid()}/status") as f:
                 rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
-            name = f"{int(time.monotonic() - t0):06d}s-rss{rss_kib}k.snap"
-            snap.dump(os.path.join(out, name))
+            name = f"{int(time.monotonic() - t0):06d}s-rss{rss_kib}k"
+            native = {"rss_kib": rss_kib, "mallinfo2": _mallinfo2(), "smaps_rss_kib": _smaps_by_kind(os.getpid())}
+            with open(os.path.join(out, name + ".native.json"), "w") as f:
+                json.dump(native, f)
+            if trace_python:
+                tracemalloc.take_snapshot().dump(os.path.join(out, name + ".snap"))
 
     threading.Thread(target=dump, name="memtrace", daemon=True).start()
 

@@ -13,9 +13,12 @@ Each stall past `stall_s` is counted by cause (`nodeserve_event_loop_stalls_tota
 loop's stack as the watcher saw it mid-stall.
 
 The watcher is a Python thread: while another thread holds the GIL it cannot look either (cause "unseen"). For
-those, faulthandler's C watchdog, re-armed by the heartbeat, writes every thread's stack once the loop is
-`dump_after_s` late, GIL or not, and the heartbeat logs that dump when the loop runs again: the thread that held
-the GIL is the one inside a C call.
+those, with `dump_after_s` set (`server.stall_dumps`, off by default), faulthandler's C watchdog, re-armed by the
+heartbeat, writes every thread's stack once the loop is `dump_after_s` late, GIL or not, and the heartbeat logs that
+dump when the loop runs again: the thread that held the GIL is the one inside a C call. It is a diagnostic, not a
+default, because that dump reads the other threads' frames without the GIL while they run: CPython documents it as
+unsafe, and it crashed a server (SIGSEGV in faulthandler's dump_traceback) after ~300 dumps in a soak whose loop
+stalled often (tracemalloc on, 2026-11-26).
 
 Why: /health answered in 1 ms inside its handler while probes waited up to 446 ms under hostile input
 (bench/hostile.py); a handler's own time cannot show a loop that was busy elsewhere or not running at all."""
@@ -84,7 +87,7 @@ class LoopMonitor:
     on_lag: Callable[[float], None] | None = None
     on_stall: Callable[[float, str], None] | None = None
     max_stack_frames: int = 8
-    dump_after_s: float | None = 0.3        # None: no faulthandler dumps (it has one watchdog per process)
+    dump_after_s: float | None = None       # seconds; None: no faulthandler dumps (unsafe, see above; one per process)
     _beat: float = 0.0                      # perf_counter when the heartbeat last armed its timer
     _stall: tuple[float, Stall] | None = None  # the watcher's diagnosis, with the beat it is for
     _stop: threading.Event = field(default_factory=threading.Event)

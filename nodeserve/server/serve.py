@@ -7,6 +7,7 @@ is loaded and the socket bound, WATCHDOG while every worker makes progress, STOP
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import gc
 import logging
 import os
@@ -31,6 +32,7 @@ from nodeserve.server.systemd import Notifier, watchdog_loop, workers_healthy
 log = logging.getLogger("nodeserve")
 
 WORKER_STALL_S = 30.0  # a worker loop that has not turned for this long counts as wedged
+STALL_DUMP_S = 0.3  # server.stall_dumps: every thread's stack this far into an event-loop stall
 
 
 class _Progress:
@@ -207,7 +209,9 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
         stats = asyncio.create_task(stats_loop(StatsLine(state.metrics, engine), config.server.stats_interval))
     heap_trim = asyncio.create_task(heap_trim_loop())
     loop_monitor = asyncio.create_task(LoopMonitor(on_lag=state.metrics.event_loop_lag.observe,
-                                                   on_stall=state.metrics.observe_loop_stall).run())
+                                                   on_stall=state.metrics.observe_loop_stall,
+                                                   dump_after_s=STALL_DUMP_S if config.server.stall_dumps
+                                                   else None).run())
     watchdog = None
     interval = notifier.watchdog_interval()
     if interval is not None:
@@ -237,6 +241,9 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
 
 
 def run(config: Config) -> int:
+    # A fatal signal (a SIGSEGV in native code) writes every thread's Python stack to stderr, i.e. the journal,
+    # instead of leaving the log silent.
+    faulthandler.enable(all_threads=True)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

@@ -108,3 +108,11 @@ def test_a_stall_spent_in_the_garbage_collector_is_gc():
     _, stalls = _monitor_while(collect)
     del objects
     assert [c for _, c in stalls] == ["gc"], stalls
+
+
+def test_thread_dumps_are_off_unless_asked_for():
+    # faulthandler's dump reads running threads' frames without the GIL: it crashed a soaking server once
+    # (SIGSEGV in dump_traceback), so the server arms it only with server.stall_dumps = true.
+    from nodeserve.config import ServerSection
+
+    assert LoopMonitor().dump_after_s is None and ServerSection().stall_dumps is False
