@@ -222,19 +222,10 @@ def test_no_compiler_means_no_kernels(monkeypatch, tmp_path):
         native.load.cache_clear()
 
 
-@pytest.mark.parametrize("name", TYPES)
-def test_a_lent_core_takes_half_the_rows_and_the_result_is_the_same(name):
-    """kernels/csrc/lend.c: with a helper lent and wanted, a GEMM's upper rows run on the helper thread; the output
-    equals the unsplit one bit for bit; not lent, nothing is posted to it; freed, the thread ends."""
+def _check_split_with_a_lent_core(call, alone: torch.Tensor) -> None:
+    """kernels/csrc/lend.c: with a helper lent and wanted, `call` gives `alone` bit for bit and the helper runs
+    halves of it; not lent, nothing is posted to it; freed, the thread ends."""
     lib = kernels.lib
-    torch.manual_seed(4)
-    n, k = 1000, 256
-    w = gguf_blocks((np.random.default_rng(4).standard_normal((n, k)) * 0.1).astype(np.float32), name)
-    qtype = TYPES[name]
-    if kernels.r16:
-        w, qtype = kernels.repack(qtype, w, n, k), qtype | native.R16
-    x = torch.randn(3, k)
-    alone = kernels.linear(qtype, w, x, n)
     cores = sorted(os.sched_getaffinity(0))
     h = lib.ns_helper_new(cores[-1])  # the helper on one core, this thread on another (when there are two)
     assert h
@@ -245,16 +236,43 @@ def test_a_lent_core_takes_half_the_rows_and_the_result_is_the_same(name):
         lib.ns_helper_want(h, 1)
         deadline = time.monotonic() + 5  # on a quiet machine the first call; on a loaded one, once scheduled
         while lib.ns_helper_jobs(h) == 0 and time.monotonic() < deadline:
-            assert torch.equal(kernels.linear(qtype, w, x, n), alone)
+            assert torch.equal(call(), alone)
         assert lib.ns_helper_jobs(h) > 0  # it spins while lent and wanted: it takes halves
         for _ in range(20):
-            assert torch.equal(kernels.linear(qtype, w, x, n), alone)
+            assert torch.equal(call(), alone)
         lib.ns_helper_lend(h, 0)
         before = lib.ns_helper_jobs(h)
         for _ in range(10):
-            assert torch.equal(kernels.linear(qtype, w, x, n), alone)
+            assert torch.equal(call(), alone)
         assert lib.ns_helper_jobs(h) == before
     finally:
         os.sched_setaffinity(0, set(cores))
         lib.ns_helper_use(None)
         lib.ns_helper_free(h)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_a_lent_core_takes_half_the_rows_and_the_result_is_the_same(name):
+    torch.manual_seed(4)
+    n, k = 1000, 256
+    w = gguf_blocks((np.random.default_rng(4).standard_normal((n, k)) * 0.1).astype(np.float32), name)
+    qtype = TYPES[name]
+    if kernels.r16:
+        w, qtype = kernels.repack(qtype, w, n, k), qtype | native.R16
+    x = torch.randn(3, k)
+    _check_split_with_a_lent_core(lambda: kernels.linear(qtype, w, x, n), kernels.linear(qtype, w, x, n))
+
+
+def test_a_lent_core_takes_the_later_sequences_of_decode_attention_and_the_result_is_the_same():
+    torch.manual_seed(5)
+    page_size, kh, d, h = 16, 3, 64, 9
+    seq_lens = [700, 3, 150, 151, 64, 1, 300, 90]  # uneven: the split is by KV tokens, not by sequences
+    pages_each = [-(-n // page_size) for n in seq_lens]
+    kv = torch.randn(sum(pages_each), 2, page_size, kh, d)
+    perm = torch.randperm(sum(pages_each)).tolist()
+    tables = torch.zeros(len(seq_lens), max(pages_each), dtype=torch.int64)
+    for b, n in enumerate(pages_each):
+        tables[b, :n] = torch.tensor([perm.pop() for _ in range(n)])
+    q, lens = torch.randn(len(seq_lens), h, d), torch.tensor(seq_lens)
+    _check_split_with_a_lent_core(lambda: kernels.paged_decode_attention(q, kv, tables, lens, 0.125),
+                                  kernels.paged_decode_attention(q, kv, tables, lens, 0.125))

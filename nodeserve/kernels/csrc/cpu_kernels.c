@@ -33,6 +33,9 @@ int ns_linear_r16(int type, const uint8_t *wr, const float *x, float *y, int64_t
 void ns_dequant_rows_r16(int type, const uint8_t *wr, int64_t K, const int64_t *rows, int64_t n_rows, float *out);
 int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
               int64_t n_begin, int64_t n_end);  /* lend.c: splits with a lent core, then ns_linear_local */
+int ns_paged_decode_attention(const float *q, const float *kv, const int64_t *block_tables, int64_t max_pages,
+                              const int64_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KH, int64_t D,
+                              int64_t page_size, float scale);  /* lend.c: likewise, by sequences */
 #define QK 32
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8
@@ -521,9 +524,9 @@ static void attend_head_any(const float *q, const float *kv, const int64_t *tabl
  * Flash-decoding's shape on one core: per sequence, page by page, an online softmax for every head, so each
  * K and V byte is read from memory once.
  * Returns 0, or -1 when out of memory. */
-int ns_paged_decode_attention(const float *q, const float *kv, const int64_t *block_tables, int64_t max_pages,
-                              const int64_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KH, int64_t D,
-                              int64_t page_size, float scale) {
+int ns_paged_decode_attention_local(const float *q, const float *kv, const int64_t *block_tables,
+                                    int64_t max_pages, const int64_t *seq_lens, float *out, int64_t B, int64_t H,
+                                    int64_t KH, int64_t D, int64_t page_size, float scale) {
     const int64_t G = H / KH, token_stride = KH * D, page_stride = 2 * page_size * token_stride;
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;

@@ -1,6 +1,7 @@
-/* Lending an idle core: a helper thread pinned to another device's core takes half of each GEMM's output rows
- * while that device has nothing to do, so one stream's decode (or one long prompt's prefill) reads its weights
- * with two cores' memory bandwidth instead of one.
+/* Lending an idle core: a helper thread pinned to another device's core takes half of each GEMM's output rows,
+ * and half of a decode step's sequences in attention, while that device has nothing to do, so one stream's decode
+ * (or one long prompt's prefill) reads its weights with two cores' memory bandwidth instead of one, and a large
+ * decode batch reads its KV pages with two.
  *
  * The device that owns the core lends it (ns_helper_lend(h, 1)) only while its worker waits for work, and takes it
  * back (0) before its own step: the helper then finishes the half it is on (tens of microseconds) and sleeps on
@@ -29,10 +30,37 @@
 
 int ns_linear_local(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
                     int64_t n_begin, int64_t n_end);
+int ns_paged_decode_attention_local(const float *q, const float *kv, const int64_t *block_tables,
+                                    int64_t max_pages, const int64_t *seq_lens, float *out, int64_t B, int64_t H,
+                                    int64_t KH, int64_t D, int64_t page_size, float scale);
 
 #define HELPER_NICE 5
 #define MIN_SPLIT_ROWS 64  /* below this many output rows a split costs more than the second core gives */
+#define MIN_SPLIT_KV 512   /* ... below this many KV tokens a step's attention (~0.1 ms a layer) */
 enum { IDLE, POSTED, RUNNING, DONE };
+enum { LINEAR, ATTENTION };
+
+/* One half of a call: ns_linear_local's or ns_paged_decode_attention_local's arguments. */
+struct ns_job {
+    int kind;
+    int type;  /* LINEAR: y [M, ldy] columns n_begin..n_end = x @ W^T */
+    const uint8_t *w;
+    const float *x;
+    float *y;
+    int64_t M, K, ldy, n_begin, n_end;
+    const float *q, *kv;  /* ATTENTION: B sequences' decode attention */
+    const int64_t *block_tables, *seq_lens;
+    float *out;
+    int64_t max_pages, B, H, KH, D, page_size;
+    float scale;
+};
+
+static int run_job(const struct ns_job *j) {
+    if (j->kind == LINEAR)
+        return ns_linear_local(j->type, j->w, j->x, j->y, j->M, j->K, j->ldy, j->n_begin, j->n_end);
+    return ns_paged_decode_attention_local(j->q, j->kv, j->block_tables, j->max_pages, j->seq_lens, j->out, j->B,
+                                           j->H, j->KH, j->D, j->page_size, j->scale);
+}
 
 struct ns_helper {
     pthread_t thread;
@@ -41,12 +69,8 @@ struct ns_helper {
     int cpu;
     atomic_int lent, wanted, stop, state;
     atomic_long num_jobs;  /* halves the helper ran (tests and metrics) */
-    /* the job: ns_linear_local's arguments */
-    int type, err;
-    const uint8_t *w;
-    const float *x;
-    float *y;
-    int64_t M, K, ldy, n_begin, n_end;
+    struct ns_job job;
+    int err;
 };
 
 static _Thread_local struct ns_helper *borrowed;
@@ -64,7 +88,7 @@ static void *helper_main(void *arg) {
     while (!atomic_load(&h->stop)) {
         int posted = POSTED;
         if (atomic_compare_exchange_strong(&h->state, &posted, RUNNING)) {
-            h->err = ns_linear_local(h->type, h->w, h->x, h->y, h->M, h->K, h->ldy, h->n_begin, h->n_end);
+            h->err = run_job(&h->job);
             atomic_fetch_add(&h->num_jobs, 1);
             atomic_store_explicit(&h->state, DONE, memory_order_release);
         } else if (atomic_load(&h->lent) && atomic_load(&h->wanted)) {
@@ -122,18 +146,12 @@ void ns_helper_free(struct ns_helper *h) {
     free(h);
 }
 
-/* y [M, ldy] columns n_begin..n_end = x @ W^T (see ns_linear_local), the upper half of the rows on the borrowed
- * helper when it is lent and idle. The split falls on a multiple of 16 rows (the R16 groups). */
-int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
-              int64_t n_begin, int64_t n_end) {
-    struct ns_helper *h = borrowed;
-    if (!h || n_end - n_begin < MIN_SPLIT_ROWS || !atomic_load(&h->lent) || atomic_load(&h->state) != IDLE)
-        return ns_linear_local(type, w, x, y, M, K, ldy, n_begin, n_end);
-    const int64_t mid = n_begin + ((n_end - n_begin) / 2 + 15) / 16 * 16;
-    h->type = type; h->w = w; h->x = x; h->y = y; h->M = M; h->K = K; h->ldy = ldy;
-    h->n_begin = mid; h->n_end = n_end;
+/* Runs `mine` here and posts `theirs` to h (lent and idle: checked by the caller), then waits for it, or runs it
+ * here too when the helper has not started it. */
+static int split(struct ns_helper *h, const struct ns_job *mine, const struct ns_job *theirs) {
+    h->job = *theirs;
     atomic_store_explicit(&h->state, POSTED, memory_order_release);
-    int err = ns_linear_local(type, w, x, y, M, K, ldy, n_begin, mid);
+    int err = run_job(mine);
     for (;;) {
         int s = atomic_load_explicit(&h->state, memory_order_acquire);
         if (s == DONE) {
@@ -143,7 +161,7 @@ int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, i
         if (s == POSTED) {  /* not started: the core was taken back, or the helper is asleep; do it here */
             int posted = POSTED;
             if (atomic_compare_exchange_strong(&h->state, &posted, RUNNING)) {
-                err |= ns_linear_local(type, w, x, y, M, K, ldy, mid, n_end);
+                err |= run_job(theirs);
                 break;
             }
         }
@@ -151,4 +169,50 @@ int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, i
     }
     atomic_store(&h->state, IDLE);
     return err;
+}
+
+static int can_split(const struct ns_helper *h) {
+    return h && atomic_load(&h->lent) && atomic_load(&h->state) == IDLE;
+}
+
+/* y [M, ldy] columns n_begin..n_end = x @ W^T (see ns_linear_local), the upper half of the rows on the borrowed
+ * helper when it is lent and idle. The split falls on a multiple of 16 rows (the R16 groups). */
+int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
+              int64_t n_begin, int64_t n_end) {
+    struct ns_helper *h = borrowed;
+    if (n_end - n_begin < MIN_SPLIT_ROWS || !can_split(h))
+        return ns_linear_local(type, w, x, y, M, K, ldy, n_begin, n_end);
+    const int64_t mid = n_begin + ((n_end - n_begin) / 2 + 15) / 16 * 16;
+    struct ns_job mine = {.kind = LINEAR, .type = type, .w = w, .x = x, .y = y, .M = M, .K = K, .ldy = ldy,
+                          .n_begin = n_begin, .n_end = mid};
+    struct ns_job theirs = mine;
+    theirs.n_begin = mid;
+    theirs.n_end = n_end;
+    return split(h, &mine, &theirs);
+}
+
+/* Decode attention (see ns_paged_decode_attention_local), the later sequences on the borrowed helper when it is
+ * lent and idle: split where the KV tokens read are halved, since each sequence's cost is its length. Each
+ * sequence is computed whole on one thread, so the output is the unsplit one bit for bit. */
+int ns_paged_decode_attention(const float *q, const float *kv, const int64_t *block_tables, int64_t max_pages,
+                              const int64_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KH, int64_t D,
+                              int64_t page_size, float scale) {
+    struct ns_helper *h = borrowed;
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; b++) total += seq_lens[b];
+    struct ns_job mine = {.kind = ATTENTION, .q = q, .kv = kv, .block_tables = block_tables, .seq_lens = seq_lens,
+                          .out = out, .max_pages = max_pages, .B = B, .H = H, .KH = KH, .D = D,
+                          .page_size = page_size, .scale = scale};
+    if (B < 2 || total < MIN_SPLIT_KV || !can_split(h)) return run_job(&mine);
+    int64_t mid = 0, sum = 0;
+    while (mid < B - 1 && 2 * (sum + seq_lens[mid]) <= total) sum += seq_lens[mid++];
+    if (mid == 0) mid = 1;
+    struct ns_job theirs = mine;
+    mine.B = mid;
+    theirs.q = q + mid * H * D;
+    theirs.block_tables = block_tables + mid * max_pages;
+    theirs.seq_lens = seq_lens + mid;
+    theirs.out = out + mid * H * D;
+    theirs.B = B - mid;
+    return split(h, &mine, &theirs);
 }
