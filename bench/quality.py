@@ -166,17 +166,10 @@ class Vocab:
     """The GGUF's tokenizer: prompt ids, token id -> text (callable), and text -> id where that is unique."""
 
     def __init__(self, path: str):
-        import gguf
-
+        from nodeserve.model.gguf_header import read_header
         from nodeserve.tokenizer import Tokenizer
 
-        reader = gguf.GGUFReader(path)
-        meta = {}
-        for key, field in reader.fields.items():
-            try:
-                meta[key] = field.contents()
-            except Exception:  # some array fields do not decode; the tokenizer does not need them
-                pass
+        meta = read_header(path).metadata
         self.tok = Tokenizer.from_gguf_metadata(meta)
         size = len(meta["tokenizer.ggml.tokens"])
         texts = [self.tok.token_text(i) for i in range(size)]

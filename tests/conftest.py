@@ -155,15 +155,7 @@ def fp8_check() -> type[FP8Check]:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(gguf_path):
     """The bundled model's tokenizer alone (no weights), from its GGUF metadata."""
-    import gguf
-
+    from nodeserve.model.gguf_header import read_header
     from nodeserve.tokenizer import Tokenizer
 
-    meta = {}
-    for key, field in gguf.GGUFReader(gguf_path).fields.items():
-        if key.startswith("tokenizer."):
-            try:
-                meta[key] = field.contents()
-            except Exception:  # some array fields don't decode; the tokenizer doesn't need them
-                pass
-    return Tokenizer.from_gguf_metadata(meta)
+    return Tokenizer.from_gguf_metadata(read_header(gguf_path).metadata)

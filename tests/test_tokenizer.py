@@ -41,15 +41,9 @@ def gguf_path():
 
 @pytest.fixture(scope="module")
 def meta(gguf_path):
-    gguf = pytest.importorskip("gguf")
-    reader = gguf.GGUFReader(str(gguf_path))
-    meta = {}
-    for key, field in reader.fields.items():
-        try:
-            meta[key] = field.contents()
-        except Exception:  # some array fields don't decode; the tokenizer doesn't need them
-            pass
-    return meta
+    from nodeserve.model.gguf_header import read_header
+
+    return read_header(str(gguf_path)).metadata
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import torch
 
 from nodeserve.model.block_quant import QuantizedWeight
 from nodeserve.model.config import LoadError, ModelConfig
+from nodeserve.model.gguf_header import Header, read_header
 
 log = logging.getLogger(__name__)
 
@@ -34,29 +35,21 @@ _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": 
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def read_metadata(reader) -> dict[str, Any]:
-    meta = {}
-    for key, field in reader.fields.items():
-        try:
-            meta[key] = field.contents()
-        except Exception:  # a field type this gguf release can't decode; nothing we need
-            continue
-    return meta
+def read_metadata(header: Header) -> dict[str, Any]:
+    return header.metadata
 
 
-def open_reader(path: str):
-    import gguf
-
+def open_reader(path: str) -> Header:
     size = os.path.getsize(path)
     try:
-        reader = gguf.GGUFReader(path)
+        header = read_header(path)
     except Exception as e:
         raise LoadError(f"{path}: not a readable GGUF file, it is truncated or corrupt ({type(e).__name__}: {e})") from None
-    for t in reader.tensors:
+    for t in header.tensors:
         if t.data_offset + t.n_bytes > size:
             raise LoadError(f"{path}: file is truncated: tensor '{t.name}' ends at byte {t.data_offset + t.n_bytes}, "
                             f"the file has {size}")
-    return reader
+    return header
 
 
 def config_from_metadata(meta: dict[str, Any], path: str) -> ModelConfig:
