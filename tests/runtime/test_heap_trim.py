@@ -81,11 +81,48 @@ def test_the_server_caps_malloc_arenas_unless_the_operator_chose():
     assert said == "uncapped" and memory.MAX_MALLOC_ARENAS < arenas <= 6, arenas
 
 
-def test_nodeserve_run_caps_the_arenas_before_loading(monkeypatch, tmp_path):
+def test_nodeserve_run_caps_the_arenas_and_fixes_the_mmap_threshold_before_loading(monkeypatch, tmp_path):
     from nodeserve import cli
 
     calls = []
-    monkeypatch.setattr(memory, "limit_malloc_arenas", lambda: calls.append(1) or True)
+    monkeypatch.setattr(memory, "limit_malloc_arenas", lambda: calls.append("arenas") or True)
+    monkeypatch.setattr(memory, "fix_mmap_threshold", lambda: calls.append("mmap") or True)
     (tmp_path / "bad.toml").write_text("[devices]\nmode = 'nonsense'\n")
     assert cli.main(["run", "--config", str(tmp_path / "bad.toml")]) == 2
-    assert calls == [1]
+    assert calls == ["arenas", "mmap"]
+
+
+# A 16 MiB block freed, then taken and freed again, with a small block allocated after it each time (a long-lived
+# one, as the server's requests leave): how much of the second one stays resident after its free.
+_RESIDENT_AFTER_FREE = r"""
+import ctypes, sys
+from nodeserve.runtime import memory
+if sys.argv[1] == "fixed":
+    assert memory.fix_mmap_threshold()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
+keep = []
+for _ in range(2):
+    big = libc.malloc(16 << 20)
+    ctypes.memset(big, 1, 16 << 20)
+    keep.append(libc.malloc(200))
+    before = rss()
+    libc.free(ctypes.c_void_p(big))
+print(rss() - before + 16)
+"""
+
+
+def _resident_after_free(mode: str) -> float:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", _RESIDENT_AFTER_FREE, mode], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    return float(out)
+
+
+def test_a_fixed_mmap_threshold_gives_every_large_block_back_on_free():
+    if memory._libc() is None:
+        pytest.skip("not glibc")
+    assert _resident_after_free("default") > 12  # glibc raised its threshold: the second block came from the heap
+    assert _resident_after_free("fixed") < 2
