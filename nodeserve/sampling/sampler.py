@@ -29,6 +29,16 @@ class SamplerOutput:
 _LOGIT_LIMIT = 1e30
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] int64: each row's first largest logit (a NaN counts as largest, as in torch.argmax).
+
+    Float32 on the CPU goes through numpy, whose argmax is vectorised: 0.2 ms for 32 x 49,152 logits against
+    2.7 ms for torch's (one core, the 2-core Xeon), about 4 % of a 32-row decode step."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 def apply_penalties(
     logits: torch.Tensor,                  # [B, V]
     params: Sequence[SamplingParams],
@@ -194,7 +204,7 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         logits = apply_logit_bias_and_min_tokens(logits, params, output_ids, self.eos_token_ids)
         if not want_logprobs and all(p.greedy and not p.has_penalties for p in params):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
+            return SamplerOutput(greedy(logits).tolist(), None, None)
 
         logits = logits.float()
         if any(p.has_penalties for p in params):
@@ -204,7 +214,7 @@ class Sampler:
         if len(random_rows) == B:
             token_ids = self._sample(logits, params, generators)            # [B]
         else:
-            token_ids = logits.argmax(dim=-1)                               # [B]
+            token_ids = greedy(logits)                                      # [B]
         if 0 < len(random_rows) < B:
             idx = upload(random_rows, logits.device, torch.int64)
             sampled = self._sample(logits[idx], [params[i] for i in random_rows],

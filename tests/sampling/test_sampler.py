@@ -65,6 +65,18 @@ def test_greedy_ties_pick_lowest_index():
     assert out.token_ids == [1, 0]
 
 
+def test_greedy_equals_torch_argmax_with_ties_nans_and_strided_rows():
+    from nodeserve.sampling.sampler import greedy
+
+    torch.manual_seed(1)
+    logits = torch.randn(16, 49152)
+    logits[3, 100] = logits[3, 200] = 1e9  # a tie: the first
+    logits[5, 7] = float("nan")             # a NaN wins, as in torch
+    logits[6] = float("-inf")
+    for x in (logits, logits[::2], logits[:, :1000], logits.t().contiguous().t()):
+        assert torch.equal(greedy(x), x.argmax(dim=-1))
+
+
 def test_greedy_rows_in_mixed_batch():
     torch.manual_seed(1)
     logits = torch.randn(6, 50)
