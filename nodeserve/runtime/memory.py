@@ -64,18 +64,28 @@ def limit_malloc_arenas(max_arenas: int = MAX_MALLOC_ARENAS) -> bool:
     return bool(libc.mallopt(_M_ARENA_MAX, max_arenas))
 
 
+def huge_pages_for_malloc() -> bool:
+    """Whether this process runs with glibc's transparent-huge-page tunable for malloc (GLIBC_TUNABLES
+    glibc.malloc.hugetlb=1 or 2, read at process start: the systemd unit sets it)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return any(t.strip() in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2") for t in tunables.split(":"))
+
+
 def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Fixes glibc's mmap threshold at `threshold` bytes, unless MALLOC_MMAP_THRESHOLD_ is set (the operator's
-    choice wins); True if set. Call before the server starts its threads.
+    """Fixes glibc's mmap threshold at `threshold` bytes when malloc has huge pages (huge_pages_for_malloc), unless
+    MALLOC_MMAP_THRESHOLD_ is set (the operator's choice wins); True if set. Call before the server starts its
+    threads.
 
     Why: glibc raises the threshold (to 32 MiB at most) each time a mapped block is freed, so after the first
-    prefill's activations (a 1024-token chunk's gate/up output is 12 MiB) every later one came from the heap,
-    whose top then stayed high behind small long-lived blocks: a soak's heap mapping grew ~45 MiB in 8 minutes
-    while the bytes malloc had in use stayed flat (bench/memtrace's mallinfo2 and smaps views). A fixed threshold
-    also stops the dynamic trim threshold, so the heap's top is returned past 128 KiB free. 8 MiB keeps a decode
-    step's per-layer buffers (~1 MiB at 32 rows) in the heap, where they are reused without page faults."""
+    prefill's activations (a 1024-token chunk's gate/up output is 12 MiB) every later one comes from the heap,
+    whose freed blocks stay resident behind small long-lived ones until malloc_trim: a soak's heap mapping grew
+    ~45 MiB in 8 minutes while the bytes malloc had in use stayed flat (bench/memtrace's mallinfo2 and smaps
+    views). Fixed, every block past it is unmapped on free. Only with huge pages: with 4 KiB pages, mapping a
+    prefill's activations afresh each layer cost 7-13 % of prefill speed in page faults (1024-token chunk, one
+    core of the 2-core Xeon); with the tunable, nothing measurable. 8 MiB keeps a decode step's per-layer buffers
+    (~1 MiB at 32 rows) in the heap, reused without faults."""
     libc = _libc()
-    if libc is None or os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+    if libc is None or os.environ.get("MALLOC_MMAP_THRESHOLD_") or not huge_pages_for_malloc():
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
 
