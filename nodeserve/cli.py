@@ -166,10 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if argv is None and args.func is _cmd_run:  # the program itself (not a test calling main): malloc's tunables
-        from nodeserve.runtime import memory
-
-        memory.reexec_with_huge_pages()
     logging.basicConfig(level=getattr(logging, getattr(args, "log_level", "info").upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -10,7 +10,6 @@ import functools
 import itertools
 import logging
 import os
-import sys
 
 import torch
 
@@ -63,53 +62,6 @@ def limit_malloc_arenas(max_arenas: int = MAX_MALLOC_ARENAS) -> bool:
     if libc is None or os.environ.get("MALLOC_ARENA_MAX"):
         return False
     return bool(libc.mallopt(_M_ARENA_MAX, max_arenas))
-
-
-HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"
-_REEXEC_MARK = "NODESERVE_MALLOC_REEXEC"  # set on the re-run, so a glibc that drops the tunable cannot loop
-
-
-def _glibc_version() -> tuple[int, ...]:
-    libc = _libc()
-    if libc is None or not hasattr(libc, "gnu_get_libc_version"):
-        return ()
-    libc.gnu_get_libc_version.restype = ctypes.c_char_p
-    return tuple(int(x) for x in libc.gnu_get_libc_version().decode().split(".")[:2])
-
-
-def _thp_mode() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "never"
-
-
-def huge_page_environ(environ: dict[str, str]) -> dict[str, str] | None:
-    """`environ` with glibc's huge-page tunable for malloc added, when this process should be re-run with it: glibc
-    2.35 or later, transparent huge pages not "never", and no glibc.malloc.hugetlb, MALLOC_MMAP_THRESHOLD_ or earlier
-    re-run in `environ` (the operator's choice, or ours, wins). None when not."""
-    if _glibc_version() < (2, 35) or _thp_mode() == "never" or environ.get(_REEXEC_MARK):
-        return None
-    tunables = environ.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.hugetlb" in tunables or environ.get("MALLOC_MMAP_THRESHOLD_"):
-        return None
-    return {**environ, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGE_TUNABLE}" if tunables else HUGE_PAGE_TUNABLE,
-            _REEXEC_MARK: "1"}
-
-
-def reexec_with_huge_pages() -> None:
-    """Re-runs this process (same interpreter, same command line, same PID) with huge_page_environ(), which glibc
-    reads only at start; returns when there is nothing to do. Call first thing in `nodeserve run`, before threads.
-
-    Why: with it the C heap's large blocks and torch's big tensors (weights, KV pools) are backed by 2 MiB pages, so
-    fix_mmap_threshold can hand every large block back on free at no cost in page faults (below). A one-hour soak
-    with it: see bench/README.md."""
-    environ = huge_page_environ(dict(os.environ))
-    if environ is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execve(sys.executable, sys.orig_argv, environ)
 
 
 def huge_pages_for_malloc() -> bool:

@@ -127,39 +127,3 @@ def test_a_fixed_mmap_threshold_gives_every_large_block_back_on_free():
         pytest.skip("not glibc")
     assert _resident_after_free("default") > 12  # glibc raised its threshold: the second block came from the heap
     assert _resident_after_free("fixed") < 2     # huge pages: the threshold fixed, the block unmapped on free
-
-
-def test_huge_page_environ_adds_the_tunable_once_and_leaves_the_operators_choice(monkeypatch):
-    monkeypatch.setattr(memory, "_glibc_version", lambda: (2, 36))
-    monkeypatch.setattr(memory, "_thp_mode", lambda: "madvise")
-    env = memory.huge_page_environ({"PATH": "/bin"})
-    assert env["GLIBC_TUNABLES"] == memory.HUGE_PAGE_TUNABLE and env["PATH"] == "/bin"
-    assert memory.huge_page_environ(env) is None  # the re-run does not run again
-    assert memory.huge_page_environ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None
-    assert memory.huge_page_environ({"MALLOC_MMAP_THRESHOLD_": "65536"}) is None
-    other = memory.huge_page_environ({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"})
-    assert other["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0:" + memory.HUGE_PAGE_TUNABLE
-    monkeypatch.setattr(memory, "_thp_mode", lambda: "never")
-    assert memory.huge_page_environ({}) is None
-    monkeypatch.setattr(memory, "_thp_mode", lambda: "always")
-    monkeypatch.setattr(memory, "_glibc_version", lambda: (2, 31))
-    assert memory.huge_page_environ({}) is None
-
-
-_REEXEC = r"""
-import os, sys
-from nodeserve.runtime import memory
-print(os.getpid(), os.environ.get("GLIBC_TUNABLES", "-"), memory.huge_pages_for_malloc(), flush=True)
-memory.reexec_with_huge_pages()
-"""
-
-
-def test_the_process_is_rerun_with_the_tunable_under_the_same_pid():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "NODESERVE_"))}
-    lines = subprocess.run([sys.executable, "-c", _REEXEC], env=env, capture_output=True, text=True,
-                           check=True).stdout.split()
-    if memory.huge_page_environ({}) is None:  # glibc < 2.35 or huge pages off: it runs once, as it is
-        assert lines[1:] == ["-", "False"]
-        return
-    assert lines[1:3] == ["-", "False"] and lines[4:] == [memory.HUGE_PAGE_TUNABLE, "True"]
-    assert lines[0] == lines[3]  # execve: systemd's notify socket and PID file stay right
