@@ -85,7 +85,7 @@ class HermesFormat(ToolFormat):
         # block, and this runs on the event loop. str.strip drops what the regex's \s* did (the same characters).
         calls, rest, end, i = [], [], 0, 0
         while (at := text.find(_OPEN, i)) >= 0:
-            close = text.find(_CLOSE, at + len(_OPEN))
+            close = _close_of(text, at + len(_OPEN))
             body_end, i = (close, close + len(_CLOSE)) if close >= 0 else (len(text), len(text))
             try:
                 call = _call_from_json(json.loads(text[at + len(_OPEN):body_end].strip()), self.args_key)
@@ -98,6 +98,18 @@ class HermesFormat(ToolFormat):
             calls.append(call)
         rest.append(text[end:])
         return "".join(rest), calls
+
+
+def _close_of(text: str, start: int) -> int:
+    """Where the block whose text starts at `start` closes: the first </tool_call> after its JSON, when the block
+    opens with JSON (a string inside may hold "</tool_call>" itself); -1 if it does not close (its JSON stays open)."""
+    body = start
+    while body < len(text) and text[body].isspace():
+        body += 1
+    if body < len(text) and text[body] in "{[":
+        json_end = _JsonEnd(body).scan(text, len(text))
+        return -1 if json_end is None else text.find(_CLOSE, json_end)
+    return text.find(_CLOSE, start)
 
 
 class Llama3Format(ToolFormat):
@@ -297,6 +309,9 @@ class _OpenCall:
         self.whole = False            # sent whole, parsed at its end (its keys came in another order)
         self.parsed = False           # parsed whole already (its body ends there: it is closed, or the answer is)
         self._close_from = start      # where a </tool_call> may start
+        self._body_from = start       # where the block's JSON may start (past leading whitespace)
+        self._body: _JsonEnd | None = None  # the block's own JSON: a </tool_call> inside its strings does not close it
+        self._plain = False           # the block does not open with JSON: the first </tool_call> closes it
         self._step = self._char = 0   # the head scan: step of _HEAD (-1: not this head, ever), character of a literal
         self._pos = start
         self._escaped = False
@@ -309,6 +324,17 @@ class _OpenCall:
         if self.closed:
             return
         stop = len(buf) if self.stop is None else self.stop
+        if not self._plain and self._body is None:
+            while self._body_from < stop and buf[self._body_from].isspace():
+                self._body_from += 1
+            if self._body_from < stop:
+                self._plain = buf[self._body_from] not in "{["
+                self._body = None if self._plain else _JsonEnd(self._body_from)
+        if self._body is not None and self._body.end is None:
+            if self._body.scan(buf, stop) is None:
+                self.end = stop  # its JSON is still open: no </tool_call> so far closes it
+                return
+            self._close_from = max(self._close_from, self._body.end)
         close = buf.find(_CLOSE, self._close_from, stop)
         if close >= 0:
             self.closed, self.end = True, close

@@ -101,6 +101,21 @@ def test_hermes_stream_matches_the_whole_parse(step):
     assert not any("<" in d.get("content", "") for d in deltas)
 
 
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_a_closing_tag_inside_an_argument_string_does_not_end_the_call(step):
+    # Seen in the one-hour soak (a forced call): the model wrote "</tool_call" inside an argument string and the
+    # call was cut there, its arguments no longer JSON.
+    args = {"city": "]}</tool_call</tool_call>", "note": "a \\\" quote"}
+    text = ('<tool_call>\n' + json.dumps({"name": "get_weather", "arguments": args}) + '\n</tool_call>'
+            ' after <tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    content, calls = HERMES.parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", args), ("g", {})]
+    assert content == " after "
+    content, streamed = _assemble(_stream(HERMES, text, step))
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == [("get_weather", args), ("g", {})]
+    assert content == " after "
+
+
 @pytest.mark.parametrize("step", [1, 4, 1000])
 def test_stream_without_calls_is_all_content(step):
     for fmt in (HERMES, LLAMA3):
