@@ -66,7 +66,8 @@ def limit_malloc_arenas(max_arenas: int = MAX_MALLOC_ARENAS) -> bool:
 
 def huge_pages_for_malloc() -> bool:
     """Whether this process runs with glibc's transparent-huge-page tunable for malloc (GLIBC_TUNABLES
-    glibc.malloc.hugetlb=1 or 2, read at process start: the systemd unit sets it)."""
+    glibc.malloc.hugetlb=1 or 2, read at process start: an operator's choice, e.g. an Environment= line in the
+    unit; docs/operations.md)."""
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     return any(t.strip() in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2") for t in tunables.split(":"))
 
@@ -82,8 +83,10 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     ~45 MiB in 8 minutes while the bytes malloc had in use stayed flat (bench/memtrace's mallinfo2 and smaps
     views). Fixed, every block past it is unmapped on free. Only with huge pages: with 4 KiB pages, mapping a
     prefill's activations afresh each layer cost 7-13 % of prefill speed in page faults (1024-token chunk, one
-    core of the 2-core Xeon); with the tunable, nothing measurable. 8 MiB keeps a decode step's per-layer buffers
-    (~1 MiB at 32 rows) in the heap, reused without faults."""
+    core of the 2-core Xeon); with the tunable, nothing measurable there. The tunable itself is the operator's
+    trade: RSS flat over a one-hour soak, but a slower start (huge-page compaction while the KV pools are zeroed)
+    and ~10 % of long-prompt prefill in the server (bench/README.md). 8 MiB keeps a decode step's per-layer
+    buffers (~1 MiB at 32 rows) in the heap, reused without faults."""
     libc = _libc()
     if libc is None or os.environ.get("MALLOC_MMAP_THRESHOLD_") or not huge_pages_for_malloc():
         return False
