@@ -19,6 +19,7 @@ NODESERVE_KERNELS=avx2 keeps the float32 / int16 paths above (for A/B measuremen
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import os
 
@@ -99,13 +100,31 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # [M, in]
-        if x2.shape[0] <= MAX_GEMV_ROWS or self.qtype & native.R16:
-            y = self.kernels.linear(self.qtype, self.weight, x2, self.out_features)
-            if self.bias is not None:
-                y += self.bias
-        else:
-            y = F.linear(x2, self.kernels.dequantize(self.qtype, self.weight, self.in_features), self.bias)
+        y = self._matmul(x2, None if self._fused_kernel_takes(x2.shape[0]) else self._dense())
         return y.view(*shape[:-1], self.out_features)
+
+    def row_blocks(self, x: torch.Tensor, max_rows: int) -> Iterator[torch.Tensor]:
+        """forward(x) of x [M, in] by blocks of at most max_rows rows, each [rows, out] in turn (the same values:
+        every row's dot products are computed alike in any block); the weights are dequantized once if at all."""
+        x = x.float().contiguous()
+        dense = None if self._fused_kernel_takes(min(max_rows, x.shape[0])) else self._dense()
+        for start in range(0, x.shape[0], max_rows):
+            yield self._matmul(x[start:start + max_rows], dense)
+
+    def _fused_kernel_takes(self, num_rows: int) -> bool:
+        return num_rows <= MAX_GEMV_ROWS or bool(self.qtype & native.R16)
+
+    def _dense(self) -> torch.Tensor:
+        return self.kernels.dequantize(self.qtype, self.weight, self.in_features)
+
+    def _matmul(self, x2: torch.Tensor, dense: torch.Tensor | None) -> torch.Tensor:
+        """x2 [M, in] -> [M, out]: the fused kernel, or a GEMM with the dequantized weights `dense`."""
+        if dense is not None:
+            return F.linear(x2, dense, self.bias)
+        y = self.kernels.linear(self.qtype, self.weight, x2, self.out_features)
+        if self.bias is not None:
+            y += self.bias
+        return y
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, ggml_type={self.qtype}"

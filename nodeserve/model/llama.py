@@ -83,6 +83,13 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
+# A prefill chunk's gate/up output is its biggest activation (1024 tokens x 2 x 1536 float32 = 12 MiB for
+# SmolLM2); computed by blocks of rows it stays under memory.MMAP_THRESHOLD_BYTES, so no step maps and faults in
+# fresh pages for it, and no block that size settles in the C heap. Only on the block-quantized path: the exact
+# path keeps transformers' one GEMM per projection.
+MAX_MLP_ROWS = 256
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -97,7 +104,11 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor, ops: Kernels) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
+        gate_up = self.gate_up_proj
+        if x.shape[0] <= MAX_MLP_ROWS or not isinstance(gate_up, block_quant.QuantLinear):
+            return self.down_proj(ops.silu_and_mul(gate_up(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
+        act = torch.cat([ops.silu_and_mul(y) for y in gate_up.row_blocks(x, MAX_MLP_ROWS)])  # [T, I]
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 HEAP_TRIM_INTERVAL_S = 60.0
 MAX_MALLOC_ARENAS = 2
 MMAP_THRESHOLD_BYTES = 8 * 2**20  # blocks this big get their own mapping, unmapped on free
-_M_ARENA_MAX, _M_MMAP_THRESHOLD = -8, -3  # glibc's mallopt parameter numbers (malloc.h)
+TRIM_THRESHOLD_BYTES = 64 * 2**20  # free bytes the heap's top keeps between trims
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameter numbers (malloc.h)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -64,33 +65,25 @@ def limit_malloc_arenas(max_arenas: int = MAX_MALLOC_ARENAS) -> bool:
     return bool(libc.mallopt(_M_ARENA_MAX, max_arenas))
 
 
-def huge_pages_for_malloc() -> bool:
-    """Whether this process runs with glibc's transparent-huge-page tunable for malloc (GLIBC_TUNABLES
-    glibc.malloc.hugetlb=1 or 2, read at process start: an operator's choice, e.g. an Environment= line in the
-    unit; docs/operations.md)."""
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    return any(t.strip() in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2") for t in tunables.split(":"))
+def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES, top_pad: int = TRIM_THRESHOLD_BYTES) -> bool:
+    """Fixes glibc's mmap threshold at `threshold` bytes and its trim threshold at `top_pad`, unless the operator
+    set either (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES); True if set. Call before the
+    server starts its threads.
 
-
-def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Fixes glibc's mmap threshold at `threshold` bytes when malloc has huge pages (huge_pages_for_malloc), unless
-    MALLOC_MMAP_THRESHOLD_ is set (the operator's choice wins); True if set. Call before the server starts its
-    threads.
-
-    Why: glibc raises the threshold (to 32 MiB at most) each time a mapped block is freed, so after the first
-    prefill's activations (a 1024-token chunk's gate/up output is 12 MiB) every later one comes from the heap,
-    whose freed blocks stay resident behind small long-lived ones until malloc_trim: a soak's heap mapping grew
-    ~45 MiB in 8 minutes while the bytes malloc had in use stayed flat (bench/memtrace's mallinfo2 and smaps
-    views). Fixed, every block past it is unmapped on free. Only with huge pages: with 4 KiB pages, mapping a
-    prefill's activations afresh each layer cost 7-13 % of prefill speed in page faults (1024-token chunk, one
-    core of the 2-core Xeon); with the tunable, nothing measurable there. The tunable itself is the operator's
-    trade: RSS flat over a one-hour soak, but a slower start (huge-page compaction while the KV pools are zeroed)
-    and ~10 % of long-prompt prefill in the server (bench/README.md). 8 MiB keeps a decode step's per-layer
-    buffers (~1 MiB at 32 rows) in the heap, reused without faults."""
+    Why: glibc raises the mmap threshold (to 32 MiB at most) each time a mapped block is freed, so after the first
+    prefill its large activations came from the heap, whose freed blocks stay resident behind small long-lived
+    ones: a soak's heap mapping grew ~45 MiB in 8 minutes while the bytes malloc had in use stayed flat
+    (bench/memtrace's mallinfo2 and smaps views), and RSS crept ~0.5-0.9 MiB a minute. Fixed, a block past it is
+    unmapped on free. A prefill step keeps its blocks under it (llama.MAX_MLP_ROWS: no step maps fresh pages),
+    so it costs no page faults; and fixing the mmap threshold also stops glibc's dynamic trim threshold (twice
+    the mmap one), which at its 128 KiB default gave the heap's top back and faulted it in again on every layer
+    (4-5 % of prefill). The top pad left resident is bounded; heap_trim_loop returns it every minute."""
     libc = _libc()
-    if libc is None or os.environ.get("MALLOC_MMAP_THRESHOLD_") or not huge_pages_for_malloc():
+    if libc is None or any(os.environ.get(v) for v in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
         return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+    if any(t in os.environ.get("GLIBC_TUNABLES", "") for t in ("mmap_threshold", "trim_threshold")):
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, top_pad))
 
 
 def trim_heap() -> bool:

@@ -83,6 +83,24 @@ def test_prefill_sized_batches_agree_with_float32_math(loaded_auto, one_thread):
         assert ((mod(x).double() - x.double() @ dense.double().T).abs() <= bound).all()
 
 
+def test_a_long_chunks_mlp_runs_by_row_blocks_with_the_same_values(loaded_auto, one_thread):
+    """Past llama.MAX_MLP_ROWS the gate/up projection runs by blocks of rows (so no activation outgrows glibc's
+    fixed mmap threshold); each row's values are those of the whole-chunk product."""
+    from nodeserve.model.llama import MAX_MLP_ROWS
+
+    model = loaded_auto.model
+    mlp = model.layers[0].mlp
+    x = torch.randn(2 * MAX_MLP_ROWS + 7, mlp.gate_up_proj.in_features)
+    blocks = list(mlp.gate_up_proj.row_blocks(x, MAX_MLP_ROWS))
+    assert [len(b) for b in blocks] == [MAX_MLP_ROWS, MAX_MLP_ROWS, 7]
+    whole = mlp.down_proj(model.ops.silu_and_mul(mlp.gate_up_proj(x)))
+    if mlp.gate_up_proj.qtype & native.R16:  # the fused kernel: every row alike in any block
+        assert torch.equal(torch.cat(blocks), mlp.gate_up_proj(x))
+        assert torch.equal(mlp(x, model.ops), whole)
+    else:  # dense GEMMs of another height may sum in another order: float32 rounding over 1536-term sums
+        torch.testing.assert_close(mlp(x, model.ops), whole, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.slow
 def test_quantized_decode_follows_float32_on_the_same_weights(loaded_auto, loaded_fp32, prompt_ids, one_thread):
     """Batch-1 decode steps (int16 activations, native attention and pointwise kernels) teacher-forced along the
