@@ -107,7 +107,7 @@ def test_repacked_weights_dequantize_to_the_files_weights(matrices, name):
 
 @needs_vnni
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 12, 13, 20])
 def test_repacked_linear_rounds_activations_to_int16_per_block(matrices, name, m):
     """Every row count: activations rounded to 15 bits per block of 32, so each output is within
     sum_b |w_b| * amax(x_b) / 32767 / 2 of the float32 product (and padded rows are never written)."""
@@ -124,6 +124,19 @@ def test_repacked_linear_rounds_activations_to_int16_per_block(matrices, name, m
     if m == 1:  # the same rounding as the AVX2 path's one-row kernel on the GGUF layout (float sums reordered)
         torch.testing.assert_close(got, kernels.linear(TYPES[name], matrices[name], x, 40), rtol=1e-5,
                                    atol=1e-5 * want.abs().max().item())
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", TYPES)
+def test_a_repacked_row_is_the_same_in_any_tile(matrices, name):
+    """Tiles of up to 4 rows (four chains a row) and of 5-12 (one chain a row) sum in the same order: a row's
+    output is bit-identical whatever the step's row count, so a request's tokens do not depend on its batch."""
+    torch.manual_seed(0)
+    x = torch.randn(25, 96)
+    r16 = kernels.repack(TYPES[name], matrices[name], 40, 96)
+    whole = kernels.linear(TYPES[name] | native.R16, r16, x, 40)  # tiles of 12, 12, 1
+    for m in (1, 2, 4, 5, 9, 12, 16):
+        assert torch.equal(kernels.linear(TYPES[name] | native.R16, r16, x[:m], 40), whole[:m]), m
 
 
 @needs_vnni
