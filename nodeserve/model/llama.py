@@ -84,7 +84,7 @@ class Attention(nn.Module):
 
 
 # A prefill chunk's gate/up output is its biggest activation (1024 tokens x 2 x 1536 float32 = 12 MiB for
-# SmolLM2); computed by blocks of rows it stays under memory.MMAP_THRESHOLD_BYTES, so no step maps and faults in
+# SmolLM2); computed by blocks of rows it stays under memory.MMAP_THRESHOLD_BYTES, so no layer maps and faults in
 # fresh pages for it, and no block that size settles in the C heap. Only on the block-quantized path: the exact
 # path keeps transformers' one GEMM per projection.
 MAX_MLP_ROWS = 256
