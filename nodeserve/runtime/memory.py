@@ -75,7 +75,7 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES, top_pad: int = TRI
     ones: a soak's heap mapping grew ~45 MiB in 8 minutes while the bytes malloc had in use stayed flat
     (bench/memtrace's mallinfo2 and smaps views), and RSS crept 0.55-0.92 MiB a minute (0.29-0.41 with this,
     bench/README.md). Fixed, a block past it is unmapped on free. A prefill chunk keeps its blocks under it
-    (llama.MAX_MLP_ROWS; up to ~3.5k tokens of context, where attention's repeated K/V pass 8 MiB), so it costs
+    (llama.MAX_MLP_ROWS; up to ~3.6k tokens of context, where attention's repeated K/V pass 8 MiB), so it costs
     no page faults; and fixing the mmap threshold also freezes glibc's dynamic trim threshold at its 128 KiB
     default, which gave the heap's top back and faulted it in again on every layer (4-5 % of prefill): hence the
     64 MiB top pad, bounded, and returned every minute by heap_trim_loop."""
