@@ -33,7 +33,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from nodeserve.runtime import memory
 
     memory.limit_malloc_arenas()  # before the worker, copy and tokenizer threads exist
-    memory.fix_mmap_threshold()
+    memory.fix_malloc_thresholds()
 
     config = _load_config(args.config, "nodeserve: config error: ", args)
     if config is None:

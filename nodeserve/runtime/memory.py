@@ -65,7 +65,7 @@ def limit_malloc_arenas(max_arenas: int = MAX_MALLOC_ARENAS) -> bool:
     return bool(libc.mallopt(_M_ARENA_MAX, max_arenas))
 
 
-def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES, top_pad: int = TRIM_THRESHOLD_BYTES) -> bool:
+def fix_malloc_thresholds(threshold: int = MMAP_THRESHOLD_BYTES, top_pad: int = TRIM_THRESHOLD_BYTES) -> bool:
     """Fixes glibc's mmap threshold at `threshold` bytes and its trim threshold at `top_pad`, unless the operator
     set either (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES); True if set. Call before the
     server starts its threads.

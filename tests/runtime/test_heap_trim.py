@@ -86,7 +86,7 @@ def test_nodeserve_run_caps_the_arenas_and_fixes_the_mmap_threshold_before_loadi
 
     calls = []
     monkeypatch.setattr(memory, "limit_malloc_arenas", lambda: calls.append("arenas") or True)
-    monkeypatch.setattr(memory, "fix_mmap_threshold", lambda: calls.append("mmap") or True)
+    monkeypatch.setattr(memory, "fix_malloc_thresholds", lambda: calls.append("mmap") or True)
     (tmp_path / "bad.toml").write_text("[devices]\nmode = 'nonsense'\n")
     assert cli.main(["run", "--config", str(tmp_path / "bad.toml")]) == 2
     assert calls == ["arenas", "mmap"]
@@ -98,7 +98,7 @@ _RESIDENT_AFTER_FREE = r"""
 import ctypes, sys
 from nodeserve.runtime import memory
 if sys.argv[1] == "fixed":
-    assert memory.fix_mmap_threshold()
+    assert memory.fix_malloc_thresholds()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 def rss():
@@ -136,7 +136,7 @@ def test_a_fixed_mmap_threshold_gives_every_large_block_back_on_free():
 def test_the_operators_malloc_thresholds_win(env):
     if memory._libc() is None:
         pytest.skip("not glibc")
-    code = "from nodeserve.runtime import memory; print(memory.fix_mmap_threshold())"
+    code = "from nodeserve.runtime import memory; print(memory.fix_malloc_thresholds())"
     out = subprocess.run([sys.executable, "-c", code], env=_clean_env() | env, capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"
