@@ -337,8 +337,8 @@ def main() -> int:
           f"statuses {statuses}, aborted {results['aborted']}")
     print(f"/health: {len(lat)} probes, p50 {results['health']['p50_ms']} ms, p99 {results['health']['p99_ms']} ms, "
           f"max {results['health']['max_ms']} ms; the server's loop stalls past 100 ms by cause: {stalls}")
-    print(f"RSS after warm-up {plateau['after_warmup_mib']} MiB -> end {plateau['end_mib']} MiB "
-          f"({plateau['growth_pct']} %), slopes {plateau['slope_first_half_mib_per_min']} / "
+    print(f"RSS median {plateau['first_window_median_mib']} MiB after warm-up -> {plateau['last_window_median_mib']} "
+          f"MiB at the end ({plateau['growth_pct']} %; windows of {plateau['window_s']:g} s), slopes {plateau['slope_first_half_mib_per_min']} / "
           f"{plateau['slope_second_half_mib_per_min']} MiB/min; host tier full at {plateau['host_tier_full_at_s']} s, "
           f"grammar cache at the end {grammar_cache}")
     for c, m, ok in criteria:

@@ -39,10 +39,12 @@ nothing pending, running or waiting, every page free), reads /metrics and report
 - requests sent / completed / aborted / failed, 5xx, per kind; tools requests completed and how many carried
   tool_calls, json_schema requests completed, invalid structured outputs;
 - leaked pages (sum over pools of num_pages - num_free once idle, plus host slots held; must be 0);
-- RSS: before the load, after the soak's warm-up (the first 10 % of the run or 5 minutes, whichever is smaller:
-  the first sample at or after that time), at the end (once idle), growth after warm-up in MiB and %, and a
-  plateau check: the least-squares slope in MiB/min over the first and the second half of the samples after
-  warm-up (a plateau: the second half's slope near 0);
+- RSS: before the load; growth after the soak's warm-up (the first 10 % of the run or 5 minutes, whichever is
+  smaller) in MiB and %: the median of the samples in the run's last window against the median of those in the
+  window right after the warm-up, window = a twelfth of the run, 1 to 5 minutes (one hour: minutes 5-10 against
+  55-60); the first sample after the warm-up and the idle end, for the record; and a plateau check: the
+  least-squares slope in MiB/min over the first and the second half of the samples after warm-up (a plateau:
+  the second half's slope near 0);
 - latency windows: requests by send time in the first and the last window of the run, window = min(10 min,
   duration / 6) (one hour: the first and last 10 minutes; one minute: 10 s): p50/p99 of TTFT (streamed) and of
   e2e latency, over completed, non-aborted good requests; the ratios last / first;
@@ -69,6 +71,7 @@ import os
 import platform
 import random
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -124,6 +127,7 @@ P99_RATIO_LIMIT = 1.10           # e2e p99, last window / first window
 MIN_WINDOW_SAMPLES = 20          # fewer completed requests in a window: the p99 ratio is not judged
 WARMUP_FRACTION, WARMUP_MAX_S = 0.10, 300.0
 WINDOW_FRACTION, WINDOW_MAX_S = 1 / 6, 600.0
+RSS_WINDOW_FRACTION, RSS_WINDOW_MIN_S, RSS_WINDOW_MAX_S = 1 / 12, 60.0, 300.0
 
 
 # ---- pure statistics (unit-tested in tests/bench/test_soak_stats.py) -------------------------------------
@@ -256,28 +260,46 @@ def slope_per_min(samples: list[tuple[float, float]]) -> float | None:
     return sum((t - mt) * (v - mv) for t, v in samples) / var * 60
 
 
+def rss_window_seconds(duration_s: float) -> float:
+    """The RSS windows' length: a twelfth of the run, at least one minute (one heap-trim cycle) and at most five
+    (one hour: 5 min; ten minutes: 1 min)."""
+    return min(max(RSS_WINDOW_FRACTION * duration_s, RSS_WINDOW_MIN_S), RSS_WINDOW_MAX_S)
+
+
 def rss_report(samples: list[tuple[float, int]], duration_s: float, end_kib: int | None = None,
                before_kib: int | None = None, warmup_s: float | None = None) -> dict:
-    """RSS after the warm-up (the first sample at or after warmup_s, default warmup_seconds(duration_s)), at the
-    end (`end_kib`, else the last sample), growth after warm-up in MiB and %, the peak, and the least-squares slope
-    (MiB/min) over the first and the second half (by time) of the samples from the warm-up on. samples: (s, KiB)."""
+    """RSS growth after the warm-up (warmup_s, default warmup_seconds(duration_s)): the median of the samples in
+    the last rss_window_seconds of the run against the median of those in the same length of time right after
+    the warm-up, in MiB and % (the judged figure); the peak; the least-squares slope (MiB/min) over the first and
+    the second half (by time) of the samples from the warm-up on; and, for the record, the first sample after the
+    warm-up and the idle end (`end_kib`, else the last sample). samples: (s, KiB).
+
+    Why medians of windows: the server trims the C heap every minute (runtime/memory.heap_trim_loop), so single
+    samples swing +-40 MiB around it, and one sample against another was mostly where each fell in that cycle
+    (the same hour read -0.13 % or +2.6 % by the two forms: bench/README.md)."""
     warm = warmup_seconds(duration_s) if warmup_s is None else warmup_s
     after = [(t, kib) for t, kib in samples if t >= warm]
     before = None if before_kib is None else round(before_kib / 1024, 1)
-    out: dict = {"warmup_s": round(warm, 1), "before_load_mib": before,
-                 "after_warmup_mib": None, "end_mib": None, "growth_mib": None, "growth_pct": None,
-                 "max_mib": None, "slope_first_half_mib_per_min": None, "slope_second_half_mib_per_min": None,
+    window = min(rss_window_seconds(duration_s), max(0.0, duration_s - warm) / 2)
+    out: dict = {"warmup_s": round(warm, 1), "window_s": round(window, 1), "before_load_mib": before,
+                 "first_window_median_mib": None, "last_window_median_mib": None, "growth_mib": None,
+                 "growth_pct": None, "after_warmup_mib": None, "end_mib": None, "max_mib": None,
+                 "slope_first_half_mib_per_min": None, "slope_second_half_mib_per_min": None,
                  "num_samples": len(samples), "num_samples_after_warmup": len(after)}
     if not after:
         return out
-    start = after[0][1]
     end = end_kib if end_kib is not None else samples[-1][1]
-    mid = (after[0][0] + after[-1][0]) / 2
+    t_last = after[-1][0]
+    first_w = [kib for t, kib in after if t < after[0][0] + window] or [after[0][1]]
+    last_w = [kib for t, kib in after if t > t_last - window] or [after[-1][1]]
+    start, stop = statistics.median(first_w), statistics.median(last_w)
+    mid = (after[0][0] + t_last) / 2
     first = [(t, kib / 1024) for t, kib in after if t <= mid]
     second = [(t, kib / 1024) for t, kib in after if t >= mid]
     r = lambda x: None if x is None else round(x, 2)  # noqa: E731
-    out.update(after_warmup_mib=round(start / 1024, 1), end_mib=round(end / 1024, 1),
-               growth_mib=round((end - start) / 1024, 1), growth_pct=round(100 * (end - start) / start, 2),
+    out.update(first_window_median_mib=round(start / 1024, 1), last_window_median_mib=round(stop / 1024, 1),
+               growth_mib=round((stop - start) / 1024, 1), growth_pct=round(100 * (stop - start) / start, 2),
+               after_warmup_mib=round(after[0][1] / 1024, 1), end_mib=round(end / 1024, 1),
                max_mib=round(max([end] + [kib for _, kib in after]) / 1024, 1),
                slope_first_half_mib_per_min=r(slope_per_min(first)),
                slope_second_half_mib_per_min=r(slope_per_min(second)))
@@ -1035,8 +1057,10 @@ def main() -> int:
     print(f"idle after {idle_wait:.1f} s; leaked pages {leaked}")
     p = plateau
     print(f"RSS before load {p['before_load_mib']} MiB; warm-up = first {p['warmup_s']:g} s (10 % of the run or "
-          f"5 min, whichever is smaller); after warm-up {p['after_warmup_mib']} MiB, at end {p['end_mib']} MiB, "
-          f"growth {p['growth_mib']} MiB ({p['growth_pct']} %), max {p['max_mib']} MiB over {p['num_samples']} samples")
+          f"5 min, whichever is smaller); median of the {p['window_s']:g} s after it {p['first_window_median_mib']} "
+          f"MiB, of the last {p['window_s']:g} s {p['last_window_median_mib']} MiB: growth {p['growth_mib']} MiB "
+          f"({p['growth_pct']} %); first sample after warm-up {p['after_warmup_mib']} MiB, idle at the end "
+          f"{p['end_mib']} MiB, max {p['max_mib']} MiB over {p['num_samples']} samples")
     print(f"  plateau: slope {p['slope_first_half_mib_per_min']} MiB/min over the first half after warm-up, "
           f"{p['slope_second_half_mib_per_min']} MiB/min over the second half")
     w = windows

@@ -144,17 +144,19 @@ def test_rss_report_warmup_growth_and_plateau(soak):
     # one hour: grows 1 MiB/min during the 5-min warm-up, then flat at 1000 MiB, with the end read after idle
     samples = [(float(t), int(1024 * (995 + min(t, 300) / 60))) for t in range(0, 3600, 3)]
     r = soak.rss_report(samples, 3600, end_kib=1024 * 1010, before_kib=1024 * 990)
-    assert r["warmup_s"] == 300 and r["after_warmup_mib"] == 1000.0 and r["end_mib"] == 1010.0
-    assert r["growth_mib"] == 10.0 and r["growth_pct"] == 1.0 and r["before_load_mib"] == 990.0
+    assert r["warmup_s"] == 300 and r["window_s"] == 300 and r["before_load_mib"] == 990.0
+    assert r["first_window_median_mib"] == r["last_window_median_mib"] == 1000.0
+    assert r["growth_mib"] == 0 and r["growth_pct"] == 0  # the idle end is for the record, not judged
+    assert r["after_warmup_mib"] == 1000.0 and r["end_mib"] == 1010.0 and r["max_mib"] == 1010.0
     assert r["slope_first_half_mib_per_min"] == 0 and r["slope_second_half_mib_per_min"] == 0
-    assert r["num_samples_after_warmup"] == 1100 and r["max_mib"] == 1010.0
-    # a slow leak after warm-up shows in both halves' slopes, and the end defaults to the last sample
+    assert r["num_samples_after_warmup"] == 1100
+    # a slow leak after warm-up shows in both halves' slopes and in the windows' medians (1-min windows here)
     leak = [(float(t), 1024 * 1000 + int(1024 * t / 60)) for t in range(0, 600, 6)]
     r = soak.rss_report(leak, 600)
-    assert r["warmup_s"] == 60 and r["after_warmup_mib"] == 1001.0
+    assert r["warmup_s"] == 60 and r["window_s"] == 60 and r["after_warmup_mib"] == 1001.0
     assert r["slope_first_half_mib_per_min"] == pytest.approx(1.0, abs=0.02)
     assert r["slope_second_half_mib_per_min"] == pytest.approx(1.0, abs=0.02)
-    assert r["growth_pct"] == pytest.approx(100 * 8.9 / 1001, abs=0.01)
+    assert r["growth_mib"] == pytest.approx(8.0, abs=0.1)  # medians at t = 87 and 567 s
     # no sample after the warm-up: nothing to report
     assert soak.rss_report([(1.0, 1024)], 600)["growth_pct"] is None
     # a later warm-up end (hostile.py: once the host KV tier is full) judges only what comes after it
@@ -162,6 +164,23 @@ def test_rss_report_warmup_growth_and_plateau(soak):
     assert soak.rss_report(filling, 600)["growth_pct"] > 2
     r = soak.rss_report(filling, 600, warmup_s=240)
     assert r["warmup_s"] == 240 and r["growth_pct"] == 0 and r["after_warmup_mib"] == 1040.0
+
+
+def test_rss_growth_is_the_windows_medians_not_where_two_samples_fall_in_the_trim_cycle(soak):
+    """A heap trim every minute drops RSS 40 MiB, and it comes back over the minute: single samples moved by
+    that much whichever way, so the judged growth compares the medians of the first and the last window."""
+    def sawtooth(base_of):  # 1 s samples; a trim at each whole minute
+        return [(float(t), int(1024 * (base_of(t) - 40 + min(t % 60, 20) * 2))) for t in range(0, 3600)]
+    flat = sawtooth(lambda t: 1000)
+    one_sample = lambda r: r["end_mib"] - r["after_warmup_mib"]  # noqa: E731
+    # flat: the first sample after warm-up falls on a trim, the last at a cycle's top: +40 MiB (4 %) by samples
+    r = soak.rss_report(flat, 3600)
+    assert one_sample(r) == 40 and r["growth_pct"] == 0
+    # creeping 0.5 MiB/min, the first sample at a cycle's top and the last on a trim: the samples read a fall,
+    # the medians the creep
+    creep = sawtooth(lambda t: 1000 + t / 120)[:3541]
+    r = soak.rss_report(creep, 3600, warmup_s=320)
+    assert one_sample(r) < 0 and r["growth_mib"] == pytest.approx(25, abs=1.5) and r["growth_pct"] > 2
 
 
 def timed(t_send, latency, ttft=None, stream=False, **kw):
