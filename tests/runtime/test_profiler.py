@@ -85,7 +85,9 @@ def test_admission_admits_what_meets_the_slo(loaded_fp32):
         stream = engine.add_request(list(range(1000, 1020)), SamplingParams(max_tokens=4, temperature=0,
                                                                             ignore_eos=True))
         return await _drain(stream)
-    assert _run(_config(admission="reject", ttft_s=30.0), loaded_fp32, body) == 4
+    # Targets any CPU meets, busy or not (the default TPOT target, 100 ms, is missed by float32 decode steps on a
+    # core shared with other work: 128 ms beside a soak).
+    assert _run(_config(admission="reject", ttft_s=30.0, tpot_s=10.0), loaded_fp32, body) == 4
 
 
 def test_profile_off_installs_no_admission(loaded_fp32):
