@@ -32,12 +32,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from nodeserve.model.config import LoadError
     from nodeserve.runtime import memory
 
-    memory.limit_malloc_arenas()  # before the worker, copy and tokenizer threads exist
-    memory.fix_malloc_thresholds()
-
     config = _load_config(args.config, "nodeserve: config error: ", args)
     if config is None:
         return 2
+    try:
+        env = memory.jemalloc_environ(config.server.allocator, os.environ, memory.find_jemalloc())
+    except ConfigError as e:
+        print(f"nodeserve: config error: {e}", file=sys.stderr)
+        return 2
+    if env is not None:  # the same command again, jemalloc preloaded: same PID, so systemd sees one service
+        os.execve(sys.executable, sys.orig_argv, env)
+    if memory.allocator_in_use() == "glibc":
+        memory.limit_malloc_arenas()  # before the worker, copy and tokenizer threads exist
+        memory.fix_malloc_thresholds()
     from nodeserve.server.serve import run
 
     try:

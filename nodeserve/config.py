@@ -59,6 +59,8 @@ class ServerSection:
     max_body_bytes: int = 4 * 1024 * 1024
     stall_dumps: bool = False             # log every thread's stack 0.3 s into an event-loop stall (diagnostic:
                                           # faulthandler reads running threads' frames unsafely, may crash)
+    allocator: str = "auto"               # auto | jemalloc | glibc: the C allocator (auto: jemalloc when the
+                                          # system has libjemalloc.so.2, else glibc; docs/operations.md)
 
 
 @dataclass(frozen=True)
@@ -347,6 +349,8 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
         raise ConfigError("'model.aliases' has an empty name")
     if s.port > 65535:
         raise ConfigError(f"'server.port' must be at most 65535, got {s.port}")
+    if s.allocator not in ("auto", "jemalloc", "glibc"):
+        raise ConfigError(f"'server.allocator' must be one of auto, jemalloc, glibc, got {s.allocator!r}")
     for key, value in (("server.request_timeout", s.request_timeout), ("server.drain_timeout", s.drain_timeout),
                        ("server.stats_interval", s.stats_interval)):
         if value < 0:

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from nodeserve.config import Config
 from nodeserve.runtime.engine import Engine
-from nodeserve.runtime.memory import heap_trim_loop
+from nodeserve.runtime.memory import allocator_in_use, heap_trim_loop
 from nodeserve.metrics import DeviceState
 from nodeserve.model.loader import load_model, parse_dtype
 from nodeserve.server.app import AccessLogger, ServerState, create_app, is_loopback
@@ -128,8 +128,9 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port)
     await site.start()  # /health answers 503 while the model loads
-    log.info("listening on http://%s:%d, loading %s as %s", config.server.host, config.server.port,
-             config.model.path, config.dtype)
+    allocator = allocator_in_use()
+    log.info("listening on http://%s:%d, loading %s as %s; malloc: %s", config.server.host, config.server.port,
+             config.model.path, config.dtype, allocator)
     if (warning := exposure_warning(config)) is not None:
         log.warning(warning)
     notifier.status(f"loading {config.model.path}")
@@ -207,7 +208,8 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     stats = None
     if config.server.stats_interval > 0:
         stats = asyncio.create_task(stats_loop(StatsLine(state.metrics, engine), config.server.stats_interval))
-    heap_trim = asyncio.create_task(heap_trim_loop())
+    # jemalloc purges on its own thread; glibc's arenas need malloc_trim
+    heap_trim = asyncio.create_task(heap_trim_loop()) if allocator == "glibc" else None
     loop_monitor = asyncio.create_task(LoopMonitor(on_lag=state.metrics.event_loop_lag.observe,
                                                    on_stall=state.metrics.observe_loop_stall,
                                                    dump_after_s=STALL_DUMP_S if config.server.stall_dumps
@@ -227,12 +229,9 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
         log.warning("drain timeout: ending %d requests", len(engine.streams))
         engine.fail_all("the server is shutting down")
         await asyncio.sleep(0.2)  # let their handlers write the final error event
-    if stats is not None:
-        stats.cancel()
-    heap_trim.cancel()
-    loop_monitor.cancel()
-    if watchdog is not None:
-        watchdog.cancel()
+    for task in (stats, heap_trim, loop_monitor, watchdog):
+        if task is not None:
+            task.cancel()
     await runner.cleanup()
     engine.stop()
     notifier.close()

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from nodeserve.config import ConfigError
 from nodeserve.runtime import memory
 
 
@@ -81,15 +82,51 @@ def test_the_server_caps_malloc_arenas_unless_the_operator_chose():
     assert said == "uncapped" and memory.MAX_MALLOC_ARENAS < arenas <= 6, arenas
 
 
-def test_nodeserve_run_caps_the_arenas_and_fixes_the_mmap_threshold_before_loading(monkeypatch, tmp_path):
+def _run_calls(monkeypatch, tmp_path, allocator: str, library: str | None, in_use: str = "glibc") -> list:
+    """What `nodeserve run` does before loading, in order, with the server's run() and os.execve recorded."""
     from nodeserve import cli
+    from nodeserve.server import serve
 
-    calls = []
+    calls: list = []
+    monkeypatch.setattr(memory, "find_jemalloc", lambda: library)
+    monkeypatch.setattr(memory, "allocator_in_use", lambda: in_use)
     monkeypatch.setattr(memory, "limit_malloc_arenas", lambda: calls.append("arenas") or True)
     monkeypatch.setattr(memory, "fix_malloc_thresholds", lambda: calls.append("mmap") or True)
-    (tmp_path / "bad.toml").write_text("[devices]\nmode = 'nonsense'\n")
-    assert cli.main(["run", "--config", str(tmp_path / "bad.toml")]) == 2
-    assert calls == ["arenas", "mmap"]
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: calls.append(("exec", path, list(argv), env)))
+    monkeypatch.setattr(serve, "run", lambda config: calls.append("run") or 0)
+    (tmp_path / "ok.toml").write_text(f"[server]\nallocator = {allocator!r}\n")
+    assert cli.main(["run", "--config", str(tmp_path / "ok.toml")]) == 0
+    return calls
+
+
+def test_nodeserve_run_caps_the_arenas_and_fixes_the_mmap_threshold_before_loading(monkeypatch, tmp_path):
+    assert _run_calls(monkeypatch, tmp_path, "auto", None) == ["arenas", "mmap", "run"]
+    assert _run_calls(monkeypatch, tmp_path, "glibc", "libjemalloc.so.2") == ["arenas", "mmap", "run"]
+
+
+def test_nodeserve_run_runs_itself_again_with_jemalloc_when_the_system_has_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("LD_PRELOAD", "libextra.so")
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
+    calls = _run_calls(monkeypatch, tmp_path, "auto", "libjemalloc.so.2")
+    (exec_call, path, argv, env), rest = calls[0], calls[1:]
+    assert exec_call == "exec" and path == sys.executable and argv == sys.orig_argv  # the same command
+    assert env["LD_PRELOAD"] == "libjemalloc.so.2 libextra.so" and env["MALLOC_CONF"] == memory.JEMALLOC_CONF
+    assert rest == ["arenas", "mmap", "run"]  # (only because execve was recorded, not done)
+    # run again: jemalloc serves malloc, so no third run, and glibc's arenas and thresholds are left alone
+    monkeypatch.setenv("LD_PRELOAD", env["LD_PRELOAD"])
+    assert _run_calls(monkeypatch, tmp_path, "auto", "libjemalloc.so.2", in_use="jemalloc") == ["run"]
+
+
+def test_jemalloc_environ():
+    lib = "libjemalloc.so.2"
+    assert memory.jemalloc_environ("glibc", {}, lib) is None
+    assert memory.jemalloc_environ("auto", {}, None) is None  # not installed: glibc, no error
+    with pytest.raises(ConfigError, match="apt install libjemalloc2"):
+        memory.jemalloc_environ("jemalloc", {}, None)
+    env = memory.jemalloc_environ("jemalloc", {"PATH": "/bin", "MALLOC_CONF": "narenas:2"}, lib)
+    assert env == {"PATH": "/bin", "LD_PRELOAD": lib, "MALLOC_CONF": "narenas:2"}  # the operator's options win
+    # preloaded already (this is the run again, or the operator's own LD_PRELOAD): never again
+    assert memory.jemalloc_environ("auto", {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}, lib) is None
 
 
 # A 16 MiB block freed, then taken and freed again, with a small block allocated after it each time (a long-lived
@@ -140,3 +177,19 @@ def test_the_operators_malloc_thresholds_win(env):
     out = subprocess.run([sys.executable, "-c", code], env=_clean_env() | env, capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("allocator", ["auto", "glibc"])
+def test_nodeserve_run_serves_malloc_from_jemalloc_unless_told_glibc(tmp_path, allocator):
+    """The real command: run again with jemalloc preloaded (auto), or not at all (glibc); the log says which. The
+    model path does not exist, so it stops right after the line."""
+    if memory.find_jemalloc() is None:
+        pytest.skip("libjemalloc is not installed (apt install libjemalloc2)")
+    config = tmp_path / "nodeserve.toml"
+    config.write_text(f'[model]\npath = "{tmp_path}/none.gguf"\n[server]\nport = 0\nallocator = "{allocator}"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}
+    proc = subprocess.run([sys.executable, "-m", "nodeserve", "run", "--config", str(config), "--log-level", "info"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "cannot load model" in proc.stderr, proc.stderr
+    expected = "jemalloc" if allocator == "auto" else "glibc"
+    assert f"malloc: {expected}\n" in proc.stderr, proc.stderr
