@@ -1,5 +1,6 @@
-"""Whether a model replica and its KV pool fit in a device's free memory, checked before anything is copied; and
-giving the C heap's free pages back to the OS while serving."""
+"""Whether a model replica and its KV pool fit in a device's free memory, checked before anything is copied; which
+C allocator serves malloc (jemalloc where installed); and, on glibc's, giving the heap's free pages back while
+serving."""
 
 from __future__ import annotations
 
@@ -76,8 +77,8 @@ def jemalloc_environ(allocator: str, environ: Mapping[str, str], library: str | 
     Why: torch's activations come and go in every size on several threads, and glibc's arenas fragment under
     that: freed blocks are reused from all over the heap, which kept growing (the one-hour soak: +2.6 % by
     5-minute medians with two arenas, +3.6 % with one, bench/README.md) and malloc_trim's pages came back within
-    seconds. jemalloc's size classes and its decay purging (on its own thread here) hold RSS to the live data;
-    the same engine ran 5-8 % faster with it (bench/README.md)."""
+    seconds. jemalloc's size classes and its decay purging (on its own thread here) held the hour to +1.25 %, and
+    the engine ran no slower with it (single stream +9 %, 16 streams +5 %, prefill -2 %; bench/README.md)."""
     if allocator == "glibc" or "jemalloc" in environ.get("LD_PRELOAD", ""):  # chosen, or preloaded already
         return None
     if library is None:
