@@ -200,6 +200,11 @@ class TorchAttention(PagedAttention):
         start = nd
         for b in range(nd, meta.num_seqs):
             q_len, seq_len = meta.query_lens[b], meta.seq_lens_host[b]
+            if kernels is not None and kernels.prefill_attention(
+                    q[start:start + q_len], kv_layer, meta.page_tables[b], seq_len - q_len, scale,
+                    out[start:start + q_len]):
+                start += q_len
+                continue
             num_pages = -(-seq_len // meta.page_size)
             kp, vp = gather_kv(kv_layer, meta.page_tables[b:b + 1, :num_pages], seq_len, dtype)
             qp = q[None, start:start + q_len]  # [1, q_len, H, D]

@@ -40,6 +40,7 @@ _SIGNATURES = {
     "ns_linear": (_int, [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]),
     "ns_dequant_rows": (None, [_int, _ptr, _i64, _ptr, _i64, _ptr]),
     "ns_paged_decode_attention": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32]),
+    "ns_prefill_attention": (_int, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32]),
     "ns_rms_norm": (None, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32]),
     "ns_add_rms_norm": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32]),
     "ns_silu_and_mul": (None, [_ptr, _ptr, _i64, _i64]),
@@ -47,6 +48,7 @@ _SIGNATURES = {
     "ns_write_kv": (None, [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]),
     "ns_isa": (_int, []),
     "ns_r16_supported": (_int, []),
+    "ns_prefill_supported": (_int, []),
     "ns_r16_bytes": (_i64, [_int, _i64, _i64]),
     "ns_repack_r16": (None, [_int, _ptr, _i64, _i64, _ptr]),
     "ns_helper_new": (_ptr, [_int]),
@@ -101,6 +103,7 @@ class NativeKernels:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
         self.r16 = bool(lib.ns_r16_supported())  # the VNNI GEMM over repacked weights is built in
+        self.prefill = bool(lib.ns_prefill_supported())  # the AVX-512 prefill attention (csrc/prefill_attn.c)
         self.isa = "avx512-vnni" if self.r16 else {2: "avx2", 0: "scalar"}[lib.ns_isa()]
 
     def repack(self, qtype: int, weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -171,6 +174,19 @@ class NativeKernels:
                 seq_lens.data_ptr(), out.data_ptr(), b, h, kv_layer.shape[3], d, kv_layer.shape[2], scale):
             raise MemoryError("ns_paged_decode_attention: out of memory")
         return out
+
+    def prefill_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, page_table: torch.Tensor, num_prefix: int,
+                          scale: float, out: torch.Tensor) -> bool:
+        """out [Lq, H, D] = causal attention of q [Lq, H, D] (float32; heads and D contiguous, rows strided), the
+        tokens after num_prefix cached ones of the sequence whose pages are page_table (int64, contiguous), over
+        a float32 pool layer [P, 2, page_size, KH, D]. False (out untouched) where the kernel is not built
+        (no AVX-512) or does not take these shapes."""
+        lq, h, d = q.shape
+        if q.stride()[1:] != (d, 1) or out.stride()[1:] != (d, 1) or page_table.dtype != torch.int64:
+            return False
+        return self.lib.ns_prefill_attention(
+            q.data_ptr(), q.stride(0), kv_layer.data_ptr(), page_table.data_ptr(), num_prefix, lq, out.data_ptr(),
+            out.stride(0), h, kv_layer.shape[3], d, kv_layer.shape[2], scale) == 0
 
 
 @functools.cache

@@ -147,3 +147,18 @@ def test_write_kv_scatters_to_slots():
         assert torch.equal(kv_layer[page, 0, off], k[i])
         assert torch.equal(kv_layer[page, 1, off], v[i])
     assert int((kv_layer != 0).any(-1).any(-1).sum()) == 6  # 3 K rows + 3 V rows, nothing else
+
+
+def test_a_chunk_after_a_prefix_equals_one_masked_sdpa_call():
+    """attend_after_prefix (the CPU path where the native prefill kernel is not built): two flash calls merged by
+    their log-sum-exps give the masked call's output."""
+    from nodeserve.attention.torch_ref import attend, attend_after_prefix
+
+    torch.manual_seed(8)
+    for num_prefix, q_len, h, kh in [(1, 1, 9, 3), (40, 7, 9, 3), (300, 129, 4, 4), (64, 64, 8, 2)]:
+        q = torch.randn(1, q_len, h, 64)
+        k, v = torch.randn(1, num_prefix + q_len, kh, 64), torch.randn(1, num_prefix + q_len, kh, 64)
+        seq_len = num_prefix + q_len
+        mask = (torch.arange(seq_len)[None, :] <= torch.arange(num_prefix, seq_len)[:, None])[None, None]
+        torch.testing.assert_close(attend_after_prefix(q, k, v, 0.125), attend(q, k, v, mask, False, 0.125),
+                                   rtol=1e-5, atol=1e-5)

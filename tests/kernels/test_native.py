@@ -289,3 +289,51 @@ def test_a_lent_core_takes_the_later_sequences_of_decode_attention_and_the_resul
     q, lens = torch.randn(len(seq_lens), h, d), torch.tensor(seq_lens)
     _check_split_with_a_lent_core(lambda: kernels.paged_decode_attention(q, kv, tables, lens, 0.125),
                                   kernels.paged_decode_attention(q, kv, tables, lens, 0.125))
+
+
+needs_avx512 = pytest.mark.skipif(kernels is None or not kernels.prefill,
+                                  reason="needs AVX-512F (the prefill attention kernel)")
+
+
+def _prefill_case(num_prefix: int, q_len: int, page_size: int, h: int, kh: int, d: int, seed: int = 0):
+    """A sequence of num_prefix + q_len tokens on shuffled pages of a pool with spare pages of NaN (read by
+    mistake, they would show), and q_len query rows strided as the fused QKV projection leaves them."""
+    g = torch.Generator().manual_seed(seed)
+    seq_len = num_prefix + q_len
+    num_pages = -(-seq_len // page_size)
+    kv = torch.full((num_pages + 3, 2, page_size, kh, d), float("nan"))
+    table = torch.randperm(num_pages + 3, generator=g)[:num_pages].contiguous()
+    pos = torch.arange(seq_len)
+    kv[table[pos // page_size], :, pos % page_size] = torch.randn(seq_len, 2, kh, d, generator=g)
+    q = torch.randn(q_len, (h + 2 * kh) * d, generator=g)[:, :h * d].view(q_len, h, d)
+    return kv, table, q
+
+
+@needs_avx512
+@pytest.mark.parametrize("num_prefix,q_len,page_size,h,kh,d", [
+    (0, 1, 16, 9, 3, 64), (0, 17, 16, 9, 3, 64), (3, 1, 16, 9, 3, 64), (47, 3, 16, 9, 3, 64),
+    (0, 100, 3, 9, 3, 64), (37, 64, 1, 9, 3, 64), (100, 33, 64, 9, 3, 64), (300, 257, 16, 9, 3, 64),
+    (5, 70, 7, 8, 2, 128), (10, 40, 16, 4, 4, 128)])
+def test_prefill_attention_matches_masked_sdpa_over_gathered_pages(one_thread, num_prefix, q_len, page_size, h,
+                                                                   kh, d):
+    from nodeserve.attention.torch_ref import attend, gather_kv
+
+    kv, table, q = _prefill_case(num_prefix, q_len, page_size, h, kh, d)
+    out = torch.full((q_len, h, d), 7.0)
+    assert kernels.prefill_attention(q, kv, table, num_prefix, d ** -0.5, out)
+    seq_len = num_prefix + q_len
+    k, v = gather_kv(kv, table[None], seq_len)
+    mask = (torch.arange(seq_len)[None, :] <= torch.arange(num_prefix, seq_len)[:, None])[None, None]
+    want = attend(q[None], k, v, mask, False, d ** -0.5)[0]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_avx512
+def test_a_lent_core_takes_prefill_attention_tasks_and_the_result_is_the_same():
+    kv, table, q = _prefill_case(200, 300, 16, 9, 3, 64, seed=6)
+
+    def call():
+        out = torch.empty(300, 9, 64)
+        assert kernels.prefill_attention(q, kv, table, 200, 0.125, out)
+        return out
+    _check_split_with_a_lent_core(call, call())

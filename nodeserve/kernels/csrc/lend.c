@@ -38,11 +38,19 @@ int ns_paged_decode_attention_local(const float *q, const float *kv, const int64
 #define MIN_SPLIT_ROWS 64  /* below this many output rows a split costs more than the second core gives */
 #define MIN_SPLIT_KV 512   /* ... below this many KV tokens a step's attention (~0.1 ms a layer) */
 enum { IDLE, POSTED, RUNNING, DONE };
-enum { LINEAR, ATTENTION };
+enum { LINEAR, ATTENTION, TASKS };
 
-/* One half of a call: ns_linear_local's or ns_paged_decode_attention_local's arguments. */
+/* Runs tasks taken from *next until none are left, or, when lent is not NULL (on a helper), until *lent is 0. */
+typedef void (*ns_tasks_fn)(const void *ctx, atomic_long *next, const atomic_int *lent);
+
+/* One half of a call: ns_linear_local's or ns_paged_decode_attention_local's arguments, or one side of a shared
+ * task list. */
 struct ns_job {
     int kind;
+    ns_tasks_fn fn;  /* TASKS: fn(ctx, next, lent) */
+    const void *ctx;
+    atomic_long *next;
+    const atomic_int *lent;
     int type;  /* LINEAR: y [M, ldy] columns n_begin..n_end = x @ W^T */
     const uint8_t *w;
     const float *x;
@@ -56,6 +64,10 @@ struct ns_job {
 };
 
 static int run_job(const struct ns_job *j) {
+    if (j->kind == TASKS) {
+        j->fn(j->ctx, j->next, j->lent);
+        return 0;
+    }
     if (j->kind == LINEAR)
         return ns_linear_local(j->type, j->w, j->x, j->y, j->M, j->K, j->ldy, j->n_begin, j->n_end);
     return ns_paged_decode_attention_local(j->q, j->kv, j->block_tables, j->max_pages, j->seq_lens, j->out, j->B,
@@ -215,4 +227,20 @@ int ns_paged_decode_attention(const float *q, const float *kv, const int64_t *bl
     theirs.out = out + mid * H * D;
     theirs.B = B - mid;
     return split(h, &mine, &theirs);
+}
+
+/* Runs fn's tasks on this thread and, when `split` and the borrowed helper is lent and idle, on the helper too:
+ * both take tasks from one counter, and the helper stops taking them once its core is taken back (the borrowing
+ * thread then takes the rest). For work cut into many short tasks of uneven cost (prefill attention). */
+void ns_run_tasks(ns_tasks_fn fn, const void *ctx, int split_ok) {
+    struct ns_helper *h = borrowed;
+    atomic_long next = 0;
+    struct ns_job mine = {.kind = TASKS, .fn = fn, .ctx = ctx, .next = &next, .lent = NULL};
+    if (!split_ok || !can_split(h)) {
+        run_job(&mine);
+        return;
+    }
+    struct ns_job theirs = mine;
+    theirs.lent = &h->lent;
+    split(h, &mine, &theirs);
 }

@@ -1,0 +1,195 @@
+/* Prefill attention over the paged KV pool with AVX-512: a chunk of Lq query tokens after num_prefix cached ones
+ * (0 for a prompt's first chunk), query i seeing every key up to its own position, K/V read where they lie in the
+ * pages (no gather, no mask tensor, no score past the diagonal computed).
+ *
+ * Why by hand: torch's CPU flash attention takes no page table (the pages are gathered first) and no causal
+ * offset (a chunk after a prefix needs a mask, or two calls merged by their log-sum-exps), and it runs on the
+ * calling thread only; this one splits its tasks with a lent core (lend.c), so a long prompt's attention uses the
+ * machine as its GEMMs do.
+ *
+ * Layout: lanes are query tokens. A task is 16 consecutive query tokens of one head; its Q is transposed to
+ * qt[d] = (the 16 tokens' q[d]) and its scores for a block of up to 16 keys are 16 vectors s[j] (key j for the 16
+ * tokens), so each multiply-add broadcasts one K (or V) value from the page and the online softmax's max and sum
+ * over keys are vertical (no horizontal reductions). Softmax in base 2 (q pre-scaled by log2 e), exp2 by a
+ * degree-7 polynomial and scalef (relative error ~1e-7, float32's own).
+ *
+ * Tasks are handed out by an atomic counter, the longest first (the last query tokens see the most keys), so a
+ * lent core takes tasks until its own device wants it back and finishes at most the one it is on (~0.1 ms).
+ * Each task is computed whole by one thread: the output does not depend on the split.
+ */
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define NS_PREFILL 1
+#else
+#define NS_PREFILL 0
+#endif
+
+#define LANES 16    /* query tokens per task, one per lane */
+#define KEYS 16     /* keys per block: 16 score vectors */
+#define MAX_D 256
+#define MIN_SPLIT_PAIRS 4096
+
+/* The arguments of ns_prefill_attention (lend.c), shared by the threads that run its tasks. */
+struct ns_prefill {
+    const float *q;           /* [Lq, H, D], rows ldq floats apart */
+    const float *kv;          /* [num_pages, 2, page_size, KH, D]: one layer of the pool */
+    const int64_t *table;     /* the sequence's pages */
+    float *out;               /* [Lq, H, D], rows ldo floats apart */
+    const float *kpack, *vpack;  /* pack_kv's */
+    int64_t ldq, ldo, num_prefix, Lq, H, KH, D, page_size;
+    float scale;
+};
+
+int ns_prefill_supported(void) { return NS_PREFILL; }
+
+static int64_t num_tasks(const struct ns_prefill *a) { return (a->Lq + LANES - 1) / LANES * a->H; }
+
+typedef void (*ns_tasks_fn)(const void *ctx, atomic_long *next, const atomic_int *lent);
+void ns_run_tasks(ns_tasks_fn fn, const void *ctx, int split_ok);  /* lend.c */
+
+#if NS_PREFILL
+static inline __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));  /* -inf (a masked score) too: its weight is zeroed by the mask */
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 g = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.6931471805599453f));  /* |g| <= 0.35 */
+    __m512 p = _mm512_set1_ps(1.0f / 5040);  /* e^g by Taylor to degree 7: error < 6e-9 */
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* K and V of the sequence's first num_keys keys, packed for the tasks: per KV head and block of 16 keys,
+ * [D][16] (the 16 keys' value d side by side), so a task's multiply-adds broadcast from one base at constant
+ * offsets. Past num_keys: zeros (masked). Shared by the H / KH heads and every task. */
+static void pack_kv(const struct ns_prefill *a, int64_t num_keys, float *kp, float *vp) {
+    const int64_t D = a->D, ps = a->page_size, token_stride = a->KH * D, page_stride = 2 * ps * token_stride;
+    const int64_t nb = (num_keys + KEYS - 1) / KEYS;
+    for (int64_t kh = 0; kh < a->KH; kh++)
+        for (int64_t b = 0; b < nb; b++) {
+            float *kb = kp + (kh * nb + b) * KEYS * D, *vb = vp + (kh * nb + b) * KEYS * D;
+            for (int64_t j = 0; j < KEYS; j++) {
+                const int64_t t = b * KEYS + j;
+                if (t >= num_keys) {
+                    for (int64_t d = 0; d < D; d++) kb[d * KEYS + j] = vb[d * KEYS + j] = 0.0f;
+                    continue;
+                }
+                const float *k = a->kv + a->table[t / ps] * page_stride + (t % ps) * token_stride + kh * D;
+                const float *v = k + ps * token_stride;
+                for (int64_t d = 0; d < D; d++) {
+                    kb[d * KEYS + j] = k[d];
+                    vb[d * KEYS + j] = v[d];
+                }
+            }
+        }
+}
+
+/* Task t: query tokens r0 .. r0 + 15 of head h. */
+static void run_task(const struct ns_prefill *a, int64_t t) {
+    const int64_t nrb = (a->Lq + LANES - 1) / LANES, D = a->D;
+    const int64_t rb = nrb - 1 - t / a->H, h = t % a->H, kh = h / (a->H / a->KH);
+    const int64_t r0 = rb * LANES, nr = a->Lq - r0 < LANES ? a->Lq - r0 : LANES;
+    const int64_t num_keys = a->num_prefix + r0 + nr;  /* the last token of the task sees them all */
+    const int64_t nb_all = (a->num_prefix + a->Lq + KEYS - 1) / KEYS;
+    const float c = a->scale * 1.4426950408889634f;     /* log2 e: softmax in base 2 */
+    float qt[MAX_D][LANES] __attribute__((aligned(64)));
+    float ot[MAX_D][LANES] __attribute__((aligned(64)));
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t i = 0; i < LANES; i++) {
+            qt[d][i] = i < nr ? a->q[(r0 + i) * a->ldq + h * D + d] * c : 0.0f;
+            ot[d][i] = 0.0f;
+        }
+    __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+    for (int64_t b = 0; b * KEYS < num_keys; b++) {
+        const float *kb = a->kpack + (kh * nb_all + b) * KEYS * D, *vb = a->vpack + (kh * nb_all + b) * KEYS * D;
+        __mmask16 valid[KEYS];
+        for (int j = 0; j < KEYS; j++) {
+            /* key b * 16 + j is seen by lanes i with num_prefix + r0 + i >= b * 16 + j */
+            const int64_t first = b * KEYS + j - a->num_prefix - r0;
+            valid[j] = b * KEYS + j >= num_keys ? 0 : first <= 0 ? (__mmask16)0xffff : (__mmask16)(0xffffu << first);
+        }
+        __m512 s[KEYS];
+        for (int j = 0; j < KEYS; j++) s[j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            const __m512 qd = _mm512_load_ps(qt[d]);
+            for (int j = 0; j < KEYS; j++) s[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kb[d * KEYS + j]), s[j]);
+        }
+        __m512 mx = m;
+        for (int j = 0; j < KEYS; j++) {
+            s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], s[j]);
+            mx = _mm512_max_ps(mx, s[j]);
+        }
+        const __m512 alpha = exp2_ps(_mm512_sub_ps(m, mx));  /* ~0 on the first block, where l and ot are 0 */
+        m = mx;
+        l = _mm512_mul_ps(l, alpha);
+        for (int j = 0; j < KEYS; j++) {
+            s[j] = _mm512_maskz_mov_ps(valid[j], exp2_ps(_mm512_sub_ps(s[j], mx)));
+            l = _mm512_add_ps(l, s[j]);
+        }
+        for (int64_t d = 0; d < D; d++) {
+            __m512 o = _mm512_mul_ps(_mm512_load_ps(ot[d]), alpha);
+            for (int j = 0; j < KEYS; j++) o = _mm512_fmadd_ps(s[j], _mm512_set1_ps(vb[d * KEYS + j]), o);
+            _mm512_store_ps(ot[d], o);
+        }
+    }
+    float inv[LANES] __attribute__((aligned(64)));
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+    for (int64_t i = 0; i < nr; i++) {
+        float *o = a->out + (r0 + i) * a->ldo + h * D;
+        for (int64_t d = 0; d < D; d++) o[d] = ot[d][i] * inv[i];
+    }
+}
+#endif
+
+/* Takes tasks from *next until none are left, or (a helper) until *lent is 0: its core's owner wants it back. */
+static void run_tasks(const void *ctx, atomic_long *next, const atomic_int *lent) {
+#if NS_PREFILL
+    const struct ns_prefill *a = ctx;
+    const int64_t n = num_tasks(a);
+    while (!lent || atomic_load(lent)) {
+        const int64_t t = atomic_fetch_add(next, 1);
+        if (t >= n) break;
+        run_task(a, t);
+    }
+#else
+    (void)ctx; (void)next; (void)lent;
+#endif
+}
+
+/* out = attention of q's Lq tokens (positions num_prefix .. num_prefix + Lq - 1 of the sequence whose pages are
+ * `table`) over the keys at positions up to each one's own, split with a lent core when there is enough work.
+ * q, out: [Lq, H, D] with heads and D contiguous, rows ldq / ldo floats apart; kv: one layer of the pool,
+ * [num_pages, 2, page_size, KH, D]. Returns 0, or -1 when this build or these shapes have no kernel (the caller
+ * uses torch's). */
+int ns_prefill_attention(const float *q, int64_t ldq, const float *kv, const int64_t *table, int64_t num_prefix,
+                         int64_t Lq, float *out, int64_t ldo, int64_t H, int64_t KH, int64_t D, int64_t page_size,
+                         float scale) {
+    if (!NS_PREFILL || D > MAX_D || KH <= 0 || H % KH || Lq <= 0) return -1;
+#if NS_PREFILL
+    struct ns_prefill a = {.q = q, .kv = kv, .table = table, .out = out, .ldq = ldq, .ldo = ldo,
+                           .num_prefix = num_prefix, .Lq = Lq, .H = H, .KH = KH, .D = D, .page_size = page_size,
+                           .scale = scale};
+    const int64_t num_keys = num_prefix + Lq, packed = (num_keys + KEYS - 1) / KEYS * KEYS * KH * D;
+    float *kp = aligned_alloc(64, sizeof(float) * (size_t)(2 * packed));
+    if (!kp) return -1;
+    pack_kv(&a, num_keys, kp, kp + packed);
+    a.kpack = kp;
+    a.vpack = kp + packed;
+    /* below ~64 x 64 query-key pairs a head, the post costs more than the second core gives */
+    ns_run_tasks(run_tasks, &a, num_tasks(&a) > 1 && Lq * (num_prefix + Lq) >= MIN_SPLIT_PAIRS);
+    free(kp);
+    return 0;
+#else
+    (void)q; (void)ldq; (void)kv; (void)table; (void)num_prefix; (void)out; (void)ldo; (void)page_size; (void)scale;
+    return -1;
+#endif
+}
