@@ -15,6 +15,9 @@ What each row means:
     of 32 a row).
   * attention B x L: one layer's paged decode attention for B sequences of L tokens (pages scattered),
     "x bound" = time / (K and V bytes / bandwidth).
+  * prefill attention P+L: one layer's attention for an L-token chunk after P cached tokens, the native
+    AVX-512 kernel (pages read in place) vs the torch path (gather, then torch's flash attention), GFLOP/s of
+    the causal work and its fraction of the fp32 matmul peak.
   * step B x L: ModelRunner.run of B decode rows with L tokens each (what a decode worker runs per step),
     quantization auto vs none; "x bound" = time / ((weight + KV bytes) / bandwidth).
   * prefill: a 512-token chunk, tok/s, and its FLOP rate as a fraction of the measured fp32 matmul peak.
@@ -106,6 +109,36 @@ def attention_rows(kernels, gbs: float, shapes: list[tuple[int, int]]) -> list[d
     return rows
 
 
+def prefill_attention_rows(kernels, peak: float, shapes: list[tuple[int, int]]) -> list[dict]:
+    """One layer's attention for a chunk of L tokens after P cached ones (SmolLM2's 9 heads, 3 KV heads, D 64):
+    the native kernel reading the pages vs what the torch path does (gather the pages, then torch's flash
+    attention: causal, or two calls merged after a prefix); GFLOP/s counts only the scores under the diagonal."""
+    from nodeserve.attention.torch_ref import attend, attend_after_prefix, gather_kv
+
+    rows = []
+    for num_prefix, length in shapes:
+        seq_len = num_prefix + length
+        pps = pages_for(seq_len, 16)
+        kv = torch.randn(pps + 7, 2, 16, 3, 64)
+        table = torch.randperm(pps + 7)[:pps].contiguous()
+        q, out = torch.randn(length, 9, 64), torch.empty(length, 9, 64)
+
+        def by_torch():
+            k, v = gather_kv(kv, table[None], seq_len)
+            if num_prefix:
+                return attend_after_prefix(q[None], k, v, 0.125)
+            return attend(q[None], k, v, None, True, 0.125)
+        flops = 4 * 9 * 64 * sum(num_prefix + i + 1 for i in range(length))
+        row = {"what": f"prefill attention {num_prefix}+{length}"}
+        if kernels.prefill:
+            t = timed(lambda: kernels.prefill_attention(q, kv, table, num_prefix, 0.125, out), 5)
+            row.update(native_ms=t * 1e3, native_GFLOPs=flops / t / 1e9, native_of_peak=flops / t / 1e9 / peak)
+        t = timed(by_torch, 5)
+        row.update(torch_ms=t * 1e3, torch_GFLOPs=flops / t / 1e9, torch_of_peak=flops / t / 1e9 / peak)
+        rows.append(row)
+    return rows
+
+
 def step_rows(models: dict, gbs: float, shapes: list[tuple[int, int]]) -> list[dict]:
     rows = []
     for b, length in shapes:
@@ -165,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["rows"] += gemm_rows(models, gbs, [1, 2, 4, 8, 16, 32])
     result["rows"] += crossover_rows(quant, [16, 32, 64, 256])
     result["rows"] += attention_rows(kernels, gbs, [(1, 512), (1, 2048), (16, 1024), (32, 256)])
+    result["rows"] += prefill_attention_rows(kernels, peak, [(0, 1024), (1024, 1024), (3072, 1024)])
     result["rows"] += step_rows(models, gbs, [(1, 128), (1, 1024), (16, 1024), (32, 128)])
     result["rows"] += prefill_rows(models, peak)
     for row in result["rows"]:
