@@ -3,6 +3,7 @@ dtype or in FP8 (e4m3) with per-layer scales; the quantizing write here is the o
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -159,6 +160,10 @@ class TorchAttention(PagedAttention):
         self.scale = cfg.head_dim ** -0.5
         paged = pool.device.type == "cpu" and dtype == pool.dtype == torch.float32
         self._kernels = native.load() if paged else None  # None: no compiler, or not a pool the kernels read
+        # prefill chunks by csrc/prefill_attn.c where built (AVX-512); NODESERVE_KERNELS=avx2 keeps torch's, as an
+        # AVX2 machine runs (for A/B measurements)
+        self._prefill_kernel = (self._kernels is not None and self._kernels.prefill
+                                and os.environ.get("NODESERVE_KERNELS", "") != "avx2")
         self._groups: list[_DecodeGroup] = []
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -200,7 +205,7 @@ class TorchAttention(PagedAttention):
         start = nd
         for b in range(nd, meta.num_seqs):
             q_len, seq_len = meta.query_lens[b], meta.seq_lens_host[b]
-            if kernels is not None and kernels.prefill_attention(
+            if self._prefill_kernel and kernels.prefill_attention(
                     q[start:start + q_len], kv_layer, meta.page_tables[b], seq_len - q_len, scale,
                     out[start:start + q_len]):
                 start += q_len
