@@ -139,6 +139,17 @@ def prefill_attention_rows(kernels, peak: float, shapes: list[tuple[int, int]]) 
     return rows
 
 
+def runner_for(name: str, model, pool: KVPool, max_num_seqs: int):
+    """The runner a worker builds; for "avx2", with torch's prefill attention too, as an AVX2 machine runs it
+    (NODESERVE_KERNELS=avx2 is read when the attention backend is built, as it was for the GEMMs at load)."""
+    if name == "avx2":
+        os.environ["NODESERVE_KERNELS"] = "avx2"
+    try:
+        return build_runner(model, pool, "auto", cuda_graphs=False, max_num_seqs=max_num_seqs)
+    finally:
+        os.environ.pop("NODESERVE_KERNELS", None)
+
+
 def step_rows(models: dict, gbs: float, shapes: list[tuple[int, int]]) -> list[dict]:
     rows = []
     for b, length in shapes:
@@ -146,7 +157,7 @@ def step_rows(models: dict, gbs: float, shapes: list[tuple[int, int]]) -> list[d
         for name, model in models.items():
             pps = pages_for(length + 20, 16)
             pool = KVPool(model.cfg, b * pps + 1, 16, torch.float32, torch.device("cpu"))
-            runner = build_runner(model, pool, "auto", cuda_graphs=False, max_num_seqs=b)
+            runner = runner_for(name, model, pool, b)
             tables = [pool.manager.allocate(pps) for _ in range(b)]
             step = [0]
 
@@ -166,7 +177,7 @@ def prefill_rows(models: dict, peak: float, tokens: int = 512) -> list[dict]:
     row = {"what": f"prefill {tokens}"}
     for name, model in models.items():
         pool = KVPool(model.cfg, pages_for(tokens, 16) + 1, 16, torch.float32, torch.device("cpu"))
-        runner = build_runner(model, pool, "auto", cuda_graphs=False, max_num_seqs=1)
+        runner = runner_for(name, model, pool, 1)
         table = pool.manager.allocate(pages_for(tokens, 16))
         ids = torch.randint(100, 40000, (tokens,)).tolist()
         t = timed(lambda: runner.run([SeqChunk(ids, 0, table)]), 3)
