@@ -86,7 +86,8 @@ def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     """A prefill chunk after a cached prefix, on CPU: q [1, Lq, H, D], k/v [1, Lk, KH, D] (the prefix's Lk - Lq
     keys, then the chunk's) -> [1, Lq, H, D]; query i sees the prefix and the chunk's keys up to its own.
 
-    Two flash-attention calls merged by their log-sum-exps: the prefix with no mask (the G query heads of a KV
+    Two calls of torch's CPU flash kernel (the op behind SDPA, which also returns the log-sum-exp SDPA drops),
+    merged by their log-sum-exps: the prefix with no mask (the G query heads of a KV
     head stacked as G x Lq rows, so K/V are not repeated) and the chunk causally. A masked call computes every
     score, the masked-out ones too, and builds the mask: a 1k chunk after 1k cached tokens took 54 -> 38 ms a
     layer on one core (the Xeon)."""

@@ -182,7 +182,8 @@ class NativeKernels:
         a float32 pool layer [P, 2, page_size, KH, D]. False (out untouched) where the kernel is not built
         (no AVX-512) or does not take these shapes."""
         lq, h, d = q.shape
-        if q.stride()[1:] != (d, 1) or out.stride()[1:] != (d, 1) or page_table.dtype != torch.int64:
+        if (q.stride()[1:] != (d, 1) or out.stride()[1:] != (d, 1) or page_table.dtype != torch.int64
+                or not page_table.is_contiguous()):
             return False
         return self.lib.ns_prefill_attention(
             q.data_ptr(), q.stride(0), kv_layer.data_ptr(), page_table.data_ptr(), num_prefix, lq, out.data_ptr(),

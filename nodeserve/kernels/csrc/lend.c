@@ -229,7 +229,7 @@ int ns_paged_decode_attention(const float *q, const float *kv, const int64_t *bl
     return split(h, &mine, &theirs);
 }
 
-/* Runs fn's tasks on this thread and, when `split` and the borrowed helper is lent and idle, on the helper too:
+/* Runs fn's tasks on this thread and, when split_ok and the borrowed helper is lent and idle, on the helper too:
  * both take tasks from one counter, and the helper stops taking them once its core is taken back (the borrowing
  * thread then takes the rest). For work cut into many short tasks of uneven cost (prefill attention). */
 void ns_run_tasks(ns_tasks_fn fn, const void *ctx, int split_ok) {
