@@ -9,8 +9,8 @@
  *
  * Layout: lanes are query tokens. A task is 16 consecutive query tokens of one head; its Q is transposed to
  * qt[d] = (the 16 tokens' q[d]) and its scores for a block of up to 16 keys are 16 vectors s[j] (key j for the 16
- * tokens), so each multiply-add broadcasts one K (or V) value from the page and the online softmax's max and sum
- * over keys are vertical (no horizontal reductions). Softmax in base 2 (q pre-scaled by log2 e), exp2 by a
+ * tokens), so each multiply-add broadcasts one K (or V) value from a packed block and the online softmax's max and
+ * sum over keys are vertical (no horizontal reductions). Softmax in base 2 (q pre-scaled by log2 e), exp2 by a
  * degree-7 polynomial and scalef (relative error ~1e-7, float32's own).
  *
  * Tasks are handed out by an atomic counter, the longest first (the last query tokens see the most keys), so a
@@ -34,7 +34,7 @@
 #define MAX_D 256
 #define MIN_SPLIT_PAIRS 4096
 
-/* The arguments of ns_prefill_attention (lend.c), shared by the threads that run its tasks. */
+/* The arguments of ns_prefill_attention (below), shared by the threads that run its tasks. */
 struct ns_prefill {
     const float *q;           /* [Lq, H, D], rows ldq floats apart */
     const float *kv;          /* [num_pages, 2, page_size, KH, D]: one layer of the pool */
