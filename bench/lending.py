@@ -41,11 +41,14 @@ async def _stream(engine, ids, max_tokens):
     return first - t0, last - first, n
 
 
-def run(loaded, lend: bool, long_tokens: int, decode_tokens: int, torch_prefill_attention: bool = False) -> dict:
-    # read when engine.start() builds the attention backends: torch's prefill attention, as an AVX2 machine runs it
-    os.environ.pop("NODESERVE_KERNELS", None)
-    if torch_prefill_attention:
-        os.environ["NODESERVE_KERNELS"] = "avx2"
+def run(loaded, lend: bool, long_tokens: int, decode_tokens: int, torch_prefill_attention: bool | None = None) -> dict:
+    """torch_prefill_attention: None leaves the environment alone; True / False set NODESERVE_KERNELS=avx2 / unset it
+    while engine.start() builds the attention backends (torch's prefill attention, as an AVX2 machine runs it)."""
+    ab = torch_prefill_attention is not None
+    if ab:
+        os.environ.pop("NODESERVE_KERNELS", None)
+        if torch_prefill_attention:
+            os.environ["NODESERVE_KERNELS"] = "avx2"
     cfg = config_from_dict({"devices": {"lend_idle_cores": lend}, "kv": {"memory_gib": 1.0, "prefix_cache": False},
                             "profile": {"startup": False}})
     engine = Engine(cfg, loaded)
@@ -54,7 +57,8 @@ def run(loaded, lend: bool, long_tokens: int, decode_tokens: int, torch_prefill_
 
     async def main():
         engine.start(asyncio.get_running_loop())  # builds the attention backends
-        os.environ.pop("NODESERVE_KERNELS", None)
+        if ab:
+            os.environ.pop("NODESERVE_KERNELS", None)
         try:
             await _stream(engine, short, 8)  # warm-up
             out = {}
@@ -79,13 +83,14 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--prefill-attention-ab", action="store_true",
                     help="lending on in every run: the native prefill attention vs torch's (NODESERVE_KERNELS=avx2 "
-                         "for attention only; the model's GEMMs stay the default's), interleaved ABBAAB, three runs each")
+                         "for attention only; the model's GEMMs stay the default's), interleaved ABBAAB, three runs "
+                         "each")
     args = ap.parse_args()
     loaded = load_model("smollm2-135m-instruct", torch.float32, quantization="auto")
     result = {"machine": cpu_model(), "platform": platform.platform(), "kernels": native.load().isa,
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv), "runs": {}}
     a, b = (("native prefill attention", True, False), ("torch prefill attention", True, True)) \
-        if args.prefill_attention_ab else (("lend_idle_cores=False", False, False), ("lend_idle_cores=True", True, False))
+        if args.prefill_attention_ab else (("lend_idle_cores=False", False, None), ("lend_idle_cores=True", True, None))
     arms = [a, b, b, a, a, b] if args.prefill_attention_ab else [a, b, a, b]  # ABBAAB: a linear drift cancels
     run(loaded, True, args.long_tokens, args.decode_tokens)  # unrecorded: a process's first engine ran up to 30 % slow
     for name, lend, torch_attention in arms:  # interleaved: drift hits both alike
