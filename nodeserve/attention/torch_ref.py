@@ -3,7 +3,6 @@ dtype or in FP8 (e4m3) with per-layer scales; the quantizing write here is the o
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -161,10 +160,8 @@ class TorchAttention(PagedAttention):
         self.scale = cfg.head_dim ** -0.5
         paged = pool.device.type == "cpu" and dtype == pool.dtype == torch.float32
         self._kernels = native.load() if paged else None  # None: no compiler, or not a pool the kernels read
-        # prefill chunks by csrc/prefill_attn.c where built (AVX-512); NODESERVE_KERNELS=avx2 keeps torch's, as an
-        # AVX2 machine runs (for A/B measurements)
-        self._prefill_kernel = (self._kernels is not None and self._kernels.prefill
-                                and os.environ.get("NODESERVE_KERNELS", "") != "avx2")
+        # prefill chunks by csrc/prefill_attn.c where built (AVX-512)
+        self._prefill_kernel = self._kernels is not None and self._kernels.prefill and not native.avx2_only()
         self._groups: list[_DecodeGroup] = []
 
     def prepare(self, meta: AttentionMetadata) -> None:

@@ -190,6 +190,12 @@ class NativeKernels:
             out.stride(0), h, kv_layer.shape[3], d, kv_layer.shape[2], scale) == 0
 
 
+def avx2_only() -> bool:
+    """NODESERVE_KERNELS=avx2: run what an AVX2 machine runs (the GGUF-layout GEMMs, torch's prefill attention) on
+    an AVX-512 one, for A/B measurements. Read when weights are repacked and when attention backends are built."""
+    return os.environ.get("NODESERVE_KERNELS", "") == "avx2"
+
+
 @functools.cache
 def load() -> NativeKernels | None:
     """The kernels built for this CPU (built on first call, then cached on disk), or None if they can't be."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -147,7 +146,7 @@ def repack(model: nn.Module) -> int:
     when this CPU's kernels have it (a table shared by the embedding and a tied lm_head is repacked once).
     Returns how many matrices were repacked."""
     kernels = native.load()
-    if kernels is None or not kernels.r16 or os.environ.get("NODESERVE_KERNELS", "") == "avx2":
+    if kernels is None or not kernels.r16 or native.avx2_only():
         return 0
     repacked: dict[int, torch.Tensor] = {}
     for m in model.modules():
