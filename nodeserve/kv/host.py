@@ -124,7 +124,7 @@ class HostTier:
 
     def hold(self, hashes: Sequence[bytes]) -> list[int]:
         """The slots of the longest prefix of `hashes` held here, each with a holder added (release() them)."""
-        return self.index.hold_prefix(hashes)
+        return self.index.share_prefix(hashes)
 
     def release(self, slots: Sequence[int]) -> None:
         self.index.free(slots)

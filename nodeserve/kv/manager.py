@@ -9,6 +9,7 @@ then evicts the least recently used cached ones, and num_free counts both, so ad
 An eviction is reported (on_evict) before the page is handed out, so a lower tier can keep its KV.
 Pages allocated for a prompt's pages that are still to be computed are "in flight" under their hashes until
 published or freed: a request with the same prefix can wait for them instead of computing them again.
+Code outside kv/ takes pages through kv/reservation.py, never these methods directly.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict, deque
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 if TYPE_CHECKING:
     from nodeserve.kv.events import KVEventSink
@@ -122,15 +122,6 @@ class KVManager:
         copies then write whole. Raises OutOfPages, allocating nothing, if too few are free."""
         return self.allocate(self.pages_for(num_tokens))
 
-    @contextmanager
-    def borrow(self, count: int) -> Iterator[list[int]]:
-        """Pages for a throwaway sequence (warm-up, profiling, calibration), given back on exit."""
-        pages = self.allocate(count)
-        try:
-            yield pages
-        finally:
-            self.free(pages)
-
     def _evict(self) -> tuple[int, bytes, array | None]:
         page, _ = self._evictable.popitem(last=False)
         h = self._hash_of.pop(page)
@@ -204,9 +195,11 @@ class KVManager:
                         self._computing[h], self._computing_hash[b] = b, h
             return pages, len(cached) * self.page_size
 
-    def hold_prefix(self, hashes: Sequence[bytes]) -> list[int]:
-        """Adds a holder to the pages of the longest cached prefix of `hashes`, in one step (no eviction between
-        finding and holding): a request about to copy them elsewhere. Free them with free()."""
+    def share_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        """Adds a holder to the pages of the longest cached prefix of `hashes`: share() of what lookup() finds, in
+        one step (no eviction between finding and holding), for a request about to copy them elsewhere. Not an
+        allocation: it takes no free page and evicts nothing (the cached pages it holds stop counting as free until
+        freed). Free them with free()."""
         with self._lock:
             pages = self._match(hashes)
             self._hold(pages)

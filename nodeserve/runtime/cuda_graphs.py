@@ -17,6 +17,7 @@ import torch
 
 from nodeserve.attention.base import AttentionMetadata
 from nodeserve.attention.flashinfer_backend import FlashInferAttention
+from nodeserve.kv.reservation import reserve_padding_page
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class DecodeGraphs:
         pool = self.pool = backend.pool
         self.model, self.device = model, pool.device
         self.buckets = graph_buckets(max_batch)
-        self.scratch_page = pool.manager.reserve()  # padding rows write their K/V here
+        self.scratch_page = reserve_padding_page(pool.manager)  # padding rows write their K/V here
         largest = self.buckets[-1]
         # Static inputs: every graph reads its first `bucket` rows of these.
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=self.device)

@@ -16,6 +16,7 @@ from nodeserve.attention.torch_ref import FP8_E4M3_MAX, TorchAttention
 from nodeserve.core.scheduler import SeqChunk
 from nodeserve.runtime.model_runner import ModelRunner
 from nodeserve.kv.pool import KVPool, pages_for
+from nodeserve.kv.reservation import scratch_pages
 from nodeserve.model.llama import LlamaModel
 
 # Headroom above the calibrated amax. e4m3 keeps 3 mantissa bits across its whole normal range (2^-6 to 448,
@@ -56,7 +57,7 @@ def measure_kv_amax(model: LlamaModel, token_ids: Sequence[int],
     ids = list(token_ids)[:model.cfg.max_position_embeddings]
     scratch = KVPool(model.cfg, pages_for(len(ids), CALIBRATION_PAGE_SIZE), CALIBRATION_PAGE_SIZE, model.dtype, device)
     recorder = _AmaxRecorder(scratch, model)
-    with scratch.manager.borrow(scratch.num_pages) as pages:
+    with scratch_pages(scratch.manager, scratch.num_pages) as pages:
         ModelRunner(model, recorder).run([SeqChunk(ids, 0, pages, want_logits=False)])
     k_amax, v_amax = recorder.amax.t().tolist()
     return k_amax, v_amax

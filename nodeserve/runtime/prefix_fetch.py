@@ -69,7 +69,7 @@ class PrefixFetch:
         runs, pos = [], start
         best = max((w for w in self.workers if w is not worker),
                    key=lambda w: len(w.kv.lookup(hashes[pos:limit])), default=None)
-        if best is not None and (pages := best.kv.hold_prefix(hashes[pos:limit])):
+        if best is not None and (pages := best.kv.share_prefix(hashes[pos:limit])):
             runs.append(LoadRun(pos, pages, best.pool, f"device:{best.name}"))
             pos += len(pages)
         if self.host is not None and (slots := self.host.hold(hashes[pos:limit])):

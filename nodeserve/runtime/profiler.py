@@ -18,6 +18,7 @@ import torch
 
 from nodeserve.core.cost_model import CostModel, LinearKernels, StepModel, StepShape
 from nodeserve.core.scheduler import SeqChunk
+from nodeserve.kv.reservation import scratch_pages
 from nodeserve.model.block_quant import gemv_rows
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ def profile_runner(worker: Worker, budget_s: float, steps=PROFILE_STEPS) -> list
         sizes = [kv.pages_for(n) for n in lengths]
         if max(lengths) > limits.max_model_len or not kv.can_allocate(sum(sizes)):
             continue
-        with kv.borrow(sum(sizes)) as pages:
+        with scratch_pages(kv, sum(sizes)) as pages:
             starts = [sum(sizes[:k]) for k in range(len(sizes))]
             tables = [pages[a:a + n] for a, n in zip(starts, sizes)]
             seqs = [SeqChunk([0], c, t) for c, t in zip(decodes, tables)]

@@ -25,7 +25,8 @@ from nodeserve.core.placer import Decision, Placer, Seated, StaticPlacer, plan_m
 from nodeserve.core.prefix import wait_for_prefix
 from nodeserve.core.request import Request
 from nodeserve.core.roles import RoleChange
-from nodeserve.kv.manager import OutOfPages, hash_pages
+from nodeserve.kv.manager import hash_pages
+from nodeserve.kv.reservation import Reservation, reserve_prompt, reserve_tokens
 from nodeserve.runtime.loads import snapshot
 
 if TYPE_CHECKING:
@@ -166,33 +167,22 @@ class Router:
                 self.waiting_for_prefix = True
                 self.on_prefix_wait()
                 return False
-        try:
-            pages, num_cached_tokens = decode.kv.allocate_prompt(hashes, n, decode.kv.pages_for(req.max_total_tokens))
-        except OutOfPages:  # a worker's thread freed or took pages since the snapshot: try again later
+        reservation = reserve_prompt(decode.kv, prefill.kv, hashes, n, req.max_total_tokens)
+        if reservation is None:  # a worker's thread freed or took pages since the snapshot: try again later
             return False
-        if prefill is not decode:
-            try:
-                prompt_pages, num_prompt_cached = prefill.kv.allocate_prompt(hashes, n, prefill.kv.pages_for(n))
-            except OutOfPages:
-                decode.kv.free(pages)  # never written: nothing to wait for
-                return False
         try:
-            self._send(req, decode, prefill, pages, num_cached_tokens,
-                       num_cached_tokens if prefill is decode else num_prompt_cached,
-                       None if prefill is decode else prompt_pages)
+            self._send(req, decode, prefill, reservation)
         except Exception:  # nothing reached a worker: give back what this placement took
             if self.placements.pop(req.request_id, None) is not None:
                 self.num_seats_taken[decode] -= 1
             self.placed.pop(req.request_id, None)
-            decode.kv.free(pages)
-            if prefill is not decode:
-                prefill.kv.free(prompt_pages)
+            reservation.release()
             raise
         return True
 
-    def _send(self, req: Request, decode: Worker, prefill: Worker, pages: list[int], num_cached_tokens: int,
-              own: int, prompt_pages: list[int] | None) -> None:
+    def _send(self, req: Request, decode: Worker, prefill: Worker, reservation: Reservation) -> None:
         """Records the placement, holds what the prompt can load from elsewhere, and sends the prompt."""
+        own = reservation.num_own_cached_tokens
         self.placements[req.request_id], self.placed[req.request_id] = decode, req
         self.num_seats_taken[decode] += 1
         # After the allocation, which may have evicted some of them: the load starts where the pool's own
@@ -208,10 +198,11 @@ class Router:
         self.num_prefix_hit_tokens += req.num_cached_tokens
         try:
             if prefill is decode:
-                decode.add_prefill(req, pages, load=load, num_own_pages=own // self.page_size)
+                decode.add_prefill(req, reservation.pages, load=load, num_own_pages=own // self.page_size)
             else:
-                prefill.add_prefill(req, prompt_pages, Handoff(decode, pages, num_cached_tokens // self.page_size),
-                                    load=load, num_own_pages=own // self.page_size)
+                handoff = Handoff(decode, reservation.pages, reservation.num_cached_tokens // self.page_size)
+                prefill.add_prefill(req, reservation.prompt_pages, handoff, load=load,
+                                    num_own_pages=own // self.page_size)
         except Exception:
             if load is not None:
                 self.fetch.release(load)
@@ -256,9 +247,8 @@ class Router:
             return False
         if self.num_seats_taken[target] >= target.limits.max_num_seqs:
             return False
-        try:
-            pages = target.kv.allocate_tokens(req.max_total_tokens)
-        except OutOfPages:
+        pages = reserve_tokens(target.kv, req.max_total_tokens)
+        if pages is None:
             return False
         self.moving[req.request_id] = target
         self.num_seats_taken[target] += 1

@@ -14,6 +14,7 @@ import time
 import torch
 
 from nodeserve.core.scheduler import SeqChunk
+from nodeserve.kv.reservation import scratch_pages
 from nodeserve.runtime.model_runner import ModelRunner
 from nodeserve.sampling.constrain import warm_masks
 
@@ -29,7 +30,7 @@ def warmup_runner(runner: ModelRunner) -> None:
     start = time.monotonic()
     num_tokens = WARMUP_PROMPT_TOKENS
     kv = runner.pool.manager
-    with kv.borrow(kv.pages_for(num_tokens + 1)) as pages, torch.cuda.device(runner.device):
+    with scratch_pages(kv, kv.pages_for(num_tokens + 1)) as pages, torch.cuda.device(runner.device):
         runner.run([SeqChunk([0] * num_tokens, 0, pages)])      # prefill kernels
         runner.run([SeqChunk([0], num_tokens, pages)])          # decode kernels (eager)
         if runner.graphs is not None:

@@ -136,13 +136,13 @@ def test_a_prompt_being_computed_is_in_flight_until_published_or_freed():
     assert kv.num_used == 0
 
 
-def test_hold_prefix_holds_what_it_finds_and_nothing_past_a_miss():
+def test_share_prefix_holds_what_it_finds_and_nothing_past_a_miss():
     kv = KVManager(8, PAGE, prefix_cache=True)
     hashes = hash_pages(list(range(16)), PAGE)
     pages, _ = kv.allocate_prompt(hashes, 17, 4)
     kv.publish(pages[:3], hashes[:3])
     kv.free(pages)
-    held = kv.hold_prefix(hashes)
+    held = kv.share_prefix(hashes)
     assert held == pages[:3] and kv.num_used == 3
     assert kv.num_free == 5  # held pages are not evictable
     kv.free(held)
@@ -182,7 +182,7 @@ def test_store_ahead_leaves_pages_someone_holds():
     pool = _pool(8)
     host = HostTier(32, pool)
     pages, hashes = _publish(pool, list(range(16)))
-    held = pool.manager.hold_prefix(hashes)                          # a request shares the prefix again
+    held = pool.manager.share_prefix(hashes)                         # a request shares the prefix again
     assert host.store_ahead(pool) == 0
     pool.manager.free(held)
     assert host.store_ahead(pool) == 4

@@ -153,6 +153,22 @@ def test_a_placer_picks_both_devices_and_a_cross_placement_carries_the_decode_pa
     assert router.placements == {"x": b, "l": b} and router.num_seats_taken[b] == 2 and a.kv.num_used == 3
 
 
+def test_a_cross_placement_that_fails_to_send_gives_back_its_pages_on_both_devices():
+    a, b = StubWorker("cpu:0", 20), StubWorker("cpu:1", 20)
+    router = Router([], [a, b], local_prefill_threshold=0, max_waiting=8, max_queued_tokens=10_000,
+                    placer=PlacerStub(a, b))
+    failed = []
+    router.on_placement_failed = failed.append
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+    a.add_prefill = broken
+    req = _req("x", 40)
+    router.admit(req)
+    assert failed == [req] and router.num_pending == 0
+    assert (a.kv.num_used, b.kv.num_used) == (0, 0) and router.placements == {} and router.num_seats_taken[b] == 0
+
+
 def _adaptive(*sizes):
     workers = [StubWorker(f"cpu:{i}", n, role=Role.ADAPTIVE) for i, n in enumerate(sizes)]
     return workers, Router([], workers, local_prefill_threshold=0, max_waiting=8, max_queued_tokens=10_000,

@@ -136,23 +136,18 @@ def test_warm_masks_applies_a_real_mask_on_the_device():
 def test_warmup_checks_the_mask_on_a_gpu_and_survives_its_failure(monkeypatch, caplog):
     from types import SimpleNamespace
 
+    from nodeserve.kv.manager import KVManager
     from nodeserve.runtime import warmup
 
-    class Kv:
-        def pages_for(self, n):
-            return 1
-
-        def borrow(self, n):
-            import contextlib
-            return contextlib.nullcontext([0])
+    kv = KVManager(4, 16)
     calls = []
-    runner = SimpleNamespace(device=torch.device("cuda", 0), pool=SimpleNamespace(manager=Kv()), graphs=None,
+    runner = SimpleNamespace(device=torch.device("cuda", 0), pool=SimpleNamespace(manager=kv), graphs=None,
                              run=lambda chunks: None, model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=7)))
     monkeypatch.setattr(warmup.torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
     monkeypatch.setattr(warmup.torch.cuda, "synchronize", lambda d: None)
     monkeypatch.setattr(warmup, "warm_masks", lambda device, vocab: calls.append((device, vocab)))
     warmup.warmup_runner(runner)
-    assert calls == [(torch.device("cuda", 0), 7)]
+    assert calls == [(torch.device("cuda", 0), 7)] and kv.num_used == 0  # its scratch pages came back
 
     def broken(device, vocab):
         raise RuntimeError("no device")

@@ -1,0 +1,92 @@
+"""Reservations: how code outside kv/ takes pages from the KVManagers (the free lists stay theirs alone).
+
+A placement's reservation spans its devices: the decode pages (prompt + max_tokens) and, when the prompt prefills
+on another device, the prompt's pages there. It is taken whole or not at all, so a placement never waits holding
+half of what it needs (runtime/router.py says why that rules out deadlock). A move takes fresh pages for the whole
+request on its target. Pages no request holds: scratch pages for a throwaway run (warm-up, profiling, FP8
+calibration), given back on exit, and the page CUDA-graph padding rows write to, held for the pool's lifetime.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from nodeserve.kv.manager import KVManager, OutOfPages
+
+
+@dataclass
+class Reservation:
+    """The pages one placement took. On the decode device: `pages`, led by those holding the `num_cached_tokens`
+    tokens its prefix cache had (shared). On a separate prefill device (prefill_kv None when the request prefills
+    where it decodes): `prompt_pages`, with `num_prompt_cached_tokens` likewise. Workers take the page lists as
+    they are; release() is only for a placement that falls through before any worker has them."""
+
+    decode_kv: KVManager
+    pages: list[int]
+    num_cached_tokens: int
+    prefill_kv: KVManager | None = None
+    prompt_pages: list[int] | None = None
+    num_prompt_cached_tokens: int = 0
+    released: bool = field(default=False, init=False, repr=False)
+
+    @property
+    def num_own_cached_tokens(self) -> int:
+        """Cached prompt tokens on the device that computes the prompt: where its prefill starts."""
+        return self.num_cached_tokens if self.prefill_kv is None else self.num_prompt_cached_tokens
+
+    def release(self) -> None:
+        """Gives every page back, once (a second call does nothing). Nothing wrote them: no stream to wait for."""
+        if self.released:
+            return
+        self.released = True
+        self.decode_kv.free(self.pages)
+        if self.prefill_kv is not None:
+            self.prefill_kv.free(self.prompt_pages)
+
+
+def reserve_prompt(decode_kv: KVManager, prefill_kv: KVManager, hashes: Sequence[bytes], num_prompt_tokens: int,
+                   max_total_tokens: int) -> Reservation | None:
+    """Pages for a request that decodes on decode_kv's device and prefills on prefill_kv's (the same manager when
+    it prefills where it decodes): max_total_tokens' worth on the decode device, the prompt's on the prefill
+    device, each starting with the prefix cached there. None, holding nothing, if either device is short: another
+    thread may have taken pages since the placer's snapshot, so the caller tries again later."""
+    try:
+        pages, num_cached = decode_kv.allocate_prompt(hashes, num_prompt_tokens, decode_kv.pages_for(max_total_tokens))
+    except OutOfPages:
+        return None
+    if prefill_kv is decode_kv:
+        return Reservation(decode_kv, pages, num_cached)
+    try:
+        prompt_pages, num_prompt_cached = prefill_kv.allocate_prompt(hashes, num_prompt_tokens,
+                                                                     prefill_kv.pages_for(num_prompt_tokens))
+    except OutOfPages:
+        decode_kv.free(pages)
+        return None
+    return Reservation(decode_kv, pages, num_cached, prefill_kv, prompt_pages, num_prompt_cached)
+
+
+def reserve_tokens(kv: KVManager, num_tokens: int) -> list[int] | None:
+    """Fresh pages for num_tokens tokens on a move's target (its copies write them whole); None if too few."""
+    try:
+        return kv.allocate_tokens(num_tokens)
+    except OutOfPages:
+        return None
+
+
+@contextmanager
+def scratch_pages(kv: KVManager, count: int) -> Iterator[list[int]]:
+    """`count` pages for a throwaway sequence (warm-up, profiling, FP8 calibration), given back on exit, even on
+    an error. Raises OutOfPages, taking nothing, if too few are free."""
+    pages = kv.allocate(count)
+    try:
+        yield pages
+    finally:
+        kv.free(pages)
+
+
+def reserve_padding_page(kv: KVManager) -> int:
+    """The page CUDA-graph padding rows write their K/V to. The graphs bake it in and live as long as the pool,
+    so it leaves circulation for good (num_usable drops by one) and is never given back."""
+    return kv.reserve()
