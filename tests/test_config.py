@@ -286,3 +286,11 @@ def test_kv_events_are_off_by_default_with_vllms_settings():
     ev = config_from_dict({}, check_devices=False).kv_events
     assert not ev.enabled and ev.endpoint == "tcp://*:5557" and ev.replay_endpoint == "" and ev.topic == ""
     assert ev.buffer_steps == 10_000 and ev.hwm == 100_000
+
+
+def test_prompt_activations_take_int16_or_int8():
+    assert config_from_dict({}, check_devices=False).model.prompt_activations == "int16"
+    assert config_from_dict({"model": {"prompt_activations": "int8"}},
+                            check_devices=False).model.prompt_activations == "int8"
+    with pytest.raises(ConfigError, match=r"model\.prompt_activations"):
+        config_from_dict({"model": {"prompt_activations": "int4"}}, check_devices=False)

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # bytes per 32 weights
 R16 = 0x100  # type flag: weights repacked in 16-row groups for the AVX-512 VNNI kernels (csrc/vnni_gemm.c)
+ACT8 = 0x200  # type flag with R16: 8-bit activations for Q4_0 / Q4_1 (vnni_gemm.c's group_rows_i8); others 15-bit
 BLOCK_SIZE = 32
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -114,10 +115,12 @@ class NativeKernels:
         self.lib.ns_repack_r16(qtype, weight.data_ptr(), out_features, in_features, out.data_ptr())
         return out
 
-    def linear(self, qtype: int, weight: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
-        """x [M, K] float32 @ W[N, K]^T -> [M, N]; weight: GGUF blocks as uint8 [N, K / 32 * block bytes]."""
+    def linear(self, qtype: int, weight: torch.Tensor, x: torch.Tensor, out_features: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] float32 @ W[N, K]^T -> [M, N] (into `out`, contiguous, when given); weight: GGUF blocks as
+        uint8 [N, K / 32 * block bytes]."""
         m, k = x.shape
-        y = torch.empty(m, out_features, dtype=torch.float32)
+        y = torch.empty(m, out_features, dtype=torch.float32) if out is None else out
         if self.lib.ns_linear(qtype, weight.data_ptr(), x.data_ptr(), y.data_ptr(), m, k, out_features, 0,
                               out_features):
             raise MemoryError("ns_linear: out of memory")

@@ -11,9 +11,12 @@ Large batches (prefill chunks) dequantize the matrix to float32 and run torch's 
 to the best GEMM the CPU has, and the dequantization costs a few percent of it.
 
 On a CPU with AVX-512 VNNI, repack() moves every block-quantized matrix into 16-row groups (the same bytes) for the
-integer GEMM of kernels/csrc/vnni_gemm.c, which quantizes activations to int8 per 32-block as llama.cpp does and
-runs every row count, prefill chunks included (bench/kernels.py: 3-15x the float32 paths on batched rows).
-NODESERVE_KERNELS=avx2 keeps the float32 / int16 paths above (for A/B measurements).
+integer GEMM of kernels/csrc/vnni_gemm.c, which rounds activations to int16 per 32-block and runs every row count,
+prefill chunks included (bench/kernels.py: 3-15x the float32 paths on batched rows). With
+`model.prompt_activations = "int8"` (use_int8_prompt_activations) a step's prompt rows take int8 activations
+instead, as llama.cpp rounds every row: twice vpdpwssd's multiply rate. Decode rows keep int16 either way, so a
+decode token never depends on what shares its step. NODESERVE_KERNELS=avx2 keeps the float32 / int16 paths above
+(for A/B measurements).
 """
 
 from __future__ import annotations
@@ -91,24 +94,29 @@ class QuantLinear(nn.Module):
         self.register_buffer("weight", weight.data)  # uint8 blocks: counted in the replica's bytes
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.kernels = _kernels()
+        self.int8_prompt_rows = False  # set by use_int8_prompt_activations
 
     @property
     def quantized(self) -> QuantizedWeight:
         return QuantizedWeight(self.qtype, self.weight, (self.out_features, self.in_features))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
+        """prompt_from: x's rows from this one on are prompt tokens (the step's decode rows come first), which
+        take int8 activations where int8_prompt_rows is set; None: every row is computed alike."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # [M, in]
-        y = self._matmul(x2, None if self._fused_kernel_takes(x2.shape[0]) else self._dense())
+        y = self._matmul(x2, None if self._fused_kernel_takes(x2.shape[0]) else self._dense(), prompt_from)
         return y.view(*shape[:-1], self.out_features)
 
-    def row_blocks(self, x: torch.Tensor, max_rows: int) -> Iterator[torch.Tensor]:
-        """forward(x) of x [M, in] by blocks of at most max_rows rows, each [rows, out] in turn (the same values:
-        every row's dot products are computed alike in any block); the weights are dequantized once if at all."""
+    def row_blocks(self, x: torch.Tensor, max_rows: int, prompt_from: int | None = None) -> Iterator[torch.Tensor]:
+        """forward(x, prompt_from) of x [M, in] by blocks of at most max_rows rows, each [rows, out] in turn (the
+        same values: every row's dot products are computed alike in any block); the weights are dequantized once
+        if at all."""
         x = x.float().contiguous()
         dense = None if self._fused_kernel_takes(min(max_rows, x.shape[0])) else self._dense()
         for start in range(0, x.shape[0], max_rows):
-            yield self._matmul(x[start:start + max_rows], dense)
+            yield self._matmul(x[start:start + max_rows], dense,
+                               None if prompt_from is None else max(prompt_from - start, 0))
 
     def _fused_kernel_takes(self, num_rows: int) -> bool:
         return num_rows <= MAX_GEMV_ROWS or bool(self.qtype & native.R16)
@@ -116,11 +124,19 @@ class QuantLinear(nn.Module):
     def _dense(self) -> torch.Tensor:
         return self.kernels.dequantize(self.qtype, self.weight, self.in_features)
 
-    def _matmul(self, x2: torch.Tensor, dense: torch.Tensor | None) -> torch.Tensor:
+    def _matmul(self, x2: torch.Tensor, dense: torch.Tensor | None, prompt_from: int | None = None) -> torch.Tensor:
         """x2 [M, in] -> [M, out]: the fused kernel, or a GEMM with the dequantized weights `dense`."""
         if dense is not None:
             return F.linear(x2, dense, self.bias)
-        y = self.kernels.linear(self.qtype, self.weight, x2, self.out_features)
+        m = x2.shape[0]
+        if self.int8_prompt_rows and prompt_from is not None and prompt_from < m:
+            y = torch.empty(m, self.out_features, dtype=torch.float32)
+            if prompt_from > 0:
+                self.kernels.linear(self.qtype, self.weight, x2[:prompt_from], self.out_features, y[:prompt_from])
+            self.kernels.linear(self.qtype | native.ACT8, self.weight, x2[prompt_from:], self.out_features,
+                                y[prompt_from:])
+        else:
+            y = self.kernels.linear(self.qtype, self.weight, x2, self.out_features)
         if self.bias is not None:
             y += self.bias
         return y
@@ -159,6 +175,18 @@ def repack(model: nn.Module) -> int:
             m.weight = repacked[key]
             m.qtype |= native.R16
     return len(repacked)
+
+
+def use_int8_prompt_activations(model: nn.Module) -> int:
+    """Prompt rows of every repacked Q4_0 / Q4_1 projection (not the lm_head, which sees only sampled rows) take
+    int8 activations from now on. Returns how many projections do."""
+    num = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m is not getattr(model, "lm_head", None) and m.qtype & native.R16 \
+                and m.qtype & 0xff in (native.Q4_0, native.Q4_1):
+            m.int8_prompt_rows = True
+            num += 1
+    return num
 
 
 class QuantEmbedding(nn.Module):

@@ -40,6 +40,11 @@ def _linear(n_in: int, n_out: int, bias: bool = False) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=bias, device="meta")
 
 
+def _project(linear: nn.Module, x: torch.Tensor, prompt_from: int | None) -> torch.Tensor:
+    """linear(x); a block-quantized one learns where the prompt rows start (QuantLinear.forward)."""
+    return linear(x, prompt_from) if isinstance(linear, block_quant.QuantLinear) else linear(x)
+
+
 def _fused(*linears: nn.Module) -> nn.Module:
     """One Linear whose output is the concatenation of the given ones' outputs (same input); block-quantized
     ones stay in their blocks when they share a format, else become float32."""
@@ -71,16 +76,17 @@ class Attention(nn.Module):
         self.qkv_proj = _fused(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, backend: AttentionBackend,
+                prompt_from: int | None = None) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = _project(self.qkv_proj, x, prompt_from).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)     # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KH, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, KH, D]
         q, k = rotary.apply(q, k)
         out = backend.forward(self.layer_id, q, k, v)  # [T, H, D]
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return _project(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), prompt_from)
 
 
 # A prefill chunk's gate/up output is its biggest activation (1024 tokens x 2 x 1536 float32 = 12 MiB for
@@ -103,12 +109,13 @@ class MLP(nn.Module):
         self.gate_up_proj = _fused(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor, ops: Kernels) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Kernels, prompt_from: int | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj
         if x.shape[0] <= MAX_MLP_ROWS or not isinstance(gate_up, block_quant.QuantLinear):
-            return self.down_proj(ops.silu_and_mul(gate_up(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
-        act = torch.cat([ops.silu_and_mul(y) for y in gate_up.row_blocks(x, MAX_MLP_ROWS)])  # [T, I]
-        return self.down_proj(act)
+            act = ops.silu_and_mul(_project(gate_up, x, prompt_from))  # [T, 2I] -> [T, I]
+        else:
+            act = torch.cat([ops.silu_and_mul(y) for y in gate_up.row_blocks(x, MAX_MLP_ROWS, prompt_from)])
+        return _project(self.down_proj, act, prompt_from)  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -119,11 +126,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rotary, backend, ops):
+    def forward(self, x, rotary, backend, ops, prompt_from: int | None = None):
         # x: [T, hidden], the residual stream; this layer owns it (add_and_norm may update it in place).
-        attn = self.self_attn(self.input_layernorm(x, ops), rotary, backend)
+        # Rows from prompt_from on are prompt tokens, before them the step's decode rows (None: not said).
+        attn = self.self_attn(self.input_layernorm(x, ops), rotary, backend, prompt_from)
         h, x = self.post_attention_layernorm.add_and_norm(attn, x, ops)  # x += attn; h = norm(x)
-        return x + self.mlp(h, ops)
+        return x + self.mlp(h, ops, prompt_from)
 
 
 class LlamaModel(nn.Module):
@@ -173,10 +181,11 @@ class LlamaModel(nn.Module):
         if self.native_decoder is not None and before_layer is None and self.native_decoder.takes(x, backend):
             return self.norm(self.native_decoder(x, positions, backend, on_layer_done), ops)
         rotary = ops.rotary(positions, x.dtype)
+        prompt_from = backend.meta.num_decodes if backend.meta is not None else None  # decodes come first
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
-            x = layer(x, rotary, backend, ops)
+            x = layer(x, rotary, backend, ops, prompt_from)
             if on_layer_done is not None:
                 on_layer_done(i)
         return self.norm(x, ops)

@@ -69,12 +69,15 @@ def resolve_path(path: str) -> str:
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32,
-               progress: Callable[[int, int], None] | None = None, quantization: str = "none") -> LoadedModel:
+               progress: Callable[[int, int], None] | None = None, quantization: str = "none",
+               prompt_activations: str = "int16") -> LoadedModel:
     """Loads weights and tokenizer onto the CPU. Raises LoadError with a one-line message on any problem.
 
     quantization (model/quant.py, model/block_quant.py): "none" keeps dense Linear layers in `dtype`; "auto"
     keeps a GGUF file's Q4_0/Q4_1/Q8_0 matrices in their blocks (an HF checkpoint stays dense); "int8" / "int4"
     put every Linear in Q8_0 / Q4_1 blocks; "fp16" repacks them for fbgemm. All but "none" need float32.
+    prompt_activations "int8": prompt rows of the repacked Q4_0 / Q4_1 projections take int8 activations
+    (block_quant.use_int8_prompt_activations); elsewhere it changes nothing.
     """
     from nodeserve.model.quant import quantize_linears, supported
 
@@ -139,6 +142,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
         _quantize_dense_linears(model, block_quant.BLOCK_FORMATS[quantization])
     if blocks or quantization in block_quant.BLOCK_FORMATS:
         block_quant.repack(model)
+        if prompt_activations == "int8":
+            block_quant.use_int8_prompt_activations(model)
         ops = NativeOps(native.load(), model.rope, cfg.max_position_embeddings)
         model.use_kernels(ops)
         if NativeDecoder.usable(model):

@@ -153,7 +153,8 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     start = time.monotonic()
     keep_alive = asyncio.create_task(_extend_start_timeout(notifier))
     load = in_daemon_thread(loop, lambda: load_model(config.model.path, parse_dtype(config.dtype),
-                                                     _Progress(notifier), config.quantization), "load")
+                                                     _Progress(notifier), config.quantization,
+                                                     config.model.prompt_activations), "load")
     if not await _unless_stopped(load, stop):  # the load thread is left to die with the process
         keep_alive.cancel()
         notifier.stopping()

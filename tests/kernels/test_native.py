@@ -139,6 +139,64 @@ def test_a_repacked_row_is_the_same_in_any_tile(matrices, name):
         assert torch.equal(kernels.linear(TYPES[name] | native.R16, r16, x[:m], 40), whole[:m]), m
 
 
+def int8_reference(blocks: torch.Tensor, name: str, x: torch.Tensor) -> torch.Tensor:
+    """The scalar reference of the ACT8 path (float64 sums): x rounded per 32-block to int8 (d = amax / 127 and
+    x / d rounded half to even, both in float32 as the kernel does), then per block d_w dx sum((q - 8) xq) +
+    (m + 8 d_w) sum(x), with q the block's nibbles and w = d_w q + m (Q4_0: m = -8 d_w)."""
+    n, k = blocks.shape[0], x.shape[1]
+    raw = blocks.numpy().reshape(n, k // 32, -1)
+    d_w = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)                      # [N, nb]
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if name == "Q4_1" else -8 * d_w
+    qs = raw[..., 4:] if name == "Q4_1" else raw[..., 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float64)                       # [N, nb, 32]
+    xb = x.numpy().astype(np.float32).reshape(len(x), k // 32, 32)
+    d = np.abs(xb).max(-1, keepdims=True) / np.float32(127)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), np.float32(0)).astype(np.float32)
+    xq = np.clip(np.rint(xb * inv), -127, 127).astype(np.float64)                              # [M, nb, 32]
+    dot = np.einsum("nbk,mbk->mnb", q - 8, xq)                                                 # [M, N, nb]
+    y = (d_w[None] * d[..., 0].astype(np.float64)[:, None] * dot).sum(-1)
+    y += np.einsum("nb,mb->mn", m + 8 * d_w, xb.astype(np.float64).sum(-1))
+    return torch.from_numpy(y)
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 40])
+def test_int8_activation_rows_match_the_scalar_reference(matrices, name, m):
+    """ACT8: the VNNI vpdpbusd GEMM equals its scalar reference up to float32 rounding of the block sums (it
+    rounds activations to 8 bits, so it is far from the float product: 100x the int16 path's distance)."""
+    torch.manual_seed(m)
+    x = torch.randn(m, 96) * torch.logspace(-2, 1, 96)
+    r16 = kernels.repack(TYPES[name], matrices[name], 40, 96)
+    got = kernels.linear(TYPES[name] | native.R16 | native.ACT8, r16, x, 40)
+    want = int8_reference(matrices[name], name, x)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    int16 = kernels.linear(TYPES[name] | native.R16, r16, x, 40)
+    exact = x.double() @ gguf_dense(matrices[name], name, 96).double().T
+    assert (got.double() - exact).abs().max() > 10 * (int16.double() - exact).abs().max()
+
+
+@needs_vnni
+def test_int8_activations_leave_q8_0_weights_at_int16(matrices):
+    """Q8_0 blocks (signed weights: no unsigned operand for vpdpbusd) ignore ACT8 and round to int16."""
+    x = torch.randn(13, 96)
+    r16 = kernels.repack(native.Q8_0, matrices["Q8_0"], 40, 96)
+    assert torch.equal(kernels.linear(native.Q8_0 | native.R16 | native.ACT8, r16, x, 40),
+                       kernels.linear(native.Q8_0 | native.R16, r16, x, 40))
+
+
+@needs_vnni
+def test_an_int8_row_is_the_same_in_any_tile(matrices):
+    """As with int16: a row's output does not depend on how many rows share the call."""
+    torch.manual_seed(1)
+    x = torch.randn(25, 96)
+    r16 = kernels.repack(native.Q4_1, matrices["Q4_1"], 40, 96)
+    qtype = native.Q4_1 | native.R16 | native.ACT8
+    whole = kernels.linear(qtype, r16, x, 40)
+    for m in (1, 4, 5, 12, 16):
+        assert torch.equal(kernels.linear(qtype, r16, x[:m], 40), whole[:m]), m
+
+
 @needs_vnni
 def test_repacked_linear_writes_only_the_columns_asked_for(matrices):
     """n_begin / n_end select whole 16-row groups (the split a helper thread would take); the rest is untouched."""

@@ -101,6 +101,30 @@ def test_a_long_chunks_mlp_runs_by_row_blocks_with_the_same_values(loaded_auto, 
         torch.testing.assert_close(mlp(x, model.ops), whole, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.skipif(not block_quant.available() or not native.load().r16, reason="needs the AVX-512 VNNI kernels")
+def test_int8_prompt_rows_leave_the_decode_rows_as_they_were(gguf_path, one_thread):
+    """With prompt_activations = "int8" the rows from prompt_from on (prompt tokens) take the ACT8 kernel and the
+    rows before it (the step's decodes) are bit for bit what they are alone; the lm_head never switches."""
+    from nodeserve.model.llama import MAX_MLP_ROWS
+    from nodeserve.model.loader import load_model
+
+    model = load_model(gguf_path, torch.float32, quantization="auto", prompt_activations="int8").model
+    mlp = model.layers[0].mlp
+    gate_up = mlp.gate_up_proj
+    assert gate_up.int8_prompt_rows and not model.lm_head.int8_prompt_rows
+    x = torch.randn(MAX_MLP_ROWS + 9, gate_up.in_features)
+    split = gate_up(x, prompt_from=3)
+    int16 = gate_up.kernels.linear(gate_up.qtype, gate_up.weight, x, gate_up.out_features)
+    int8 = gate_up.kernels.linear(gate_up.qtype | native.ACT8, gate_up.weight, x, gate_up.out_features)
+    assert torch.equal(split[:3], int16[:3]) and torch.equal(split[3:], int8[3:])
+    assert not torch.equal(int8[3:], int16[3:])
+    assert torch.equal(gate_up(x), int16)  # no prompt_from: every row alike, as before
+    assert torch.equal(torch.cat(list(gate_up.row_blocks(x, MAX_MLP_ROWS, prompt_from=3))), split)
+    # a long chunk's MLP by row blocks, past its first block's rows, equals the one-call product
+    want = mlp.down_proj(model.ops.silu_and_mul(split), prompt_from=3)
+    assert torch.equal(mlp(x, model.ops, prompt_from=3), want)
+
+
 @pytest.mark.slow
 def test_quantized_decode_follows_float32_on_the_same_weights(loaded_auto, loaded_fp32, prompt_ids, one_thread):
     """Batch-1 decode steps (int16 activations, native attention and pointwise kernels) teacher-forced along the

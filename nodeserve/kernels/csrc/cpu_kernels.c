@@ -315,7 +315,7 @@ static inline __attribute__((always_inline)) void linear_rows(
 /* ns_linear (lend.c) calls this for its rows, and for the half a lent core's helper thread takes. */
 int ns_linear_local(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
                     int64_t n_begin, int64_t n_end) {
-    if (type & NS_R16) return ns_linear_r16(type & 0xff, w, x, y, M, K, ldy, n_begin, n_end);
+    if (type & NS_R16) return ns_linear_r16(type & ~NS_R16, w, x, y, M, K, ldy, n_begin, n_end);
     const int64_t nb = K / QK;
     const size_t row_bytes = (size_t)nb * block_bytes(type);
 #if NS_AVX2
