@@ -20,7 +20,10 @@ What each row means:
     the causal work and its fraction of the fp32 matmul peak.
   * step B x L: ModelRunner.run of B decode rows with L tokens each (what a decode worker runs per step),
     quantization auto vs none; "x bound" = time / ((weight + KV bytes) / bandwidth).
-  * prefill: a 512-token chunk, tok/s, and its FLOP rate as a fraction of the measured fp32 matmul peak.
+  * prompt gemm M=m: the layers' projections (no lm_head) on m prompt rows through the VNNI kernel, int16
+    activations (the default) vs int8 (`model.prompt_activations = "int8"`), GOP/s of the multiply-adds.
+  * prefill: a 512-token chunk, tok/s, and its FLOP rate as a fraction of the measured fp32 matmul peak
+    (int8: the default model with `prompt_activations = "int8"`).
 """
 
 from __future__ import annotations
@@ -77,6 +80,22 @@ def gemm_rows(models: dict, gbs: float, ms: list[int]) -> list[dict]:
             t = timed(lambda: [mod(xs[mod.in_features]) for mod in mods], 5 if name != "none" else 3)
             row.update({f"{name}_ms": t * 1e3, f"{name}_x_bound": t / (num_bytes / gbs / 1e9),
                         f"{name}_ns_per_row_block": t * 1e9 / (m * row_blocks), f"{name}_MB": num_bytes / 1e6})
+        rows.append(row)
+    return rows
+
+
+def prompt_gemm_rows(quant, ms: list[int]) -> list[dict]:
+    """int16 vs int8 activations over one layer stack's projections, as prompt rows take them."""
+    mods = [m for m in quant.modules() if isinstance(m, QuantLinear) and m is not quant.lm_head]
+    rows = []
+    for m in ms:
+        xs = {k: torch.randn(m, k) for k in {mod.in_features for mod in mods}}
+        ops = 2 * m * sum(mod.in_features * mod.out_features for mod in mods)
+        row = {"what": f"prompt gemm M={m}"}
+        for name, flag in (("int16", 0), ("int8", native.ACT8)):
+            t = timed(lambda: [mod.kernels.linear(mod.qtype | flag, mod.weight, xs[mod.in_features],
+                                                  mod.out_features) for mod in mods], 3)
+            row.update({f"{name}_ms": t * 1e3, f"{name}_GOPs": ops / t / 1e9})
         rows.append(row)
     return rows
 
@@ -203,6 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     del os.environ["NODESERVE_KERNELS"]
     dense = load_model(MODEL, torch.float32, quantization="none").model
     models = {"auto": quant, "avx2": gguf_layout, "none": dense} if kernels.r16 else {"auto": quant, "none": dense}
+    int8 = load_model(MODEL, torch.float32, quantization="auto", prompt_activations="int8").model
     result = {"machine": platform.processor() or platform.machine(), "isa": kernels.isa,
               "bandwidth_GBs": gbs, "fp32_peak_GFLOPs": peak, "rows": []}
     print(f"one-core DRAM read {gbs:.1f} GB/s, fp32 matmul peak {peak:.1f} GFLOP/s, kernels: {kernels.isa}")
@@ -211,7 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
     result["rows"] += attention_rows(kernels, gbs, [(1, 512), (1, 2048), (16, 1024), (32, 256)])
     result["rows"] += prefill_attention_rows(kernels, peak, [(0, 1024), (1024, 1024), (3072, 1024)])
     result["rows"] += step_rows(models, gbs, [(1, 128), (1, 1024), (16, 1024), (32, 128)])
-    result["rows"] += prefill_rows(models, peak)
+    if kernels.r16:
+        result["rows"] += prompt_gemm_rows(quant, [64, 512])
+    result["rows"] += prefill_rows({**models, "int8": int8} if kernels.r16 else models, peak)
     for row in result["rows"]:
         print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     if args.json:
