@@ -290,42 +290,11 @@ static inline __attribute__((always_inline)) void group_rows_i8(
     }
 }
 
-static inline __attribute__((always_inline)) void linear_groups_i8(
-        int type, const uint8_t *wr, const int8_t *xq, const float *dx, const float *sx, const float *cx, float *y,
-        int64_t M,
-        int64_t K, int64_t ldy, int64_t n_begin, int64_t n_end) {
-    const int64_t nb = K / QK, gbytes = nb * r16_block_bytes(type);
-    __m512 f[MAX_ROWS];
-    for (int64_t g = n_begin / GROUP; g * GROUP < n_end; g++) {
-        const uint8_t *wg = wr + g * gbytes;
-        const int64_t lo = g * GROUP, hi = lo + GROUP < n_end ? lo + GROUP : n_end;
-        const __mmask16 keep = (__mmask16)((1u << (hi - lo)) - 1);
-        for (int64_t i0 = 0; i0 < M; i0 += MAX_ROWS) {
-            const int64_t mt = M - i0 >= MAX_ROWS ? MAX_ROWS : M - i0;
-            const int8_t *xt = xq + i0 * K;
-            const float *dt = dx + i0 * nb, *st = sx + i0 * nb, *ct = cx + i0 * nb;
-            switch (mt) {  /* constant tile sizes unroll fully */
-                case 12: group_rows_i8(type, 12, wg, nb, xt, dt, st, ct, f); break;
-                case 11: group_rows_i8(type, 11, wg, nb, xt, dt, st, ct, f); break;
-                case 10: group_rows_i8(type, 10, wg, nb, xt, dt, st, ct, f); break;
-                case 9: group_rows_i8(type, 9, wg, nb, xt, dt, st, ct, f); break;
-                case 8: group_rows_i8(type, 8, wg, nb, xt, dt, st, ct, f); break;
-                case 7: group_rows_i8(type, 7, wg, nb, xt, dt, st, ct, f); break;
-                case 6: group_rows_i8(type, 6, wg, nb, xt, dt, st, ct, f); break;
-                case 5: group_rows_i8(type, 5, wg, nb, xt, dt, st, ct, f); break;
-                case 4: group_rows_i8(type, 4, wg, nb, xt, dt, st, ct, f); break;
-                case 3: group_rows_i8(type, 3, wg, nb, xt, dt, st, ct, f); break;
-                case 2: group_rows_i8(type, 2, wg, nb, xt, dt, st, ct, f); break;
-                default: group_rows_i8(type, 1, wg, nb, xt, dt, st, ct, f); break;
-            }
-            for (int64_t i = 0; i < mt; i++) _mm512_mask_storeu_ps(y + (i0 + i) * ldy + lo, keep, f[i]);
-        }
-    }
-}
-
+/* y [M, ldy] columns n_begin..n_end from xq: int16 activations (group_rows / group_rows_wide), or int8 when act8
+ * (group_rows_i8, Q4_0 / Q4_1 only; cx its centring terms). act8 is a constant at each call: one path compiles. */
 static inline __attribute__((always_inline)) void linear_groups(
-        int type, const uint8_t *wr, const int16_t *xq, const float *dx, const float *sx, float *y, int64_t M,
-        int64_t K, int64_t ldy, int64_t n_begin, int64_t n_end) {
+        int type, const int act8, const uint8_t *wr, const void *xq, const float *dx, const float *sx,
+        const float *cx, float *y, int64_t M, int64_t K, int64_t ldy, int64_t n_begin, int64_t n_end) {
     const int64_t nb = K / QK, gbytes = nb * r16_block_bytes(type);
     __m512 f[MAX_ROWS];
     for (int64_t g = n_begin / GROUP; g * GROUP < n_end; g++) {
@@ -338,22 +307,29 @@ static inline __attribute__((always_inline)) void linear_groups(
         const __mmask16 keep = (__mmask16)((1u << (hi - lo)) - 1);
         for (int64_t i0 = 0; i0 < M; i0 += MAX_ROWS) {
             const int64_t mt = M - i0 >= MAX_ROWS ? MAX_ROWS : M - i0;
-            const int16_t *xt = xq + i0 * K;
-            const float *dt = dx + i0 * nb, *st = sx + i0 * nb;
+            const int16_t *x16 = (const int16_t *)xq + i0 * K;
+            const int8_t *x8 = (const int8_t *)xq + i0 * K;
+            const float *dt = dx + i0 * nb, *st = sx + i0 * nb, *ct = act8 ? cx + i0 * nb : NULL;
+#define NS_TILE(n)                                                                                               \
+            if (act8) group_rows_i8(type, n, wg, nb, x8, dt, st, ct, f);                                         \
+            else if (n > MAX_NARROW_ROWS) group_rows_wide(type, n, wg, nb, x16, dt, st, f);                       \
+            else group_rows(type, n, wg, nb, x16, dt, st, f);                                                    \
+            break;
             switch (mt) {  /* constant tile sizes unroll fully */
-                case 12: group_rows_wide(type, 12, wg, nb, xt, dt, st, f); break;
-                case 11: group_rows_wide(type, 11, wg, nb, xt, dt, st, f); break;
-                case 10: group_rows_wide(type, 10, wg, nb, xt, dt, st, f); break;
-                case 9: group_rows_wide(type, 9, wg, nb, xt, dt, st, f); break;
-                case 8: group_rows_wide(type, 8, wg, nb, xt, dt, st, f); break;
-                case 7: group_rows_wide(type, 7, wg, nb, xt, dt, st, f); break;
-                case 6: group_rows_wide(type, 6, wg, nb, xt, dt, st, f); break;
-                case 5: group_rows_wide(type, 5, wg, nb, xt, dt, st, f); break;
-                case 4: group_rows(type, 4, wg, nb, xt, dt, st, f); break;
-                case 3: group_rows(type, 3, wg, nb, xt, dt, st, f); break;
-                case 2: group_rows(type, 2, wg, nb, xt, dt, st, f); break;
-                default: group_rows(type, 1, wg, nb, xt, dt, st, f); break;
+                case 12: NS_TILE(12)
+                case 11: NS_TILE(11)
+                case 10: NS_TILE(10)
+                case 9: NS_TILE(9)
+                case 8: NS_TILE(8)
+                case 7: NS_TILE(7)
+                case 6: NS_TILE(6)
+                case 5: NS_TILE(5)
+                case 4: NS_TILE(4)
+                case 3: NS_TILE(3)
+                case 2: NS_TILE(2)
+                default: NS_TILE(1)
             }
+#undef NS_TILE
             for (int64_t i = 0; i < mt; i++) _mm512_mask_storeu_ps(y + (i0 + i) * ldy + lo, keep, f[i]);
         }
     }
@@ -372,8 +348,8 @@ int ns_linear_r16(int type, const uint8_t *wr, const float *x, float *y, int64_t
         if (!xq || !dsc) { free(xq); free(dsc); return -1; }
         float *dx = dsc, *sx = dsc + M * nb, *cx = dsc + 2 * M * nb;
         quantize_rows_i8(x, M, K, xq, dx, sx, cx);
-        if ((type & 0xff) == R_Q4_0) linear_groups_i8(R_Q4_0, wr, xq, dx, sx, cx, y, M, K, ldy, n_begin, n_end);
-        else linear_groups_i8(R_Q4_1, wr, xq, dx, sx, cx, y, M, K, ldy, n_begin, n_end);
+        if ((type & 0xff) == R_Q4_0) linear_groups(R_Q4_0, 1, wr, xq, dx, sx, cx, y, M, K, ldy, n_begin, n_end);
+        else linear_groups(R_Q4_1, 1, wr, xq, dx, sx, cx, y, M, K, ldy, n_begin, n_end);
         free(xq); free(dsc);
         return 0;
     }
@@ -383,9 +359,9 @@ int ns_linear_r16(int type, const uint8_t *wr, const float *x, float *y, int64_t
     if (!xq || !dx || !sx) { free(xq); free(dx); free(sx); return -1; }
     quantize_rows(type, x, M, K, xq, dx, sx);
     switch (type) {
-        case R_Q4_0: linear_groups(R_Q4_0, wr, xq, dx, sx, y, M, K, ldy, n_begin, n_end); break;
-        case R_Q4_1: linear_groups(R_Q4_1, wr, xq, dx, sx, y, M, K, ldy, n_begin, n_end); break;
-        default: linear_groups(R_Q8_0, wr, xq, dx, sx, y, M, K, ldy, n_begin, n_end); break;
+        case R_Q4_0: linear_groups(R_Q4_0, 0, wr, xq, dx, sx, NULL, y, M, K, ldy, n_begin, n_end); break;
+        case R_Q4_1: linear_groups(R_Q4_1, 0, wr, xq, dx, sx, NULL, y, M, K, ldy, n_begin, n_end); break;
+        default: linear_groups(R_Q8_0, 0, wr, xq, dx, sx, NULL, y, M, K, ldy, n_begin, n_end); break;
     }
     free(xq); free(dx); free(sx);
     return 0;
