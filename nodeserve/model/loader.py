@@ -129,6 +129,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
             raise LoadError(f"{resolved}: tensor '{name}' has shape {tuple(tensor.shape)}, the config implies "
                             f"{tuple(expected[name].shape)}")
     blocks = {name: w for name, w in state.items() if isinstance(w, block_quant.QuantizedWeight)}
+    num_int8 = 0  # projections whose prompt rows take int8 activations
     model.load_state_dict({n: w for n, w in state.items() if n not in blocks}, assign=True, strict=not blocks)
     for name, weight in blocks.items():
         module_name = name.removesuffix(".weight")
@@ -143,13 +144,16 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     if blocks or quantization in block_quant.BLOCK_FORMATS:
         block_quant.repack(model)
         if prompt_activations == "int8":
-            block_quant.use_int8_prompt_activations(model)
+            num_int8 = block_quant.use_int8_prompt_activations(model)
         ops = NativeOps(native.load(), model.rope, cfg.max_position_embeddings)
         model.use_kernels(ops)
         if NativeDecoder.usable(model):
             model.native_decoder = NativeDecoder(model, native.load(), ops.cos_sin_cache)
     elif quantization == "fp16":
         quantize_linears(model, quantization)
+    if prompt_activations == "int8" and not num_int8:
+        log.warning("model.prompt_activations = \"int8\" applies to Q4_0/Q4_1 weights in the AVX-512 VNNI kernels, "
+                    "and this model or CPU has none: prompt rows are computed as before")
     model.eval()
     return LoadedModel(cfg, model, tokenizer, resolved)
 

@@ -187,3 +187,13 @@ def test_native_decoder_is_the_module_path_in_one_call(loaded_auto, one_thread):
 def test_embedding_refuses_ids_outside_the_table(loaded_auto):
     with pytest.raises(IndexError):
         loaded_auto.model.embed_tokens(torch.tensor([0, loaded_auto.config.vocab_size]))
+
+
+def test_int8_prompt_activations_say_so_where_nothing_takes_them(gguf_path, caplog):
+    """The exact path has no block-quantized projections: the setting changes nothing, and the log says so."""
+    from nodeserve.model.loader import load_model
+
+    with caplog.at_level("WARNING", logger="nodeserve"):
+        model = load_model(gguf_path, torch.float32, quantization="none", prompt_activations="int8").model
+    assert not any(isinstance(m, block_quant.QuantLinear) for m in model.modules())
+    assert "prompt_activations" in caplog.text
