@@ -47,9 +47,10 @@ from nodeserve.model.loader import load_model
 MODEL = "smollm2-135m-instruct"
 
 
-def timed(fn, repeat: int) -> float:
-    """Median seconds of `repeat` calls after one warm-up call."""
-    fn()
+def timed(fn, repeat: int, warmup: int = 1) -> float:
+    """Median seconds of `repeat` calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
@@ -184,7 +185,7 @@ def step_rows(models: dict, gbs: float, shapes: list[tuple[int, int]]) -> list[d
                 runner.run([SeqChunk([1], length + step[0] % 10, t) for t in tables])
                 step[0] += 1
 
-            t = timed(run, 10)
+            t = timed(run, 50, warmup=10)  # a stream: many steps in a row (10 after one warm-up swung more)
             kv_bytes = b * length * pool.bytes_per_page_per_layer // 16 * model.cfg.num_layers
             row[f"{name}_ms"] = t * 1e3
             row[f"{name}_x_bound"] = t / ((weight_bytes(model) + kv_bytes) / gbs / 1e9)
