@@ -32,7 +32,7 @@ class ModelSection:
     # auto | none | int8 | int4 | fp16: CPU weight formats, float32 compute (model/block_quant.py, model/quant.py)
     quantization: str = "auto"
     # int16 | int8: the activations' rounding, per block of 32, in the projections of prompt tokens on block-
-    # quantized weights (AVX-512 VNNI kernels); decode tokens keep int16. int8 is llama.cpp's, ~1.3x prefill
+    # quantized weights (AVX-512 VNNI kernels); decode tokens keep int16. int8 is llama.cpp's, ~1.2x prefill
     prompt_activations: str = "int16"
     aliases: tuple[str, ...] = ()         # more model ids clients may send (and /v1/models lists)
     tool_parser: str = "auto"             # auto | hermes | llama3 | none: how the model writes tool calls
