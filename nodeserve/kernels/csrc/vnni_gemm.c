@@ -256,7 +256,7 @@ static void quantize_rows_i8(const float *x, int64_t M, int64_t K, int8_t *xq, f
  * shifted right by 4, weights 16 + 4j .. 16 + 4j + 3. Sums of 32 products of at most 15 x 127 fit int32 exactly.
  * The rounding error e of the activations meets the nibbles q (0..15), whose mean 7.5 would multiply sum(e): the
  * sum is taken centred instead, d (sum(q xq) - 8 sum(xq)) dx + (m + 8 d) sum(x) for Q4_1 (Q4_0: m = -8 d), which
- * cut the relative error of a random 576 x 960 product 2.4x (1.2e-2 -> 5e-3). */
+ * cut the relative error of a random 576 x 960 product 2.3x (1.26e-2 -> 5.5e-3; int16: 4.8e-5). */
 static inline __attribute__((always_inline)) void group_rows_i8(
         int type, const int MT, const uint8_t *wg, int64_t nb, const int8_t *xq, const float *dx, const float *sx,
         const float *cx, __m512 f[MAX_ROWS]) {
