@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -183,7 +182,7 @@ def use_int8_prompt_activations(model: nn.Module) -> int:
     num = 0
     for m in model.modules():
         if isinstance(m, QuantLinear) and m is not getattr(model, "lm_head", None) and m.qtype & native.R16 \
-                and m.qtype & 0xff in (native.Q4_0, native.Q4_1):
+                and (m.qtype & 0xff) in (native.Q4_0, native.Q4_1):
             m.int8_prompt_rows = True
             num += 1
     return num
