@@ -210,8 +210,9 @@ def load() -> NativeKernels | None:
                     "(install gcc for them)")
         return None
     csrc = resources.files("nodeserve.kernels") / "csrc"
-    files = sorted((p for p in csrc.iterdir() if p.name.endswith(".c")), key=lambda p: p.name)
-    srcs, source = [str(p) for p in files], b"".join(p.read_bytes() for p in files)
+    files = sorted((p for p in csrc.iterdir() if p.name.endswith((".c", ".h"))), key=lambda p: p.name)
+    srcs = [str(p) for p in files if p.name.endswith(".c")]
+    source = b"".join(p.read_bytes() for p in files)  # headers too: an edit to one rebuilds
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):

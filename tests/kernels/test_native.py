@@ -209,18 +209,23 @@ def test_repacked_linear_writes_only_the_columns_asked_for(matrices):
     assert torch.equal(y[:, 16:], full[:, 16:]) and (y[:, :16] == 7.0).all()
 
 
-def test_paged_decode_attention_matches_sdpa_over_gathered_pages(one_thread):
+@pytest.mark.parametrize("page_size,d,kh,h", [(4, 64, 3, 9), (16, 64, 3, 9), (32, 128, 2, 8), (16, 96, 1, 2)])
+def test_paged_decode_attention_matches_sdpa_over_gathered_pages(one_thread, page_size, d, kh, h):
+    """Every path: head_dim 64 / 128 take AVX-512 where built (decode_attn512.c), 96 the AVX2 loop; lengths that
+    end mid-block, mid-page and on a page's end; a NaN in the unwritten slots past each length changes nothing."""
     from nodeserve.attention.torch_ref import attend_decode, gather_kv
 
     torch.manual_seed(3)
-    num_pages, page_size, kh, d, h = 40, 4, 3, 64, 9
+    seq_lens = [1, 4, 5, 13, 16, 17, 37, 70]
+    num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
     kv = torch.randn(num_pages, 2, page_size, kh, d)
-    seq_lens = [1, 4, 5, 13, 37]
     perm = torch.randperm(num_pages).tolist()
-    tables = torch.zeros(len(seq_lens), 10, dtype=torch.int64)
+    tables = torch.zeros(len(seq_lens), -(-max(seq_lens) // page_size), dtype=torch.int64)
     for b, n in enumerate(seq_lens):
         pages = [perm.pop() for _ in range(-(-n // page_size))]
         tables[b, :len(pages)] = torch.tensor(pages)
+        if n % page_size:
+            kv[pages[-1], :, n % page_size:] = float("nan")
     q = torch.randn(len(seq_lens), h, d)
     got = kernels.paged_decode_attention(q, kv, tables, torch.tensor(seq_lens), 0.125)
     for b, n in enumerate(seq_lens):

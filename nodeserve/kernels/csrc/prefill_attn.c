@@ -11,7 +11,7 @@
  * qt[d] = (the 16 tokens' q[d]) and its scores for a block of up to 16 keys are 16 vectors s[j] (key j for the 16
  * tokens), so each multiply-add broadcasts one K (or V) value from a packed block and the online softmax's max and
  * sum over keys are vertical (no horizontal reductions). Softmax in base 2 (q pre-scaled by log2 e), exp2 by a
- * degree-7 polynomial and scalef (relative error ~1e-7, float32's own).
+ * degree-7 polynomial and scalef (simd512.h).
  *
  * Tasks are handed out by an atomic counter, the longest first (the last query tokens see the most keys), so a
  * lent core takes tasks until its own device wants it back and finishes at most the one it is on (~0.1 ms).
@@ -22,12 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define NS_PREFILL 1
-#else
-#define NS_PREFILL 0
-#endif
+#include "simd512.h"
+#define NS_PREFILL NS_AVX512
 
 #define LANES 16    /* query tokens per task, one per lane */
 #define KEYS 16     /* keys per block: 16 score vectors */
@@ -53,21 +49,6 @@ typedef void (*ns_tasks_fn)(const void *ctx, atomic_long *next, const atomic_int
 void ns_run_tasks(ns_tasks_fn fn, const void *ctx, int split_ok);  /* lend.c */
 
 #if NS_PREFILL
-static inline __m512 exp2_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));  /* -inf (a masked score) too: its weight is zeroed by the mask */
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 g = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.6931471805599453f));  /* |g| <= 0.35 */
-    __m512 p = _mm512_set1_ps(1.0f / 5040);  /* e^g by Taylor to degree 7: error < 6e-9 */
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* K and V of the sequence's first num_keys keys, packed for the tasks: per KV head and block of 16 keys,
  * [D][16] (the 16 keys' value d side by side), so a task's multiply-adds broadcast from one base at constant
  * offsets. Past num_keys: zeros (masked). Shared by the H / KH heads and every task. */

@@ -1,0 +1,141 @@
+/* Decode attention with AVX-512 for head_dim 64 and 128: one query token of one sequence against its K/V where
+ * they lie in the pages. cpu_kernels.c's ns_paged_decode_attention_local calls it per sequence and keeps its
+ * AVX2 loop for other head sizes and for machines without AVX-512F.
+ *
+ * The AVX2 kernel's shape (flash-decoding on one core: page by page, an online softmax per head, each page's K
+ * and V read from memory once and kept in L1 while every head reads its part) at twice the width, and with the
+ * softmax vectorised: a head's q is D/16 registers; 16 keys' dot products accumulate in 16 registers, and one
+ * transpose-reduce (hsum16x16) leaves their 16 scores in one register, so the max, the exp and the sum of 16 keys
+ * are one vector op each. Softmax in base 2 (q pre-scaled by log2 e; exp2_ps in simd512.h).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "simd512.h"
+
+#define KEYS 16  /* keys per block: one score register */
+
+void ns_prefetch_page_share(const float *kv, const int64_t *table, int64_t ip, int64_t len, int64_t page_size,
+                            int64_t page_stride, int64_t from, int64_t share);  /* cpu_kernels.c */
+
+#if NS_AVX512
+/* [sum(a[0]), ..., sum(a[15])]: each level adds halves of two vectors, so a lane only ever sums its own key's
+ * partials (a key past the page's end stays in its own lane, where the caller masks it). */
+static inline __m512 hsum16x16(const __m512 a[KEYS]) {
+    __m512 c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++)  /* c[i]: 128-bit lanes 0-1 key 2i, 2-3 key 2i + 1 */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; i++)  /* d[i]: 128-bit lane L key 4i + L */
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; i++)  /* e[i]: 128-bit lane L keys 8i + L, 8i + 4 + L (two floats each) */
+        e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x88),
+                             _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xdd));
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xdd));
+    /* f[4L + m] is key 4m + L */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
+}
+
+/* max(x) in every lane: no scalar round trip in the softmax's chain. */
+static inline __m512 allmax(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4e));
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xb1));
+    x = _mm512_max_ps(x, _mm512_shuffle_ps(x, x, 0x4e));
+    return _mm512_max_ps(x, _mm512_shuffle_ps(x, x, 0xb1));
+}
+
+/* One sequence, head_dim 16 * D16: every query head (H, G per KV head) over the len keys of `table`'s pages.
+ * q, out [H, D]; m, l: H floats of scratch (running max and sum). */
+static inline __attribute__((always_inline)) void attend_seq(
+        const int D16, const float *q, int64_t H, int64_t G, const float *kv, const int64_t *table, int64_t len,
+        int64_t page_size, int64_t token_stride, float scale, float *m, float *l, float *out) {
+    const int64_t D = 16 * D16, page_stride = 2 * page_size * token_stride;
+    const __m512 vscale = _mm512_set1_ps(scale * 1.4426950408889634f);  /* log2 e: softmax in base 2 */
+    for (int64_t g = 0; g < H; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    memset(out, 0, sizeof(float) * (size_t)(H * D));
+    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+        const float *page = kv + table[t0 / page_size] * page_stride;
+        const int64_t n_page = len - t0 < page_size ? len - t0 : page_size;
+        const int64_t ip = t0 / page_size, share = (page_stride * 4 / 64 + H - 1) / H * 64;
+        for (int64_t g = 0; g < H; g++) {  /* head g reads KV head g / G */
+            ns_prefetch_page_share(kv, table, ip, len, page_size, page_stride, g * share, share);
+            const float *kh = page + (g / G) * D, *vh = kh + page_size * token_stride;
+            __m512 vq[8], o[8], o2[8];
+            for (int c = 0; c < D16; c++) {
+                vq[c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * c), vscale);
+                o[c] = _mm512_loadu_ps(out + g * D + 16 * c);
+            }
+            /* lg: the running sum spread over the lanes (l[g] in lane 0), summed once after the page */
+            __m512 mg = _mm512_set1_ps(m[g]), lg = _mm512_maskz_mov_ps(1, _mm512_set1_ps(l[g]));
+            for (int64_t j0 = 0; j0 < n_page; j0 += KEYS) {
+                const int64_t n = n_page - j0 < KEYS ? n_page - j0 : KEYS;
+                __m512 acc[KEYS];
+                for (int j = 0; j < KEYS; j++) {
+                    if (j >= n) { acc[j] = _mm512_setzero_ps(); continue; }
+                    const float *k = kh + (j0 + j) * token_stride;
+                    acc[j] = _mm512_mul_ps(vq[0], _mm512_loadu_ps(k));
+                    for (int c = 1; c < D16; c++) acc[j] = _mm512_fmadd_ps(vq[c], _mm512_loadu_ps(k + 16 * c), acc[j]);
+                }
+                const __mmask16 valid = (__mmask16)((1u << n) - 1);
+                const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, hsum16x16(acc));
+                const __m512 mx = _mm512_max_ps(mg, allmax(s));
+                const __m512 corr = exp2_ps(_mm512_sub_ps(mg, mx));  /* 0 on the first block (mg = -inf) */
+                const __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(s, mx)));
+                lg = _mm512_fmadd_ps(lg, corr, p);
+                mg = mx;
+                for (int c = 0; c < D16; c++) {
+                    o[c] = _mm512_mul_ps(o[c], corr);
+                    o2[c] = _mm512_setzero_ps();
+                }
+                int64_t j = 0;
+                for (; j + 2 <= n; j += 2) {  /* two chains: the multiply-add latency overlaps */
+                    const float *v = vh + (j0 + j) * token_stride;
+                    const __m512 w0 = _mm512_permutexvar_ps(_mm512_set1_epi32((int)j), p);
+                    const __m512 w1 = _mm512_permutexvar_ps(_mm512_set1_epi32((int)j + 1), p);
+                    for (int c = 0; c < D16; c++) {
+                        o[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + 16 * c), o[c]);
+                        o2[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v + token_stride + 16 * c), o2[c]);
+                    }
+                }
+                if (j < n) {
+                    const float *v = vh + (j0 + j) * token_stride;
+                    const __m512 w0 = _mm512_permutexvar_ps(_mm512_set1_epi32((int)j), p);
+                    for (int c = 0; c < D16; c++) o[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + 16 * c), o[c]);
+                }
+                for (int c = 0; c < D16; c++) o[c] = _mm512_add_ps(o[c], o2[c]);
+            }
+            for (int c = 0; c < D16; c++) _mm512_storeu_ps(out + g * D + 16 * c, o[c]);
+            m[g] = _mm512_cvtss_f32(mg);
+            l[g] = _mm512_reduce_add_ps(lg);
+        }
+    }
+    for (int64_t g = 0; g < H; g++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+        for (int c = 0; c < D16; c++)
+            _mm512_storeu_ps(out + g * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(out + g * D + 16 * c), inv));
+    }
+}
+#endif
+
+/* out [H, D] = one query token q [H, D] of a sequence over its len keys in `table`'s pages of one pool layer kv
+ * [num_pages, 2, page_size, KH, D]; m_l: 2 H floats of scratch. Returns 0, or -1 when this build or head size
+ * has no kernel here (the caller runs its own). */
+int ns_decode_attend_seq512(const float *q, const float *kv, const int64_t *table, int64_t len, float *out,
+                            int64_t H, int64_t KH, int64_t D, int64_t page_size, float scale, float *m_l) {
+#if NS_AVX512
+    const int64_t G = H / KH, token_stride = KH * D;
+    if (D == 64) attend_seq(4, q, H, G, kv, table, len, page_size, token_stride, scale, m_l, m_l + H, out);
+    else if (D == 128) attend_seq(8, q, H, G, kv, table, len, page_size, token_stride, scale, m_l, m_l + H, out);
+    else return -1;
+    return 0;
+#else
+    (void)q; (void)kv; (void)table; (void)len; (void)out; (void)H; (void)KH; (void)D; (void)page_size;
+    (void)scale; (void)m_l;
+    return -1;
+#endif
+}
