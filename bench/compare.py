@@ -628,8 +628,9 @@ def serving(name: str, args, tmp: str, log: str, live: list):
     else:
         # Its prefix cache off, as llama-server's cache_prompt: probes resend the same prompts.
         proc, url = start_server(name, args.dtype, tmp, log, model_extra=args.nodeserve_model_extra,
-                                 kv_extra="prefix_cache = false")
-        info = {"mode": name, "dtype": args.dtype, "model_extra": args.nodeserve_model_extra}
+                                 kv_extra="prefix_cache = false\n" + args.nodeserve_kv_extra)
+        info = {"mode": name, "dtype": args.dtype, "model_extra": args.nodeserve_model_extra,
+                "kv_extra": args.nodeserve_kv_extra}
     live.append(proc)
     info["start_s"] = time.perf_counter() - t
     info["loadavg_at_start"] = os.getloadavg()
@@ -741,6 +742,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="nodeserve [model] dtype")
     ap.add_argument("--nodeserve-model-extra", default="", help="extra TOML lines for nodeserve's [model] table")
+    ap.add_argument("--nodeserve-kv-extra", default="", help="extra TOML lines for nodeserve's [kv] table")
     ap.add_argument("--llama-backend", default="auto",
                     help=f"llama-server peer(s), comma-separated, of {','.join(L.BACKENDS)}; auto: the native build "
                          "if it builds, else the wheels; several run as one target each (see above)")

@@ -77,6 +77,7 @@ class Target:
     kind: str              # "nodeserve" | "llama-server"
     dtype: str = "auto"
     model_extra: str = ""  # TOML lines for nodeserve's [model] table
+    kv_extra: str = ""     # ... and its [kv] table
 
 
 # ---- pure: token keys and scores --------------------------------------------------------------------------
@@ -243,8 +244,10 @@ def _start(target: Target, args, tmp: str, log: str):
     if target.kind == "llama-server":
         srv = L.start(slots=4, slot_ctx=1024, threads=args.llama_threads, log_path=log, passive=args.llama_passive)
         return srv.proc, srv.url, f"{srv.version}, -t {args.llama_threads}"
-    proc, url = start_server(args.mode, target.dtype, tmp, log, model_extra=target.model_extra)
-    extra = "; ".join(ln.strip() for ln in target.model_extra.splitlines() if ln.strip())
+    proc, url = start_server(args.mode, target.dtype, tmp, log, model_extra=target.model_extra,
+                             kv_extra=target.kv_extra)
+    lines = (target.model_extra + "\n" + target.kv_extra).splitlines()
+    extra = "; ".join(ln.strip() for ln in lines if ln.strip())
     return proc, url, f"nodeserve {args.mode}, dtype {target.dtype}" + (f"; {extra}" if extra else " (defaults)")
 
 
@@ -254,6 +257,7 @@ def main() -> int:
     ap.add_argument("--targets", default="nodeserve-default,nodeserve-none,llama-server")
     ap.add_argument("--default-extra", default="",
                     help="TOML lines for nodeserve-default's [model] table (default: none, i.e. nodeserve's defaults)")
+    ap.add_argument("--default-kv-extra", default="", help="... and for its [kv] table, e.g. 'dtype = \"float16\"'")
     ap.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"],
                     help="nodeserve's devices.mode for the reference and the nodeserve targets")
     ap.add_argument("--num-prompts", type=int, default=len(PROMPTS),
@@ -269,7 +273,8 @@ def main() -> int:
                                                       "quality"))
     args = ap.parse_args()
 
-    known = {"nodeserve-default": Target("nodeserve-default", "nodeserve", "auto", args.default_extra),
+    known = {"nodeserve-default": Target("nodeserve-default", "nodeserve", "auto", args.default_extra,
+                                         args.default_kv_extra),
              "nodeserve-none": Target("nodeserve-none", "nodeserve", "auto", 'quantization = "none"'),
              "llama-server": Target("llama-server", "llama-server")}
     names = [t.strip() for t in args.targets.split(",") if t.strip()]

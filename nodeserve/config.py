@@ -85,8 +85,9 @@ class KVSection:
     page_size: int = 16
     memory_gib: float = 2.0               # KV pool size per device; 0 (CUDA only): free memory minus the headroom
     memory_headroom: float = 0.1          # with memory_gib = 0: fraction of free GPU memory left for activations
-    dtype: str = "auto"                   # auto (the model's dtype) | fp8_e4m3 (1 byte a value, any device and
-                                          # backend; per-layer scales calibrated at warm-up)
+    dtype: str = "auto"                   # auto (the model's dtype) | float16 (CPU: half a float32 model's KV
+                                          # bytes) | fp8_e4m3 (1 byte a value, any device and backend; per-layer
+                                          # scales calibrated at warm-up)
     prefix_cache: bool = True             # reuse the KV of full pages whose prefix was computed before, per device
     host_memory_gib: float = -1.0         # host-memory tier below every pool; -1: auto (2x the pools, at most a
                                           # quarter of the host's RAM); 0: off (docs/kv-tiers.md)
@@ -378,8 +379,12 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
         raise ConfigError(f"'kv.memory_gib' must be positive (or 0 on CUDA: fill free memory), got {kv.memory_gib}")
     if not 0 <= kv.memory_headroom < 1:
         raise ConfigError(f"'kv.memory_headroom' must be a fraction in [0, 1), got {kv.memory_headroom}")
-    if kv.dtype not in ("auto", "fp8_e4m3"):
-        raise ConfigError(f"'kv.dtype' must be \"auto\" or \"fp8_e4m3\", got {kv.dtype!r}")
+    if kv.dtype not in ("auto", "float16", "fp8_e4m3"):
+        raise ConfigError(f"'kv.dtype' must be \"auto\", \"float16\" or \"fp8_e4m3\", got {kv.dtype!r}")
+    if kv.dtype == "float16" and any(n.strip().lower().startswith("cuda")
+                                     for n in cfg.prefill_devices + cfg.decode_devices):
+        raise ConfigError("'kv.dtype' = \"float16\" is for CPU devices (a float32 model's KV in half the bytes); "
+                          "on cuda devices use \"auto\" (the model's dtype) or \"fp8_e4m3\"")
     if d.attention not in ("auto", "torch", "flashinfer"):
         raise ConfigError(f"'devices.attention' must be \"auto\", \"torch\" or \"flashinfer\", got {d.attention!r}")
     if d.mode == "disaggregated":

@@ -18,8 +18,8 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     """Scatter this step's K/V ([T, KH, D] each) into the pool at the given flat slots."""
     page_size = kv_layer.shape[2]
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
-    kv_layer[pages, 0, offsets] = k
-    kv_layer[pages, 1, offsets] = v
+    kv_layer[pages, 0, offsets] = k.to(kv_layer.dtype)  # a float16 pool under a float32 model rounds here
+    kv_layer[pages, 1, offsets] = v.to(kv_layer.dtype)
 
 
 def is_fp8(kv_layer: torch.Tensor) -> bool:
@@ -144,10 +144,10 @@ class _DecodeGroup:
 
 
 class TorchAttention(PagedAttention):
-    """On CPU with a float32 model and pool, decodes read K/V where they lie in the pages (the native kernel: no
-    gather, no padding). Elsewhere decodes are batched in padded SDPA calls over groups of similar length, whose
-    rows and masks depend only on the step: prepare() builds them once for every layer. Each prefill chunk runs
-    alone, so no one pads to the longest prompt.
+    """On CPU with a float32 model and a float32 or float16 pool, decodes read K/V where they lie in the pages (the
+    native kernel: no gather, no padding). Elsewhere decodes are batched in padded SDPA calls over groups of
+    similar length, whose rows and masks depend only on the step: prepare() builds them once for every layer. Each
+    prefill chunk runs alone, so no one pads to the longest prompt.
 
     FP8 pools: K/V are gathered as stored and converted to q's dtype (exact: every e4m3 value is a bf16, fp16
     and fp32 value); k_scale is folded into the softmax scale and v_scale applied to the output, which is what
@@ -158,8 +158,9 @@ class TorchAttention(PagedAttention):
         """dtype: the model's activations' (q's)."""
         super().__init__(pool)
         self.scale = cfg.head_dim ** -0.5
-        paged = pool.device.type == "cpu" and dtype == pool.dtype == torch.float32
-        self._kernels = native.load() if paged else None  # None: no compiler, or not a pool the kernels read
+        kernels = native.load() if pool.device.type == "cpu" and dtype == torch.float32 else None
+        # None: no compiler, or not a pool the kernels read (float32, or float16 where F16C is built in)
+        self._kernels = kernels if kernels is not None and pool.dtype in kernels.kv_dtypes else None
         # prefill chunks by csrc/prefill_attn.c where built (AVX-512)
         self._prefill_kernel = self._kernels is not None and self._kernels.prefill and not native.avx2_only()
         self._groups: list[_DecodeGroup] = []
@@ -189,7 +190,7 @@ class TorchAttention(PagedAttention):
             kernels.write_kv(kv_layer, k, v, meta.slot_mapping)
         else:
             write_kv_scaled(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
-        dtype = q.dtype if is_fp8(kv_layer) else None
+        dtype = q.dtype if kv_layer.dtype != q.dtype else None  # FP8, or a float16 pool under a float32 model
         scale = self.scale * k_scale
         out = torch.empty_like(q)
         nd = meta.num_decodes

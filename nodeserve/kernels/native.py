@@ -40,13 +40,15 @@ _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes
 _SIGNATURES = {
     "ns_linear": (_int, [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]),
     "ns_dequant_rows": (None, [_int, _ptr, _i64, _ptr, _i64, _ptr]),
-    "ns_paged_decode_attention": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32]),
-    "ns_prefill_attention": (_int, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32]),
+    "ns_paged_decode_attention": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
+                                         _int]),
+    "ns_prefill_attention": (_int, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
+                                    _int]),
     "ns_rms_norm": (None, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32]),
     "ns_add_rms_norm": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32]),
     "ns_silu_and_mul": (None, [_ptr, _ptr, _i64, _i64]),
     "ns_rope": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]),
-    "ns_write_kv": (None, [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]),
+    "ns_write_kv": (_int, [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int]),
     "ns_isa": (_int, []),
     "ns_r16_supported": (_int, []),
     "ns_prefill_supported": (_int, []),
@@ -106,6 +108,7 @@ class NativeKernels:
         self.r16 = bool(lib.ns_r16_supported())  # the VNNI GEMM over repacked weights is built in
         self.prefill = bool(lib.ns_prefill_supported())  # the AVX-512 prefill attention (csrc/prefill_attn.c)
         self.isa = "avx512-vnni" if self.r16 else {2: "avx2", 0: "scalar"}[lib.ns_isa()]
+        self.kv_dtypes = (torch.float32, torch.float16) if lib.ns_isa() else (torch.float32,)  # float16: F16C
 
     def repack(self, qtype: int, weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
         """GGUF blocks uint8 [N, K / 32 * block bytes] -> the same weights in 16-row groups (type qtype | R16),
@@ -161,20 +164,23 @@ class NativeKernels:
                          cos_sin.data_ptr(), t, h, k.shape[1], d)
 
     def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """k, v [T, KH, D] (heads and D contiguous, rows strided) into a float32 pool layer at int64 slots."""
+        """k, v [T, KH, D] float32 (heads and D contiguous, rows strided) into a pool layer of one of kv_dtypes at
+        int64 slots (float16 rounded to nearest)."""
         t, kh, d = k.shape
-        self.lib.ns_write_kv(kv_layer.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                             slots.data_ptr(), t, kh, d, kv_layer.shape[2])
+        if self.lib.ns_write_kv(kv_layer.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                slots.data_ptr(), t, kh, d, kv_layer.shape[2], _is_f16(kv_layer)):
+            raise ValueError(f"ns_write_kv: no kernel for a {kv_layer.dtype} pool in this build")
 
     def paged_decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, page_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, H, D] float32, kv_layer [P, 2, page_size, KH, D] float32, page_tables [B, max_pages] int64,
-        seq_lens [B] int64 -> [B, H, D]."""
+        """q [B, H, D] float32, kv_layer [P, 2, page_size, KH, D] of one of kv_dtypes, page_tables [B, max_pages]
+        int64, seq_lens [B] int64 -> [B, H, D]."""
         b, h, d = q.shape
         out = torch.empty_like(q)
         if self.lib.ns_paged_decode_attention(
                 q.data_ptr(), kv_layer.data_ptr(), page_tables.data_ptr(), page_tables.shape[1],
-                seq_lens.data_ptr(), out.data_ptr(), b, h, kv_layer.shape[3], d, kv_layer.shape[2], scale):
+                seq_lens.data_ptr(), out.data_ptr(), b, h, kv_layer.shape[3], d, kv_layer.shape[2], scale,
+                _is_f16(kv_layer)):
             raise MemoryError("ns_paged_decode_attention: out of memory")
         return out
 
@@ -182,7 +188,7 @@ class NativeKernels:
                           scale: float, out: torch.Tensor) -> bool:
         """out [Lq, H, D] = causal attention of q [Lq, H, D] (float32; heads and D contiguous, rows strided), the
         tokens after num_prefix cached ones of the sequence whose pages are page_table (int64, contiguous), over
-        a float32 pool layer [P, 2, page_size, KH, D]. False (out untouched) where the kernel is not built
+        a pool layer [P, 2, page_size, KH, D] of one of kv_dtypes. False (out untouched) where the kernel is not built
         (no AVX-512) or does not take these shapes."""
         lq, h, d = q.shape
         if (q.stride()[1:] != (d, 1) or out.stride()[1:] != (d, 1) or page_table.dtype != torch.int64
@@ -190,7 +196,11 @@ class NativeKernels:
             return False
         return self.lib.ns_prefill_attention(
             q.data_ptr(), q.stride(0), kv_layer.data_ptr(), page_table.data_ptr(), num_prefix, lq, out.data_ptr(),
-            out.stride(0), h, kv_layer.shape[3], d, kv_layer.shape[2], scale) == 0
+            out.stride(0), h, kv_layer.shape[3], d, kv_layer.shape[2], scale, _is_f16(kv_layer)) == 0
+
+
+def _is_f16(kv_layer: torch.Tensor) -> int:
+    return int(kv_layer.dtype == torch.float16)
 
 
 def avx2_only() -> bool:

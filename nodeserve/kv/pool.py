@@ -14,8 +14,9 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
-    """kv.dtype -> the pool's dtype: "auto" keeps the model's, "fp8_e4m3" halves bf16's bytes per token."""
-    return torch.float8_e4m3fn if setting == "fp8_e4m3" else model_dtype
+    """kv.dtype -> the pool's dtype: "auto" keeps the model's, "float16" halves float32's bytes per token (CPU),
+    "fp8_e4m3" halves bf16's."""
+    return {"fp8_e4m3": torch.float8_e4m3fn, "float16": torch.float16}.get(setting, model_dtype)
 
 
 def kv_pages_for_device(free_bytes: int, headroom_fraction: float, bytes_per_page: int) -> int:

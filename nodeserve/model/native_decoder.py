@@ -29,7 +29,7 @@ class _Layer(ctypes.Structure):  # struct ns_layer
 
 class _Step(ctypes.Structure):  # struct ns_step
     _fields_ = [("num_rows", _i64), ("max_pages", _i64), ("page_size", _i64), ("positions", _p), ("slots", _p),
-                ("page_tables", _p), ("seq_lens", _p), ("cos_sin", _p), ("scale", _f32)]
+                ("page_tables", _p), ("seq_lens", _p), ("cos_sin", _p), ("scale", _f32), ("kv_f16", _i64)]
 
 
 class NativeDecoder:
@@ -68,11 +68,12 @@ class NativeDecoder:
         return True
 
     def takes(self, x: torch.Tensor, backend: AttentionBackend) -> bool:
-        """Whether the step `backend` was prepared for is one it runs: every row decodes one token, over a float32
-        pool on the CPU, at positions the RoPE table covers (C indexes it unchecked)."""
+        """Whether the step `backend` was prepared for is one it runs: every row decodes one token, over a pool on
+        the CPU whose dtype the kernels read (float32, or float16 with F16C), at positions the RoPE table covers (C
+        indexes it unchecked)."""
         meta, kv_layers = backend.meta, backend.pool.layers
         return (meta is not None and meta.num_decodes == meta.num_seqs and x.device.type == "cpu"
-                and x.dtype == torch.float32 and kv_layers[0].dtype == torch.float32
+                and x.dtype == torch.float32 and kv_layers[0].dtype in self.kernels.kv_dtypes
                 and max(meta.seq_lens_host) <= len(self.cos_sin_cache))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
@@ -84,7 +85,8 @@ class NativeDecoder:
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         tables, seq_lens = meta.page_tables.contiguous(), meta.seq_lens.contiguous()
         step = _Step(x.shape[0], tables.shape[1], meta.page_size, positions.data_ptr(), slots.data_ptr(),
-                     tables.data_ptr(), seq_lens.data_ptr(), self.cos_sin_cache.data_ptr(), self.scale)
+                     tables.data_ptr(), seq_lens.data_ptr(), self.cos_sin_cache.data_ptr(), self.scale,
+                     int(kv_layers[0].dtype == torch.float16))
         step_ptr, x_ptr = ctypes.byref(step), x.data_ptr()
         for i, layer in enumerate(self.layers):
             if self._fn(ctypes.byref(layer), step_ptr, x_ptr, kv_layers[i].data_ptr()):

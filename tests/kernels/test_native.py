@@ -209,16 +209,20 @@ def test_repacked_linear_writes_only_the_columns_asked_for(matrices):
     assert torch.equal(y[:, 16:], full[:, 16:]) and (y[:, :16] == 7.0).all()
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("page_size,d,kh,h", [(4, 64, 3, 9), (16, 64, 3, 9), (32, 128, 2, 8), (16, 96, 1, 2)])
-def test_paged_decode_attention_matches_sdpa_over_gathered_pages(one_thread, page_size, d, kh, h):
-    """Every path: head_dim 64 / 128 take AVX-512 where built (decode_attn512.c), 96 the AVX2 loop; lengths that
-    end mid-block, mid-page and on a page's end; a NaN in the unwritten slots past each length changes nothing."""
+def test_paged_decode_attention_matches_sdpa_over_gathered_pages(one_thread, page_size, d, kh, h, kv_dtype):
+    """Every path: head_dim 64 / 128 take AVX-512 where built (decode_attn512.c), 96 the plain loop; lengths that
+    end mid-block, mid-page and on a page's end; a NaN in the unwritten slots past each length changes nothing;
+    a float16 pool gives attention over its values widened to float32."""
     from nodeserve.attention.torch_ref import attend_decode, gather_kv
 
+    if kv_dtype not in kernels.kv_dtypes:
+        pytest.skip("float16 pools need F16C (an AVX2 build)")
     torch.manual_seed(3)
     seq_lens = [1, 4, 5, 13, 16, 17, 37, 70]
     num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
-    kv = torch.randn(num_pages, 2, page_size, kh, d)
+    kv = torch.randn(num_pages, 2, page_size, kh, d).to(kv_dtype)
     perm = torch.randperm(num_pages).tolist()
     tables = torch.zeros(len(seq_lens), -(-max(seq_lens) // page_size), dtype=torch.int64)
     for b, n in enumerate(seq_lens):
@@ -229,7 +233,7 @@ def test_paged_decode_attention_matches_sdpa_over_gathered_pages(one_thread, pag
     q = torch.randn(len(seq_lens), h, d)
     got = kernels.paged_decode_attention(q, kv, tables, torch.tensor(seq_lens), 0.125)
     for b, n in enumerate(seq_lens):
-        k, v = gather_kv(kv, tables[b:b + 1], n)
+        k, v = gather_kv(kv, tables[b:b + 1], n, torch.float32)
         want = attend_decode(q[b:b + 1], k, v, None, 0.125)
         torch.testing.assert_close(got[b:b + 1], want, rtol=1e-5, atol=1e-5)
 
@@ -260,12 +264,16 @@ def test_pointwise_kernels_match_torch_ops(one_thread):
     assert got_q.data_ptr() == q.data_ptr()  # in place
 
 
-def test_write_kv_scatters_like_index_put():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_write_kv_scatters_like_index_put(kv_dtype):
+    """float16: rounded to nearest even, as torch's conversion, bit for bit (values past 65504 become inf)."""
     from nodeserve.attention.torch_ref import write_kv
 
+    if kv_dtype not in kernels.kv_dtypes:
+        pytest.skip("float16 pools need F16C (an AVX2 build)")
     torch.manual_seed(5)
-    kv = torch.zeros(6, 2, 4, 3, 8)
-    qkv = torch.randn(5, 9 * 8)
+    kv = torch.zeros(6, 2, 4, 3, 8, dtype=kv_dtype)
+    qkv = torch.randn(5, 9 * 8) * torch.logspace(-6, 5, 72)  # subnormal in float16 .. past its range
     k, v = qkv[:, :24].view(5, 3, 8), qkv[:, 24:48].view(5, 3, 8)
     slots = torch.tensor([0, 5, 23, 9, 10])
     want = kv.clone()
@@ -389,6 +397,23 @@ def test_prefill_attention_matches_masked_sdpa_over_gathered_pages(one_thread, n
     mask = (torch.arange(seq_len)[None, :] <= torch.arange(num_prefix, seq_len)[:, None])[None, None]
     want = attend(q[None], k, v, mask, False, d ** -0.5)[0]
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_avx512
+@pytest.mark.parametrize("num_prefix,q_len,page_size,h,kh,d", [(0, 17, 16, 9, 3, 64), (47, 30, 7, 9, 3, 64),
+                                                              (5, 70, 16, 8, 2, 128)])
+def test_prefill_attention_reads_float16_pools(one_thread, num_prefix, q_len, page_size, h, kh, d):
+    """A float16 pool: attention over its values widened to float32 (its NaN spare pages still unread)."""
+    from nodeserve.attention.torch_ref import attend, gather_kv
+
+    kv, table, q = _prefill_case(num_prefix, q_len, page_size, h, kh, d)
+    kv = kv.half()
+    out = torch.full((q_len, h, d), 7.0)
+    assert kernels.prefill_attention(q, kv, table, num_prefix, d ** -0.5, out)
+    seq_len = num_prefix + q_len
+    k, v = gather_kv(kv, table[None], seq_len, torch.float32)
+    mask = (torch.arange(seq_len)[None, :] <= torch.arange(num_prefix, seq_len)[:, None])[None, None]
+    torch.testing.assert_close(out, attend(q[None], k, v, mask, False, d ** -0.5)[0], rtol=1e-5, atol=1e-5)
 
 
 @needs_avx512

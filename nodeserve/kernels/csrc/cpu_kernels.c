@@ -33,11 +33,12 @@ int ns_linear_r16(int type, const uint8_t *wr, const float *x, float *y, int64_t
 void ns_dequant_rows_r16(int type, const uint8_t *wr, int64_t K, const int64_t *rows, int64_t n_rows, float *out);
 int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
               int64_t n_begin, int64_t n_end);  /* lend.c: splits with a lent core, then ns_linear_local */
-int ns_decode_attend_seq512(const float *q, const float *kv, const int64_t *table, int64_t len, float *out,
-                            int64_t H, int64_t KH, int64_t D, int64_t page_size, float scale, float *m_l);
-int ns_paged_decode_attention(const float *q, const float *kv, const int64_t *block_tables, int64_t max_pages,
+int ns_decode_attend_seq512(const float *q, const void *kv, const int64_t *table, int64_t len, float *out,
+                            int64_t H, int64_t KH, int64_t D, int64_t page_size, float scale, float *m_l,
+                            int kv_f16);
+int ns_paged_decode_attention(const float *q, const void *kv, const int64_t *block_tables, int64_t max_pages,
                               const int64_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KH, int64_t D,
-                              int64_t page_size, float scale);  /* lend.c: likewise, by sequences */
+                              int64_t page_size, float scale, int kv_f16);  /* lend.c: likewise, by sequences */
 #define QK 32
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8
@@ -406,6 +407,23 @@ static float softmax_numerators(float *p, int64_t n) {
     return softmax_numerators_max(p, n, mx);
 }
 
+/* KV pools hold float32, or float16 (kv_f16: half the bytes a token). F16C converts, so float16 pools are read
+ * and written by AVX2 builds only (the entry points return -1 elsewhere and callers use torch). */
+static inline float kv_at(const void *kv, int64_t i, const int f16) {
+#if NS_AVX2
+    if (f16) return _cvtsh_ss(((const uint16_t *)kv)[i]);
+#endif
+    (void)f16;
+    return ((const float *)kv)[i];
+}
+
+#if NS_AVX2
+static inline __attribute__((always_inline)) __m256 kv_load8(const void *kv, int64_t i, const int f16) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)kv + i)))
+               : _mm256_loadu_ps((const float *)kv + i);
+}
+#endif
+
 static inline float dot(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
     float s = 0.0f;
@@ -438,21 +456,22 @@ static inline __m256 hsum8x8(const __m256 a[8]) {
 /* Scores of one query head (pre-scaled, in D8 registers) against n keys token_stride apart: out[0..n). Eight
  * keys at a time accumulate in eight registers and one transpose-reduce gives their eight scores. */
 static inline __attribute__((always_inline)) void page_scores(
-        const int D8, const __m256 *vq, const float *k, int64_t n, int64_t token_stride, float *out) {
+        const int D8, const int f16, const __m256 *vq, const void *kv, int64_t k, int64_t n, int64_t token_stride,
+        float *out) {
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) {
         __m256 acc[8];
         for (int j = 0; j < 8; j++) {
-            const float *kt = k + (t + j) * token_stride;
-            acc[j] = _mm256_mul_ps(vq[0], _mm256_loadu_ps(kt));
-            for (int c = 1; c < D8; c++) acc[j] = _mm256_fmadd_ps(vq[c], _mm256_loadu_ps(kt + 8 * c), acc[j]);
+            const int64_t kt = k + (t + j) * token_stride;
+            acc[j] = _mm256_mul_ps(vq[0], kv_load8(kv, kt, f16));
+            for (int c = 1; c < D8; c++) acc[j] = _mm256_fmadd_ps(vq[c], kv_load8(kv, kt + 8 * c, f16), acc[j]);
         }
         _mm256_storeu_ps(out + t, hsum8x8(acc));
     }
     for (; t < n; t++) {
-        const float *kt = k + t * token_stride;
-        __m256 acc = _mm256_mul_ps(vq[0], _mm256_loadu_ps(kt));
-        for (int c = 1; c < D8; c++) acc = _mm256_fmadd_ps(vq[c], _mm256_loadu_ps(kt + 8 * c), acc);
+        const int64_t kt = k + t * token_stride;
+        __m256 acc = _mm256_mul_ps(vq[0], kv_load8(kv, kt, f16));
+        for (int c = 1; c < D8; c++) acc = _mm256_fmadd_ps(vq[c], kv_load8(kv, kt + 8 * c, f16), acc);
         out[t] = hsum8(acc);
     }
 }
@@ -461,11 +480,14 @@ static inline __attribute__((always_inline)) void page_scores(
  * share of the lines (from `from`, `share` bytes) of the page PAGES_AHEAD on, and on the first page of the
  * pages before that too. A whole page asked for at once overflows the miss queue and most requests are dropped:
  * a decode step of 16 x 1,024 tokens took 57 ms so, 41 ms with the requests spread (one core, Zen 5). */
-void ns_prefetch_page_share(const float *kv, const int64_t *table, int64_t ip, int64_t len, int64_t page_size,
-                            int64_t page_stride, int64_t from, int64_t share) {
+void ns_prefetch_page_share(const void *kv, const int64_t *table, int64_t ip, int64_t len, int64_t page_size,
+                            int64_t page_bytes, int64_t from, int64_t share) {
+    /* In 4-byte words, both bounds tested each time: a tighter loop (one bound, precomputed) issued the same
+     * requests faster and decode attention at 16 x 1,024 tokens took 4-12 % longer (one Zen 5 core). */
+    const int64_t page_words = page_bytes / 4;
     for (int64_t a = ip ? PAGES_AHEAD : 1; a <= PAGES_AHEAD && (ip + a) * page_size < len; a++) {
-        const char *page = (const char *)(kv + table[ip + a] * page_stride);
-        for (int64_t off = from; off < from + share && off < page_stride * 4; off += 64)
+        const char *page = (const char *)((const float *)kv + table[ip + a] * page_words);
+        for (int64_t off = from; off < from + share && off < page_words * 4; off += 64)
             __builtin_prefetch(page + off, 0, 3);
     }
 }
@@ -475,25 +497,26 @@ void ns_prefetch_page_share(const float *kv, const int64_t *table, int64_t ip, i
  * read from memory once, in address order, and stay in L1 while every head reads its part.
  * p: page_size floats of scratch; m, l: H floats each. */
 static inline __attribute__((always_inline)) void attend_seq(
-        const int D8, const float *q, int64_t H, int64_t G, const float *kv, const int64_t *table, int64_t len,
-        int64_t page_size, int64_t page_stride, int64_t token_stride, float scale, float *p, float *m, float *l,
-        float *out) {
+        const int D8, const int f16, const float *q, int64_t H, int64_t G, const void *kv, const int64_t *table,
+        int64_t len, int64_t page_size, int64_t page_stride, int64_t token_stride, float scale, float *p, float *m,
+        float *l, float *out) {
+    const int64_t page_bytes = page_stride * (f16 ? 2 : 4);
     for (int64_t g = 0; g < H; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
         memset(out + g * 8 * D8, 0, sizeof(float) * 8 * (size_t)D8);
     }
     for (int64_t t0 = 0; t0 < len; t0 += page_size) {
-        const float *page = kv + table[t0 / page_size] * page_stride;
+        const int64_t page = table[t0 / page_size] * page_stride;  /* in elements */
         const int64_t n = len - t0 < page_size ? len - t0 : page_size;
-        const int64_t ip = t0 / page_size, share = (page_stride * 4 / 64 + H - 1) / H * 64;
+        const int64_t ip = t0 / page_size, share = (page_bytes / 64 + H - 1) / H * 64;
         for (int64_t g = 0; g < H; g++) {  /* head g reads KV head g / G */
-            ns_prefetch_page_share(kv, table, ip, len, page_size, page_stride, g * share, share);
-            const float *k = page + (g / G) * 8 * D8, *v = k + page_size * token_stride;
+            ns_prefetch_page_share(kv, table, ip, len, page_size, page_bytes, g * share, share);
+            const int64_t k = page + (g / G) * 8 * D8, v = k + page_size * token_stride;
             __m256 vq[16], acc[16];
             for (int c = 0; c < D8; c++)
                 vq[c] = _mm256_mul_ps(_mm256_loadu_ps(q + g * 8 * D8 + 8 * c), _mm256_set1_ps(scale));
-            page_scores(D8, vq, k, n, token_stride, p);
+            page_scores(D8, f16, vq, kv, k, n, token_stride, p);
             float mx = m[g];
             for (int64_t t = 0; t < n; t++) mx = p[t] > mx ? p[t] : mx;
             const float corr = expf(m[g] - mx);  /* 0 on the first page (m = -inf) */
@@ -503,10 +526,10 @@ static inline __attribute__((always_inline)) void attend_seq(
             float *o = out + g * 8 * D8;
             const __m256 vc = _mm256_set1_ps(corr);
             for (int c = 0; c < D8; c++) acc[c] = _mm256_mul_ps(_mm256_loadu_ps(o + 8 * c), vc);
-            const float *vt = v;
+            int64_t vt = v;
             for (int64_t t = 0; t < n; t++, vt += token_stride) {
                 const __m256 w = _mm256_set1_ps(p[t]);
-                for (int c = 0; c < D8; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * c), acc[c]);
+                for (int c = 0; c < D8; c++) acc[c] = _mm256_fmadd_ps(w, kv_load8(kv, vt + 8 * c, f16), acc[c]);
             }
             for (int c = 0; c < D8; c++) _mm256_storeu_ps(o + 8 * c, acc[c]);
         }
@@ -519,51 +542,62 @@ static inline __attribute__((always_inline)) void attend_seq(
 }
 #endif
 
-/* Any head_dim, plainly. */
-static void attend_head_any(const float *q, const float *kv, const int64_t *table, int64_t len, int64_t page_size,
-                            int64_t page_stride, int64_t token_stride, int64_t D, float scale, float *p,
-                            float *out) {
-    for (int64_t t = 0; t < len; t++)
-        p[t] = dot(q, kv + table[t / page_size] * page_stride + (t % page_size) * token_stride, D) * scale;
+/* Any head_dim, plainly (kv at element offset kh * D: the head's KV head). row: D floats of scratch. */
+static void attend_head_any(const float *q, const void *kv, int64_t kh, const int64_t *table, int64_t len,
+                            int64_t page_size, int64_t page_stride, int64_t token_stride, int64_t D, float scale,
+                            float *p, float *row, float *out, int f16) {
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t k = table[t / page_size] * page_stride + (t % page_size) * token_stride + kh * D;
+        for (int64_t d = 0; d < D; d++) row[d] = kv_at(kv, k + d, f16);
+        p[t] = dot(q, row, D) * scale;
+    }
     const float inv = 1.0f / softmax_numerators(p, len);
     memset(out, 0, sizeof(float) * (size_t)D);
-    for (int64_t t = 0; t < len; t++)
-        axpy(p[t] * inv, kv + table[t / page_size] * page_stride + (page_size + t % page_size) * token_stride,
-             out, D);
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t v = table[t / page_size] * page_stride + (page_size + t % page_size) * token_stride + kh * D;
+        for (int64_t d = 0; d < D; d++) row[d] = kv_at(kv, v + d, f16);
+        axpy(p[t] * inv, row, out, D);
+    }
 }
 
 /* One query token per sequence, K/V read where they lie in the pool: no gather, no padding.
- *   q [B, H, D]; kv [num_pages, 2, page_size, KH, D] (one layer, K at [:, 0], V at [:, 1]);
+ *   q [B, H, D]; kv [num_pages, 2, page_size, KH, D] (one layer, K at [:, 0], V at [:, 1]), float32 or, with
+ *   kv_f16, float16;
  *   block_tables [B, max_pages]; seq_lens [B]; out [B, H, D].
  * Flash-decoding's shape on one core: per sequence, page by page, an online softmax for every head, so each
  * K and V byte is read from memory once.
- * Returns 0, or -1 when out of memory. */
-int ns_paged_decode_attention_local(const float *q, const float *kv, const int64_t *block_tables,
+ * Returns 0, or -1 when out of memory or (a float16 pool) this build has no F16C. */
+int ns_paged_decode_attention_local(const float *q, const void *kv, const int64_t *block_tables,
                                     int64_t max_pages, const int64_t *seq_lens, float *out, int64_t B, int64_t H,
-                                    int64_t KH, int64_t D, int64_t page_size, float scale) {
+                                    int64_t KH, int64_t D, int64_t page_size, float scale, int kv_f16) {
+    if (kv_f16 && !NS_AVX2) return -1;
     const int64_t G = H / KH, token_stride = KH * D, page_stride = 2 * page_size * token_stride;
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    float *p = malloc(sizeof(float) * (size_t)(max_len + page_size + 2 * H + 8));
+    float *p = malloc(sizeof(float) * (size_t)(max_len + page_size + 2 * H + 8 + D));
     if (!p) return -1;
     for (int64_t b = 0; b < B; b++) {
         const int64_t *table = block_tables + b * max_pages;
         const float *qb = q + b * H * D;
         float *ob = out + b * H * D;
         if (ns_decode_attend_seq512(qb, kv, table, seq_lens[b], ob, H, KH, D, page_size, scale,
-                                    p + max_len + page_size + 8) == 0)
+                                    p + max_len + page_size + 8, kv_f16) == 0)
             continue;
 #if NS_AVX2
         if (D == 64 || D == 128) {
             float *m = p + max_len + page_size + 8, *l = m + H;
-            if (D == 64) attend_seq(8, qb, H, G, kv, table, seq_lens[b], page_size, page_stride, token_stride, scale, p, m, l, ob);
-            else attend_seq(16, qb, H, G, kv, table, seq_lens[b], page_size, page_stride, token_stride, scale, p, m, l, ob);
+            const int64_t len = seq_lens[b];
+#define NS_ATTEND(D8, f16) attend_seq(D8, f16, qb, H, G, kv, table, len, page_size, page_stride, token_stride, \
+                                      scale, p, m, l, ob)
+            if (D == 64) { if (kv_f16) NS_ATTEND(8, 1); else NS_ATTEND(8, 0); }  /* constants: each one compiles */
+            else { if (kv_f16) NS_ATTEND(16, 1); else NS_ATTEND(16, 0); }
+#undef NS_ATTEND
             continue;
         }
 #endif
         for (int64_t h = 0; h < H; h++)
-            attend_head_any(qb + h * D, kv + (h / G) * D, table, seq_lens[b], page_size, page_stride, token_stride, D,
-                            scale, p, ob + h * D);
+            attend_head_any(qb + h * D, kv, h / G, table, seq_lens[b], page_size, page_stride, token_stride, D, scale,
+                            p, p + max_len + page_size + 8 + 2 * H, ob + h * D, kv_f16);
     }
     free(p);
     return 0;
@@ -652,16 +686,32 @@ void ns_rope(float *q, int64_t ldq, float *k, int64_t ldk, const int64_t *pos, c
     rope_rows(k, ldk, T, KH, D, pos, cos_sin);
 }
 
-/* Scatter T tokens' K and V ([T, KH * D] rows ldk / ldv apart) into one layer of the float32 pool
- * [num_pages, 2, page_size, KH, D] at flat slots page * page_size + offset. */
-void ns_write_kv(float *kv, const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots,
-                 int64_t T, int64_t KH, int64_t D, int64_t page_size) {
+/* Scatter T tokens' K and V ([T, KH * D] rows ldk / ldv apart) into one layer of the pool [num_pages, 2,
+ * page_size, KH, D] (float32, or float16 with kv_f16, rounded to nearest) at flat slots page * page_size +
+ * offset. Returns 0, or -1 for a float16 pool in a build without F16C. */
+int ns_write_kv(void *kv, const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots,
+                int64_t T, int64_t KH, int64_t D, int64_t page_size, int kv_f16) {
     const int64_t row = KH * D;
+    if (kv_f16 && !NS_AVX2) return -1;
     for (int64_t t = 0; t < T; t++) {
-        float *dst = kv + (slots[t] / page_size) * 2 * page_size * row + (slots[t] % page_size) * row;
-        memcpy(dst, k + t * ldk, sizeof(float) * (size_t)row);
-        memcpy(dst + page_size * row, v + t * ldv, sizeof(float) * (size_t)row);
+        const int64_t dst = (slots[t] / page_size) * 2 * page_size * row + (slots[t] % page_size) * row;
+        if (!kv_f16) {
+            memcpy((float *)kv + dst, k + t * ldk, sizeof(float) * (size_t)row);
+            memcpy((float *)kv + dst + page_size * row, v + t * ldv, sizeof(float) * (size_t)row);
+            continue;
+        }
+#if NS_AVX2
+        for (int side = 0; side < 2; side++) {
+            const float *src = side ? v + t * ldv : k + t * ldk;
+            uint16_t *out = (uint16_t *)kv + dst + side * page_size * row;
+            int64_t i = 0;
+            for (; i + 8 <= row; i += 8)
+                _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+            for (; i < row; i++) out[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+        }
+#endif
     }
+    return 0;
 }
 
 /* ---------- one decoder layer for a decode-only step: the Llama layer of model/llama.py in one call ---------- */
@@ -681,13 +731,14 @@ struct ns_step {
     const int64_t *positions, *slots, *block_tables, *seq_lens;
     const float *cos_sin;
     float scale;
+    int64_t kv_f16;  /* the pool's dtype: float32 (0) or float16 (1) */
 };
 
 /* x [T, hidden], the residual stream, in place: x += attn(norm(x)); x += mlp(norm(x)), for T rows that each
  * decode one token; kv is this layer's float32 pool [num_pages, 2, page_size, KH, D]. The same kernels, in the
  * same order, as the per-op path (LlamaModel.forward with NativeOps and the paged attention): one call per
  * layer instead of ~50 Python-level ops. Returns 0, or -1 when out of memory. */
-int ns_decode_layer(const struct ns_layer *L, const struct ns_step *S, float *x, float *kv) {
+int ns_decode_layer(const struct ns_layer *L, const struct ns_step *S, float *x, void *kv) {
     const int64_t T = S->num_rows, H = L->hidden, D = L->head_dim, NH = L->num_heads, KH = L->num_kv_heads;
     const int64_t q_size = NH * D, kv_size = KH * D, n_qkv = q_size + 2 * kv_size, I = L->intermediate;
     float *buf = malloc(sizeof(float) * (size_t)(T * (H + n_qkv + q_size + q_size + 2 * I + I + H)));
@@ -701,10 +752,11 @@ int ns_decode_layer(const struct ns_layer *L, const struct ns_step *S, float *x,
         for (int64_t t = 0; t < T; t++)
             for (int64_t j = 0; j < n_qkv; j++) qkv[t * n_qkv + j] += L->qkv_bias[j];
     ns_rope(qkv, n_qkv, qkv + q_size, n_qkv, S->positions, S->cos_sin, T, NH, KH, D);
-    ns_write_kv(kv, qkv + q_size, n_qkv, qkv + q_size + kv_size, n_qkv, S->slots, T, KH, D, S->page_size);
+    err |= ns_write_kv(kv, qkv + q_size, n_qkv, qkv + q_size + kv_size, n_qkv, S->slots, T, KH, D, S->page_size,
+                       (int)S->kv_f16);
     for (int64_t t = 0; t < T; t++) memcpy(q + t * q_size, qkv + t * n_qkv, sizeof(float) * (size_t)q_size);
     err |= ns_paged_decode_attention(q, kv, S->block_tables, S->max_pages, S->seq_lens, attn, T, NH, KH, D,
-                                     S->page_size, S->scale);
+                                     S->page_size, S->scale, (int)S->kv_f16);
     err |= ns_linear(L->o_type, L->o, attn, y, T, q_size, H, 0, H);
     ns_add_rms_norm(y, x, L->post_norm, T, H, L->eps);  /* x += o; y = norm(x) */
     err |= ns_linear(L->gate_up_type, L->gate_up, y, gu, T, H, 2 * I, 0, 2 * I);

@@ -10,14 +10,15 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "simd512.h"
 
 #define KEYS 16  /* keys per block: one score register */
 
-void ns_prefetch_page_share(const float *kv, const int64_t *table, int64_t ip, int64_t len, int64_t page_size,
-                            int64_t page_stride, int64_t from, int64_t share);  /* cpu_kernels.c */
+void ns_prefetch_page_share(const void *kv, const int64_t *table, int64_t ip, int64_t len, int64_t page_size,
+                            int64_t page_bytes, int64_t from, int64_t share);  /* cpu_kernels.c */
 
 #if NS_AVX512
 /* [sum(a[0]), ..., sum(a[15])]: each level adds halves of two vectors, so a lane only ever sums its own key's
@@ -38,6 +39,11 @@ static inline __m512 hsum16x16(const __m512 a[KEYS]) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
 }
 
+/* 16 values of a float32 or (f16) float16 pool at p, as float32. */
+static inline __attribute__((always_inline)) __m512 kv_load16(const char *p, const int f16) {
+    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
+}
+
 /* max(x) in every lane: no scalar round trip in the softmax's chain. */
 static inline __m512 allmax(__m512 x) {
     x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4e));
@@ -49,9 +55,10 @@ static inline __m512 allmax(__m512 x) {
 /* One sequence, head_dim 16 * D16: every query head (H, G per KV head) over the len keys of `table`'s pages.
  * q, out [H, D]; m, l: H floats of scratch (running max and sum). */
 static inline __attribute__((always_inline)) void attend_seq(
-        const int D16, const float *q, int64_t H, int64_t G, const float *kv, const int64_t *table, int64_t len,
-        int64_t page_size, int64_t token_stride, float scale, float *m, float *l, float *out) {
-    const int64_t D = 16 * D16, page_stride = 2 * page_size * token_stride;
+        const int D16, const int f16, const float *q, int64_t H, int64_t G, const void *kv, const int64_t *table,
+        int64_t len, int64_t page_size, int64_t token_stride, float scale, float *m, float *l, float *out) {
+    const int64_t es = f16 ? 2 : 4, D = 16 * D16, page_stride = 2 * page_size * token_stride;
+    const int64_t page_bytes = page_stride * es, row = token_stride * es;  /* bytes */
     const __m512 vscale = _mm512_set1_ps(scale * 1.4426950408889634f);  /* log2 e: softmax in base 2 */
     for (int64_t g = 0; g < H; g++) {
         m[g] = -INFINITY;
@@ -59,12 +66,12 @@ static inline __attribute__((always_inline)) void attend_seq(
     }
     memset(out, 0, sizeof(float) * (size_t)(H * D));
     for (int64_t t0 = 0; t0 < len; t0 += page_size) {
-        const float *page = kv + table[t0 / page_size] * page_stride;
+        const char *page = (const char *)kv + table[t0 / page_size] * page_bytes;
         const int64_t n_page = len - t0 < page_size ? len - t0 : page_size;
-        const int64_t ip = t0 / page_size, share = (page_stride * 4 / 64 + H - 1) / H * 64;
+        const int64_t ip = t0 / page_size, share = (page_bytes / 64 + H - 1) / H * 64;
         for (int64_t g = 0; g < H; g++) {  /* head g reads KV head g / G */
-            ns_prefetch_page_share(kv, table, ip, len, page_size, page_stride, g * share, share);
-            const float *kh = page + (g / G) * D, *vh = kh + page_size * token_stride;
+            ns_prefetch_page_share(kv, table, ip, len, page_size, page_bytes, g * share, share);
+            const char *kh = page + (g / G) * D * es, *vh = kh + page_size * row;
             __m512 vq[8], o[8], o2[8];
             for (int c = 0; c < D16; c++) {
                 vq[c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * c), vscale);
@@ -77,9 +84,9 @@ static inline __attribute__((always_inline)) void attend_seq(
                 __m512 acc[KEYS];
                 for (int j = 0; j < KEYS; j++) {
                     if (j >= n) { acc[j] = _mm512_setzero_ps(); continue; }
-                    const float *k = kh + (j0 + j) * token_stride;
-                    acc[j] = _mm512_mul_ps(vq[0], _mm512_loadu_ps(k));
-                    for (int c = 1; c < D16; c++) acc[j] = _mm512_fmadd_ps(vq[c], _mm512_loadu_ps(k + 16 * c), acc[j]);
+                    const char *k = kh + (j0 + j) * row;
+                    acc[j] = _mm512_mul_ps(vq[0], kv_load16(k, f16));
+                    for (int c = 1; c < D16; c++) acc[j] = _mm512_fmadd_ps(vq[c], kv_load16(k + 16 * c * es, f16), acc[j]);
                 }
                 const __mmask16 valid = (__mmask16)((1u << n) - 1);
                 const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, hsum16x16(acc));
@@ -94,18 +101,18 @@ static inline __attribute__((always_inline)) void attend_seq(
                 }
                 int64_t j = 0;
                 for (; j + 2 <= n; j += 2) {  /* two chains: the multiply-add latency overlaps */
-                    const float *v = vh + (j0 + j) * token_stride;
+                    const char *v = vh + (j0 + j) * row;
                     const __m512 w0 = _mm512_permutexvar_ps(_mm512_set1_epi32((int)j), p);
                     const __m512 w1 = _mm512_permutexvar_ps(_mm512_set1_epi32((int)j + 1), p);
                     for (int c = 0; c < D16; c++) {
-                        o[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + 16 * c), o[c]);
-                        o2[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v + token_stride + 16 * c), o2[c]);
+                        o[c] = _mm512_fmadd_ps(w0, kv_load16(v + 16 * c * es, f16), o[c]);
+                        o2[c] = _mm512_fmadd_ps(w1, kv_load16(v + row + 16 * c * es, f16), o2[c]);
                     }
                 }
                 if (j < n) {
-                    const float *v = vh + (j0 + j) * token_stride;
+                    const char *v = vh + (j0 + j) * row;
                     const __m512 w0 = _mm512_permutexvar_ps(_mm512_set1_epi32((int)j), p);
-                    for (int c = 0; c < D16; c++) o[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + 16 * c), o[c]);
+                    for (int c = 0; c < D16; c++) o[c] = _mm512_fmadd_ps(w0, kv_load16(v + 16 * c * es, f16), o[c]);
                 }
                 for (int c = 0; c < D16; c++) o[c] = _mm512_add_ps(o[c], o2[c]);
             }
@@ -120,22 +127,39 @@ static inline __attribute__((always_inline)) void attend_seq(
             _mm512_storeu_ps(out + g * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(out + g * D + 16 * c), inv));
     }
 }
+
+/* One function per head size and dtype: inlined into one caller, GCC left the four loops' registers spilling. */
+#define NS_ATTEND_FN(name, D16, f16)                                                                             \
+    static __attribute__((noinline)) void name(const float *q, int64_t H, int64_t G, const void *kv,             \
+                                               const int64_t *table, int64_t len, int64_t page_size, int64_t ts,  \
+                                               float scale, float *m, float *l, float *out) {                    \
+        attend_seq(D16, f16, q, H, G, kv, table, len, page_size, ts, scale, m, l, out);                         \
+    }
+NS_ATTEND_FN(attend_d64, 4, 0)
+NS_ATTEND_FN(attend_d64_f16, 4, 1)
+NS_ATTEND_FN(attend_d128, 8, 0)
+NS_ATTEND_FN(attend_d128_f16, 8, 1)
+#undef NS_ATTEND_FN
 #endif
 
 /* out [H, D] = one query token q [H, D] of a sequence over its len keys in `table`'s pages of one pool layer kv
- * [num_pages, 2, page_size, KH, D]; m_l: 2 H floats of scratch. Returns 0, or -1 when this build or head size
- * has no kernel here (the caller runs its own). */
-int ns_decode_attend_seq512(const float *q, const float *kv, const int64_t *table, int64_t len, float *out,
-                            int64_t H, int64_t KH, int64_t D, int64_t page_size, float scale, float *m_l) {
+ * [num_pages, 2, page_size, KH, D], float32 or (kv_f16) float16; m_l: 2 H floats of scratch. Returns 0, or -1
+ * when this build or head size has no kernel here (the caller runs its own). */
+int ns_decode_attend_seq512(const float *q, const void *kv, const int64_t *table, int64_t len, float *out,
+                            int64_t H, int64_t KH, int64_t D, int64_t page_size, float scale, float *m_l,
+                            int kv_f16) {
 #if NS_AVX512
-    const int64_t G = H / KH, token_stride = KH * D;
-    if (D == 64) attend_seq(4, q, H, G, kv, table, len, page_size, token_stride, scale, m_l, m_l + H, out);
-    else if (D == 128) attend_seq(8, q, H, G, kv, table, len, page_size, token_stride, scale, m_l, m_l + H, out);
-    else return -1;
+    const int64_t G = H / KH, ts = KH * D;
+    float *m = m_l, *l = m_l + H;
+    void (*fn)(const float *, int64_t, int64_t, const void *, const int64_t *, int64_t, int64_t, int64_t, float,
+               float *, float *, float *) = D == 64 ? (kv_f16 ? attend_d64_f16 : attend_d64)
+                                          : D == 128 ? (kv_f16 ? attend_d128_f16 : attend_d128) : NULL;
+    if (!fn) return -1;
+    fn(q, H, G, kv, table, len, page_size, ts, scale, m, l, out);
     return 0;
 #else
     (void)q; (void)kv; (void)table; (void)len; (void)out; (void)H; (void)KH; (void)D; (void)page_size;
-    (void)scale; (void)m_l;
+    (void)scale; (void)m_l; (void)kv_f16;
     return -1;
 #endif
 }

@@ -21,6 +21,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "simd512.h"
 #define NS_PREFILL NS_AVX512
@@ -33,7 +34,8 @@
 /* The arguments of ns_prefill_attention (below), shared by the threads that run its tasks. */
 struct ns_prefill {
     const float *q;           /* [Lq, H, D], rows ldq floats apart */
-    const float *kv;          /* [num_pages, 2, page_size, KH, D]: one layer of the pool */
+    const void *kv;           /* [num_pages, 2, page_size, KH, D]: one layer of the pool, float32 or float16 */
+    int kv_f16;
     const int64_t *table;     /* the sequence's pages */
     float *out;               /* [Lq, H, D], rows ldo floats apart */
     const float *kpack, *vpack;  /* pack_kv's */
@@ -49,12 +51,25 @@ typedef void (*ns_tasks_fn)(const void *ctx, atomic_long *next, const atomic_int
 void ns_run_tasks(ns_tasks_fn fn, const void *ctx, int split_ok);  /* lend.c */
 
 #if NS_PREFILL
+/* out [0, D) = the pool's elements at .. at + D, as float32 (float16 widened, 16 at a time). */
+static void widen_row(const void *kv, int64_t at, int f16, int64_t D, float *out) {
+    if (!f16) {
+        memcpy(out, (const float *)kv + at, sizeof(float) * (size_t)D);
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)kv + at;
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + d))));
+    for (; d < D; d++) out[d] = _mm512_cvtss_f32(_mm512_cvtph_ps(_mm256_set1_epi16((short)h[d])));
+}
+
 /* K and V of the sequence's first num_keys keys, packed for the tasks: per KV head and block of 16 keys,
  * [D][16] (the 16 keys' value d side by side), so a task's multiply-adds broadcast from one base at constant
  * offsets. Past num_keys: zeros (masked). Shared by the H / KH heads and every task. */
 static void pack_kv(const struct ns_prefill *a, int64_t num_keys, float *kp, float *vp) {
     const int64_t D = a->D, ps = a->page_size, token_stride = a->KH * D, page_stride = 2 * ps * token_stride;
     const int64_t nb = (num_keys + KEYS - 1) / KEYS;
+    float k[MAX_D], v[MAX_D];
     for (int64_t kh = 0; kh < a->KH; kh++)
         for (int64_t b = 0; b < nb; b++) {
             float *kb = kp + (kh * nb + b) * KEYS * D, *vb = vp + (kh * nb + b) * KEYS * D;
@@ -64,8 +79,9 @@ static void pack_kv(const struct ns_prefill *a, int64_t num_keys, float *kp, flo
                     for (int64_t d = 0; d < D; d++) kb[d * KEYS + j] = vb[d * KEYS + j] = 0.0f;
                     continue;
                 }
-                const float *k = a->kv + a->table[t / ps] * page_stride + (t % ps) * token_stride + kh * D;
-                const float *v = k + ps * token_stride;
+                const int64_t at = a->table[t / ps] * page_stride + (t % ps) * token_stride + kh * D;
+                widen_row(a->kv, at, a->kv_f16, D, k);
+                widen_row(a->kv, at + ps * token_stride, a->kv_f16, D, v);
                 for (int64_t d = 0; d < D; d++) {
                     kb[d * KEYS + j] = k[d];
                     vb[d * KEYS + j] = v[d];
@@ -151,14 +167,14 @@ static void run_tasks(const void *ctx, atomic_long *next, const atomic_int *lent
  * q, out: [Lq, H, D] with heads and D contiguous, rows ldq / ldo floats apart; kv: one layer of the pool,
  * [num_pages, 2, page_size, KH, D]. Returns 0, or -1 when this build or these shapes have no kernel (the caller
  * uses torch's). */
-int ns_prefill_attention(const float *q, int64_t ldq, const float *kv, const int64_t *table, int64_t num_prefix,
+int ns_prefill_attention(const float *q, int64_t ldq, const void *kv, const int64_t *table, int64_t num_prefix,
                          int64_t Lq, float *out, int64_t ldo, int64_t H, int64_t KH, int64_t D, int64_t page_size,
-                         float scale) {
+                         float scale, int kv_f16) {
     if (!NS_PREFILL || D > MAX_D || KH <= 0 || H % KH || Lq <= 0) return -1;
 #if NS_PREFILL
     struct ns_prefill a = {.q = q, .kv = kv, .table = table, .out = out, .ldq = ldq, .ldo = ldo,
                            .num_prefix = num_prefix, .Lq = Lq, .H = H, .KH = KH, .D = D, .page_size = page_size,
-                           .scale = scale};
+                           .scale = scale, .kv_f16 = kv_f16};
     const int64_t num_keys = num_prefix + Lq, packed = (num_keys + KEYS - 1) / KEYS * KEYS * KH * D;
     float *kp = aligned_alloc(64, sizeof(float) * (size_t)(2 * packed));
     if (!kp) return -1;
@@ -171,6 +187,7 @@ int ns_prefill_attention(const float *q, int64_t ldq, const float *kv, const int
     return 0;
 #else
     (void)q; (void)ldq; (void)kv; (void)table; (void)num_prefix; (void)out; (void)ldo; (void)page_size; (void)scale;
+    (void)kv_f16;
     return -1;
 #endif
 }
