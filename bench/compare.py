@@ -47,7 +47,8 @@ The llama-server peer is bench/llama_server.py's `--llama-backend` (default auto
 for this CPU by bench/build_llama.py, -march=native, else the prebuilt wheels). A comma-separated list runs each
 peer as its own target, in the list's order, e.g. `--llama-backend native,xllamacpp`: the first is "llama-server"
 (the one the issue's targets compare against), the others "llama-server-<backend>"; each gets its own row, and
-results.json and table.md name every peer's build and the CPU features it was compiled for.
+results.json and table.md name every peer's build and the CPU features it was compiled for. `--targets
+llama-server-<backend>` runs that peer alone (with --reuse: one peer added to an earlier run).
 
 llama-server runs with -t 2 by default. Its threads spin at an OpenMP barrier after every op, so when other
 work holds a core it slows down 10-100x; on a machine shared with other work, pass --llama-passive
@@ -57,6 +58,7 @@ work holds a core it slows down 10-100x; on a machine shared with other work, pa
     python bench/compare.py --quick              # a ~10-minute smoke version (numbers mean little)
     python bench/compare.py --targets disaggregated,llama-server --nodeserve-model-extra 'quantization = "fp16"'
     python bench/compare.py --targets disaggregated,llama-server --llama-backend native,xllamacpp
+    python bench/compare.py --targets disaggregated --nodeserve-kv-extra 'dtype = "float16"' --reuse RESULTS_JSON
 
 Writes into --out-dir (default bench/results/compare/): results.json (machine, date, command, llama-server
 version, every phase's summary per target, calibration and probe records, the derived SLO), table.md (the
@@ -775,15 +777,17 @@ def main() -> int:
                          "(its command is kept in the new one), so one target can be re-run without the others")
     args = ap.parse_args()
 
-    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    if not targets or any(t not in TARGETS for t in targets):
-        ap.error(f"--targets must name some of {', '.join(TARGETS)}")
     if args.slo_scale <= 0:
         ap.error("--slo-scale must be > 0")
     backends = [b.strip() for b in args.llama_backend.split(",") if b.strip()]
     if not backends or any(b not in L.BACKENDS for b in backends) or len(set(backends)) < len(backends):
         ap.error(f"--llama-backend must name distinct backends of {', '.join(L.BACKENDS)}")
     args.llama_peers = llama_peers(backends)
+    # "llama-server" runs every peer; "llama-server-<backend>" (a later peer of --llama-backend) just that one
+    known = list(TARGETS) + [p for p in args.llama_peers if p != LLAMA]
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if not targets or any(t not in known for t in targets):
+        ap.error(f"--targets must name some of {', '.join(known)}")
     targets = [p for t in targets for p in (args.llama_peers if t == LLAMA else [t])]
     plan = QUICK if args.quick else FULL
     overrides = {"chat_requests": args.chat_requests, "probe_max_requests": args.num_requests,

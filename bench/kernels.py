@@ -20,7 +20,8 @@ What each row means:
     AVX-512 kernel (pages read in place) vs the torch path (gather, then torch's flash attention), GFLOP/s of
     the causal work and its fraction of the fp32 matmul peak.
   * step B x L: ModelRunner.run of B decode rows with L tokens each (what a decode worker runs per step),
-    quantization auto vs none; "x bound" = time / ((weight + KV bytes) / bandwidth).
+    quantization auto vs none; "x bound" = time / ((weight + KV bytes) / bandwidth); "float16 KV": the pool in
+    float16 (kv.dtype = "float16"), as the attention rows marked float16.
   * prompt gemm M=m: the layers' projections (no lm_head) on m prompt rows through the VNNI kernel, int16
     activations (the default) vs int8 (`model.prompt_activations = "int8"`), GOP/s of the multiply-adds.
   * prefill: a 512-token chunk, tok/s, and its FLOP rate as a fraction of the measured fp32 matmul peak
@@ -118,13 +119,13 @@ def crossover_rows(quant, ms: list[int]) -> list[dict]:
     return rows
 
 
-def attention_rows(kernels, gbs: float, shapes: list[tuple[int, int]]) -> list[dict]:
-    rows = []
+def attention_rows(kernels, gbs: float, shapes: list[tuple[int, int]], dtype=torch.float32) -> list[dict]:
+    rows, suffix = [], "" if dtype == torch.float32 else " float16"
     for b, length in shapes:
         pps = pages_for(length, 16)
         # one pool layer per model layer, a call on each in turn, as a step reads them: one layer's K/V alone
         # (25 MB at 16 x 1,024) stays in L3 from call to call and measured a third faster than DRAM allows
-        layers = [torch.randn(b * pps + 7, 2, 16, 3, 64) for _ in range(LAYERS)]
+        layers = [torch.randn(b * pps + 7, 2, 16, 3, 64).to(dtype) for _ in range(LAYERS)]
         tables = torch.randperm(b * pps + 7)[:b * pps].view(b, pps)  # scattered pages, as in a busy pool
         q, seq_lens = torch.randn(b, 9, 64), torch.full((b,), length, dtype=torch.int64)
         call = [0]
@@ -135,8 +136,9 @@ def attention_rows(kernels, gbs: float, shapes: list[tuple[int, int]]) -> list[d
 
         t = timed(attend, 3 * LAYERS, warmup=LAYERS)
         del layers
-        kv_bytes = b * length * 2 * 3 * 64 * 4
-        rows.append({"what": f"attention {b}x{length}", "ms": t * 1e3, "x_bound": t / (kv_bytes / gbs / 1e9)})
+        kv_bytes = b * length * 2 * 3 * 64 * layers_itemsize(dtype)
+        rows.append({"what": f"attention {b}x{length}{suffix}", "ms": t * 1e3,
+                     "x_bound": t / (kv_bytes / gbs / 1e9)})
     return rows
 
 
@@ -181,13 +183,13 @@ def runner_for(name: str, model, pool: KVPool, max_num_seqs: int):
         os.environ.pop("NODESERVE_KERNELS", None)
 
 
-def step_rows(models: dict, gbs: float, shapes: list[tuple[int, int]]) -> list[dict]:
+def step_rows(models: dict, gbs: float, shapes: list[tuple[int, int]], kv_dtype=torch.float32) -> list[dict]:
     rows = []
     for b, length in shapes:
-        row = {"what": f"step {b}x{length}"}
+        row = {"what": f"step {b}x{length}" + ("" if kv_dtype == torch.float32 else " float16 KV")}
         for name, model in models.items():
             pps = pages_for(length + 20, 16)
-            pool = KVPool(model.cfg, b * pps + 1, 16, torch.float32, torch.device("cpu"))
+            pool = KVPool(model.cfg, b * pps + 1, 16, kv_dtype, torch.device("cpu"))
             runner = runner_for(name, model, pool, b)
             tables = [pool.manager.allocate(pps) for _ in range(b)]
             step = [0]
@@ -202,6 +204,10 @@ def step_rows(models: dict, gbs: float, shapes: list[tuple[int, int]]) -> list[d
             row[f"{name}_x_bound"] = t / ((weight_bytes(model) + kv_bytes) / gbs / 1e9)
         rows.append(row)
     return rows
+
+
+def layers_itemsize(dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
 
 
 def prefill_rows(models: dict, peak: float, tokens: int = 512) -> list[dict]:
@@ -241,8 +247,12 @@ def main(argv: list[str] | None = None) -> dict:
     result["rows"] += gemm_rows(models, gbs, [1, 2, 4, 8, 16, 32])
     result["rows"] += crossover_rows(quant, [16, 32, 64, 256])
     result["rows"] += attention_rows(kernels, gbs, [(1, 512), (1, 2048), (16, 1024), (32, 256)])
+    if torch.float16 in kernels.kv_dtypes:  # kv.dtype = "float16"
+        result["rows"] += attention_rows(kernels, gbs, [(1, 2048), (16, 1024)], torch.float16)
     result["rows"] += prefill_attention_rows(kernels, peak, [(0, 1024), (1024, 1024), (3072, 1024)])
     result["rows"] += step_rows(models, gbs, [(1, 128), (1, 1024), (16, 1024), (32, 128)])
+    if torch.float16 in kernels.kv_dtypes:
+        result["rows"] += step_rows({"auto": quant}, gbs, [(1, 1024), (16, 1024)], torch.float16)
     if kernels.r16:
         result["rows"] += prompt_gemm_rows(quant, [64, 512])
     result["rows"] += prefill_rows({**models, "int8": int8} if kernels.r16 else models, peak)

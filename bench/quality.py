@@ -246,8 +246,9 @@ def _start(target: Target, args, tmp: str, log: str):
         return srv.proc, srv.url, f"{srv.version}, -t {args.llama_threads}"
     proc, url = start_server(args.mode, target.dtype, tmp, log, model_extra=target.model_extra,
                              kv_extra=target.kv_extra)
-    lines = (target.model_extra + "\n" + target.kv_extra).splitlines()
-    extra = "; ".join(ln.strip() for ln in lines if ln.strip())
+    lines = [ln.strip() for ln in target.model_extra.splitlines() if ln.strip()]
+    lines += ["kv." + ln.strip() for ln in target.kv_extra.splitlines() if ln.strip()]
+    extra = "; ".join(lines)
     return proc, url, f"nodeserve {args.mode}, dtype {target.dtype}" + (f"; {extra}" if extra else " (defaults)")
 
 
