@@ -5,44 +5,21 @@ native decoder included, and gives every page back."""
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from nodeserve.attention.base import AttentionMetadata
 from nodeserve.attention.torch_ref import TorchAttention
 from nodeserve.config import ConfigError, config_from_dict
 from nodeserve.kernels import native
-from nodeserve.kv.pool import KVPool, kv_cache_dtype, pages_for
-from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
+from nodeserve.kv.pool import KVPool, kv_cache_dtype
+from nodeserve.runtime.model_runner import ModelRunner
 
 kernels = native.load()
 pytestmark = pytest.mark.skipif(kernels is None or torch.float16 not in kernels.kv_dtypes,
                                 reason="float16 pools are read by the native kernels of an AVX2 build (F16C)")
 KH, D, H = 3, 64, 9
-
-
-def _meta(seqs: list[tuple[int, int]], page_size: int, num_pages: int) -> tuple[AttentionMetadata, torch.Tensor]:
-    """(cached, new) per sequence, decodes first, on pages taken in reverse order -> (metadata, every token's slot)."""
-    free = list(range(num_pages))[::-1]
-    tables, slots, all_slots = [], [], []
-    for cached, new in seqs:
-        table = [free.pop() for _ in range(pages_for(cached + new, page_size))]
-        tables.append(table)
-        seq = [table[p // page_size] * page_size + p % page_size for p in range(cached + new)]
-        slots += seq[cached:]
-        all_slots += seq
-    page_tables = torch.zeros(len(seqs), max(len(t) for t in tables), dtype=torch.int64)
-    for b, t in enumerate(tables):
-        page_tables[b, :len(t)] = torch.tensor(t)
-    seq_lens = [c + n for c, n in seqs]
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), page_tables=page_tables,
-                             seq_lens=torch.tensor(seq_lens), query_lens=[n for _, n in seqs],
-                             seq_lens_host=seq_lens, num_decodes=sum(n == 1 for _, n in seqs), page_size=page_size,
-                             page_tables_host=tables)
-    return meta, torch.tensor(all_slots)
 
 
 def test_config_takes_float16_on_cpu_only():
@@ -54,14 +31,14 @@ def test_config_takes_float16_on_cpu_only():
 
 
 @pytest.mark.parametrize("native_reads", [True, False])
-def test_attention_over_a_float16_pool_is_float32_attention_over_its_values(one_thread, native_reads):
+def test_attention_over_a_float16_pool_is_float32_attention_over_its_values(one_thread, native_reads, step_meta):
     """Decodes, a whole prompt and a prefix extension through TorchAttention on a float16 pool (the native kernels,
     or the torch path's gather-and-widen) equal TorchAttention on a float32 pool holding the same rounded values;
     and what the step wrote is its K/V rounded to float16."""
     page_size, num_pages = 16, 40
     seqs = [(0, 1), (20, 1), (130, 1), (0, 37), (40, 21)]
     cfg = SimpleNamespace(num_layers=1, num_heads=H, num_kv_heads=KH, head_dim=D)
-    meta, all_slots = _meta(seqs, page_size, num_pages)
+    meta, all_slots = step_meta(seqs, page_size, list(range(num_pages)))
     g = torch.Generator().manual_seed(0)
     half = KVPool(cfg, num_pages, page_size, torch.float16, torch.device("cpu"))
     pages, offsets = all_slots // page_size, all_slots % page_size
@@ -110,51 +87,17 @@ def test_float16_kv_is_within_tolerance_of_float32(fp8_check, loaded_fp32):
     assert max_diff > 0  # float16 really was read: a float32 pool would give these logits exactly
 
 
-def _greedy(loaded, dtype, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
-    """Greedy tokens through a ModelRunner over one pool of `dtype` (native decode steps included)."""
-    pool = KVPool(loaded.config, 128, 16, dtype, torch.device("cpu"))
-    runner = ModelRunner(loaded.model, TorchAttention(pool, loaded.config, torch.float32))
-    tables = [pool.manager.allocate(pages_for(len(p) + num_tokens, 16)) for p in prompts]
-    out = [[t] for t in runner.run([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)]).argmax(-1).tolist()]
-    for step in range(num_tokens - 1):
-        logits = runner.run([SeqChunk([o[-1]], len(p) + step, t) for p, o, t in zip(prompts, out, tables)])
-        for o, t in zip(out, logits.argmax(-1).tolist()):
-            o.append(t)
-    return out
-
-
-def test_engine_serves_from_float16_pools(loaded_fp32, prompt_ids):
+def test_engine_serves_from_float16_pools(loaded_fp32, prompt_ids, greedy, serve):
     """kv.dtype = float16, disaggregated on two cores: both pools are float16, every request finishes with the
     tokens one float16 pool gives in a single runner (so the prefill-to-decode copy moved the pages intact), and
     every page comes back."""
-    from nodeserve.core.sampling_params import SamplingParams
-    from nodeserve.runtime.engine import Engine
-
     cfg = config_from_dict({"model": {"dtype": "float32"}, "devices": {"prefill": ["cpu:0"], "decode": ["cpu:1"]},
                             "kv": {"memory_gib": 0.0625, "page_size": 16, "dtype": "float16"},
                             "profile": {"startup": False}})
-    num_tokens = 12
 
-    async def main():
-        engine = Engine(cfg, loaded_fp32)
-        engine.start(asyncio.get_running_loop())
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, engine.warmup)
-            assert all(w.pool.dtype == torch.float16 for w in engine.workers)
-            params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
-            streams = [engine.add_request(ids, params) for ids in prompt_ids]
-            out = []
-            for s in streams:
-                events = [ev async for ev in s]
-                out.append([ev.token_id for ev in events if ev.token_id is not None])
-            for _ in range(200):
-                if all(p.num_free == p.num_pages for p in engine.pool_stats()):
-                    break
-                await asyncio.sleep(0.05)
-            return out, engine.pool_stats()
-        finally:
-            engine.stop()
+    def check(engine):
+        assert all(w.pool.dtype == torch.float16 for w in engine.workers)
 
-    out, stats = asyncio.run(main())
+    out, stats = serve(cfg, loaded_fp32, prompt_ids, 12, check)
     assert all(p.num_free == p.num_pages for p in stats), stats
-    assert out == _greedy(loaded_fp32, torch.float16, prompt_ids, num_tokens)
+    assert [t for t, _ in out] == greedy(loaded_fp32, torch.float16, prompt_ids, 12)

@@ -4,7 +4,6 @@ an engine serving from FP8 pools."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 from types import SimpleNamespace
 
@@ -63,27 +62,6 @@ def test_table_conversion_equals_torchs(dtype):
     assert got.dtype == dtype and torch.equal(got.isnan(), nan) and torch.equal(got[~nan], want[~nan])
 
 
-def _step_meta(seqs, page_size, table_ids):
-    """(cached, new) per sequence, decodes first, on the given pages -> (metadata, slots of every token)."""
-    tables, slots, all_slots = [], [], []
-    for cached, new in seqs:
-        n = pages_for(cached + new, page_size)
-        table, table_ids = table_ids[:n], table_ids[n:]
-        tables.append(table)
-        seq = [table[p // page_size] * page_size + p % page_size for p in range(cached + new)]
-        slots += seq[cached:]
-        all_slots += seq
-    page_tables = torch.zeros(len(seqs), max(len(t) for t in tables), dtype=torch.int64)
-    for b, t in enumerate(tables):
-        page_tables[b, :len(t)] = torch.tensor(t)
-    seq_lens = [c + n for c, n in seqs]
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), page_tables=page_tables,
-                             seq_lens=torch.tensor(seq_lens), query_lens=[n for _, n in seqs],
-                             seq_lens_host=seq_lens, num_decodes=sum(n == 1 for _, n in seqs), page_size=page_size,
-                             page_tables_host=tables)
-    return meta, torch.tensor(all_slots)
-
-
 def _dequantized(layer: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
     deq = layer.float()
     deq[:, 0] *= k_scale
@@ -102,7 +80,7 @@ def _float32_attention(meta: AttentionMetadata, layer: torch.Tensor, q: torch.Te
     return backend.forward(0, q, layer[pages, 0, offsets], layer[pages, 1, offsets])
 
 
-def test_torch_backend_reads_fp8_by_layer_index(one_thread):
+def test_torch_backend_reads_fp8_by_layer_index(one_thread, step_meta):
     """An FP8 pool through TorchAttention (scales folded into the softmax scale and the output) equals attention
     over a float32 pool holding the dequantized values, for decodes, whole prompts and prefix extensions. Each layer
     is read and written with the scales at its index: layers 0 and 1 hold the same cached bytes under different
@@ -112,7 +90,7 @@ def test_torch_backend_reads_fp8_by_layer_index(one_thread):
     pool = KVPool(cfg, 32, page_size, FP8, torch.device("cpu"))
     pool.k_scales, pool.v_scales = [0.1, 0.05], [0.04, 0.03]  # |x| up to 44.8 / 17.9 in layer 0, 22.4 / 13.4 in 1
     rng = random.Random(0)
-    meta, all_slots = _step_meta(seqs, page_size, rng.sample(range(32), 32))
+    meta, all_slots = step_meta(seqs, page_size, rng.sample(range(32), 32))
     gen = torch.Generator().manual_seed(1)
     # The cached prefixes: values around 3, far from 1.0-scale e4m3's sweet spot; the same bytes in both layers.
     k_all, v_all = torch.randn(2, len(all_slots), KH, D, generator=gen) * 3
@@ -254,55 +232,23 @@ def test_calibration_keeps_large_kv_in_range(fp8_check, loaded_fp32, calibration
 
 # ---- the engine --------------------------------------------------------------------------------------------
 
-def _greedy_fp32(loaded, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
-    pool = KVPool(loaded.config, 128, 16, torch.float32, torch.device("cpu"))
-    runner = ModelRunner(loaded.model, TorchAttention(pool, loaded.config, loaded.model.dtype))
-    tables = [pool.manager.allocate(pages_for(len(p) + num_tokens, 16)) for p in prompts]
-    out = [[t] for t in runner.run([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)]).argmax(-1).tolist()]
-    for step in range(num_tokens - 1):
-        logits = runner.run([SeqChunk([o[-1]], len(p) + step, t) for p, o, t in zip(prompts, out, tables)])
-        for o, t in zip(out, logits.argmax(-1).tolist()):
-            o.append(t)
-    return out
-
-
-def test_engine_serves_from_fp8_pools_on_cpu(loaded_fp32, prompt_ids):
+def test_engine_serves_from_fp8_pools_on_cpu(loaded_fp32, prompt_ids, greedy, serve):
     """kv.dtype = fp8_e4m3 with the torch backend on CPU: warm-up calibrates both pools (to the same scales, since
     the transfer copies bytes), requests finish, and every page comes back."""
     cfg = config_from_dict({"model": {"dtype": "float32"}, "devices": {"prefill": ["cpu:0"], "decode": ["cpu:1"]},
                             "kv": {"memory_gib": 0.0625, "page_size": 16, "dtype": "fp8_e4m3"},
                             "scheduler": {"max_num_batched_tokens": 48}})
-    from nodeserve.runtime.engine import Engine
 
-    async def main():
-        engine = Engine(cfg, loaded_fp32)
-        engine.start(asyncio.get_running_loop())
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, engine.warmup)
-            pools = [w.pool for w in engine.workers]
-            assert all(p.dtype == FP8 for p in pools)
-            assert pools[0].k_scales == pools[1].k_scales and pools[0].v_scales == pools[1].v_scales
-            assert all(s != 1.0 for s in pools[0].k_scales + pools[0].v_scales)
-            params = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
-            from nodeserve.core.sampling_params import SamplingParams
+    def check(engine):
+        pools = [w.pool for w in engine.workers]
+        assert all(p.dtype == FP8 for p in pools)
+        assert pools[0].k_scales == pools[1].k_scales and pools[0].v_scales == pools[1].v_scales
+        assert all(s != 1.0 for s in pools[0].k_scales + pools[0].v_scales)
 
-            streams = [engine.add_request(ids, SamplingParams(**params)) for ids in prompt_ids]
-            out = []
-            for s in streams:
-                events = [ev async for ev in s]
-                out.append(([ev.token_id for ev in events if ev.token_id is not None], events[-1].finish_reason))
-            for _ in range(200):
-                if all(p.num_free == p.num_pages for p in engine.pool_stats()):
-                    break
-                await asyncio.sleep(0.05)
-            return out, engine.pool_stats()
-        finally:
-            engine.stop()
-
-    out, stats = asyncio.run(main())
+    out, stats = serve(cfg, loaded_fp32, prompt_ids, 16, check)
     assert all(p.num_free == p.num_pages for p in stats), stats
     assert [f for _, f in out] == ["length"] * len(prompt_ids) and all(len(t) == 16 for t, _ in out)
     # Greedy decoding drifts once one near-tie flips, so compare the first tokens only: the first comes from
     # the prefill device, the next three from the decode device reading the transferred FP8 pages.
-    same_start = sum(t[:4] == ref for (t, _), ref in zip(out, _greedy_fp32(loaded_fp32, prompt_ids, 4)))
+    same_start = sum(t[:4] == ref for (t, _), ref in zip(out, greedy(loaded_fp32, torch.float32, prompt_ids, 4)))
     assert same_start >= len(prompt_ids) - 2, [t for t, _ in out]
