@@ -1,6 +1,7 @@
 /* Decode attention with AVX-512 for head_dim 64 and 128: one query token of one sequence against its K/V where
- * they lie in the pages. cpu_kernels.c's ns_paged_decode_attention_local calls it per sequence and keeps its
- * AVX2 loop for other head sizes and for machines without AVX-512F.
+ * they lie in the pages (float32, or float16 widened as it is loaded). cpu_kernels.c's
+ * ns_paged_decode_attention_local calls it per sequence and keeps its AVX2 loop for other head sizes and for
+ * machines without AVX-512F.
  *
  * The AVX2 kernel's shape (flash-decoding on one core: page by page, an online softmax per head, each page's K
  * and V read from memory once and kept in L1 while every head reads its part) at twice the width, and with the
@@ -128,7 +129,7 @@ static inline __attribute__((always_inline)) void attend_seq(
     }
 }
 
-/* One function per head size and dtype: inlined into one caller, GCC left the four loops' registers spilling. */
+/* One function per head size and dtype, each compiled as a loop of its own. */
 #define NS_ATTEND_FN(name, D16, f16)                                                                             \
     static __attribute__((noinline)) void name(const float *q, int64_t H, int64_t G, const void *kv,             \
                                                const int64_t *table, int64_t len, int64_t page_size, int64_t ts,  \
