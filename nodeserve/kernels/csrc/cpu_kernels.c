@@ -198,7 +198,6 @@ static inline __attribute__((always_inline)) void dot_rows(
     }
     for (int i = 0; i < MT; i++) y[i * ldy] = hsum8(acc[i]);
 }
-#endif
 
 /* One activation row (M = 1, batch-1 decode), quantized to int16 per 32-block: the weights are widened to int16
  * (one zero-extending load and a mask or shift) and multiplied in pairs by madd, about half the vector work of
@@ -269,7 +268,6 @@ static inline __attribute__((always_inline)) void dot_rows2_i16(
 /* y [M, ldy] (columns n_begin..n_end written), x [M, K] contiguous rows, K % 32 == 0. Returns 0, or -1 when
  * out of memory. The weight row stays in L1 while every tile of activation rows passes over it, so weights
  * are read from memory once per call whatever M is. */
-#if NS_AVX2
 struct x16 { int16_t *q; float *d, *s; };
 
 static inline __attribute__((always_inline)) void linear_rows(
