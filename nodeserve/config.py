@@ -78,6 +78,9 @@ class DevicesSection:
     attention: str = "auto"               # auto | torch | flashinfer (auto: flashinfer on CUDA when it imports)
     cuda_graphs: bool = True              # CUDA + flashinfer: replay decode steps from captured graphs; false: eager
     lend_idle_cores: bool = True          # CPU: an idle device's core takes half of a busy one's GEMM rows
+    lend_between_steps: bool = True       # CPU, disaggregated, with lend_idle_cores: a decode device also lends
+                                          # its core between steps to a prefill device with a long queue, while
+                                          # its streams' token gaps stay within 0.6 x slo.tpot_s
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,8 @@ class KVEventsSection:
 class SchedulerSection:
     max_num_seqs: int = 64                # most sequences in one step on a device
     max_num_batched_tokens: int = 1024    # most tokens in one step: long prompts are chunked to fit
+    prefill_order: str = "deadline"       # deadline: most prompts within slo.ttft_s first (core/prefill_order.py;
+                                          # needs profile.startup, else fifo) | fifo: oldest first
     # disaggregated: prompt tokens a decode device adds to one step of its decode batch when it prefills a prompt
     # itself (devices.local_prefill_*), so its streams' inter-token gaps stay short; 0: auto (CPU 32, CUDA 256)
     decode_prefill_chunk: int = 0
@@ -349,6 +354,8 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
                             ("devices.local_prefill_when_busy", d.local_prefill_when_busy, 0)):
         if value < low:
             raise ConfigError(f"'{key}' must be at least {low}, got {value}")
+    if sch.prefill_order not in ("deadline", "fifo"):
+        raise ConfigError(f"'scheduler.prefill_order' must be deadline or fifo, got {sch.prefill_order!r}")
     if m.tool_parser not in ("auto", "hermes", "llama3", "none"):
         raise ConfigError(f"'model.tool_parser' must be one of auto, hermes, llama3, none, got {m.tool_parser!r}")
     if any(not a.strip() for a in m.aliases):

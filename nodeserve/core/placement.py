@@ -38,16 +38,16 @@ class Placement:
         return int(own) + (self.num_others if self.others_tpot > slo.tpot_s else 0)
 
 
-def prefill_steps(cost: CostModel, load: DeviceLoad, limits: StepLimits, num_prompt_tokens: int
-                  ) -> tuple[float, int, float]:
+def prefill_steps(cost: CostModel, load: DeviceLoad, limits: StepLimits, num_prompt_tokens: int,
+                  num_computed_tokens: int = 0) -> tuple[float, int, float]:
     """(seconds until this prompt's last chunk ends, steps that takes, seconds of the longest step) on `load`'s
-    device: its queued prompt tokens first (FIFO; as chunks from position 0), then this prompt's chunks, every
-    step also carrying the device's decode batch."""
+    device: its queued prompt tokens first (FIFO; as chunks from position 0), then this prompt's chunks from
+    num_computed_tokens on, every step also carrying the device's decode batch."""
     budget = max(limits.max_num_batched_tokens - load.num_decodes, 1)
     decodes = [load.decode_context / load.num_decodes] * load.num_decodes if load.num_decodes else []
     seconds, steps, longest = 0.0, 0, 0.0
     for total, own in ((load.queued_prefill_tokens, False), (num_prompt_tokens, True)):
-        done = 0
+        done = num_computed_tokens if own else 0
         while done < total:
             n = min(budget, total - done)
             t = cost.step_time(load.name, StepShape.of([(n, done if own else 0)], decodes))

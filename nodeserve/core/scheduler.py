@@ -1,8 +1,9 @@
 """Scheduler: one device's batching policy, with no threads and no model.
 
 schedule() picks the next step: every running decode (up to max_num_seqs) plus prefill chunks, oldest prompt
-first, within the token budget. The worker runs the step and samples; postprocess() applies the outcome of each
-sequence, says which requests ended, and frees the pages of those whose KV lives only here.
+first or in the order installed (core/prefill_order.py), within the token budget. The worker runs the step and
+samples; postprocess() applies the outcome of each sequence, says which requests ended, and frees the pages of
+those whose KV lives only here.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class Scheduler:
         self.free = free or kv.free
         self.waiting: deque[Seq] = deque()  # prompts to prefill here, oldest first
         self.running: list[Seq] = []        # decoding here
+        # Which waiting prompt goes first (core/prefill_order.py): order(waiting, running) -> (the prompts to run
+        # first, in order; the rest, for steps with none of the first); None: oldest first.
+        self.order: Callable[[Sequence[Seq], Sequence[Seq]], tuple[list[Seq], list[Seq]]] | None = None
 
     @property
     def idle(self) -> bool:
@@ -108,15 +112,18 @@ class Scheduler:
         if decodes and self.limits.max_prefill_with_decodes:
             budget = min(budget, self.limits.max_prefill_with_decodes)
         prefills, sizes = [], []
-        for seq in self.waiting:
-            if budget <= 0 or len(decodes) + len(prefills) >= self.limits.max_num_seqs:
+        for group in self.order(self.waiting, decodes) if self.order is not None else (self.waiting,):
+            for seq in group:
+                if budget <= 0 or len(decodes) + len(prefills) >= self.limits.max_num_seqs:
+                    break
+                if not seq.ready:
+                    continue
+                n = min(seq.req.num_prompt_tokens - seq.req.num_computed_tokens, budget)
+                prefills.append(seq)
+                sizes.append(n)
+                budget -= n
+            if prefills:
                 break
-            if not seq.ready:
-                continue
-            n = min(seq.req.num_prompt_tokens - seq.req.num_computed_tokens, budget)
-            prefills.append(seq)
-            sizes.append(n)
-            budget -= n
         if not decodes and not prefills:
             return None
         seqs = decodes + prefills

@@ -147,6 +147,7 @@ def plan(config: Config, cost: CostModel, wl: WorkloadPlan) -> dict:
     kw = {"local_prefill_threshold": config.devices.local_prefill_threshold,
           "local_prefill_when_busy": config.devices.local_prefill_when_busy,
           "decode_prefill_chunk": config.scheduler.prefill_with_decodes(devices[-1].split(":")[0]),
+          "prefill_order": config.scheduler.prefill_order,
           "capacity_tokens": config.kv.memory_gib * 2**30 / cost.kv_bytes_per_token if cost.kv_bytes_per_token
           else float("inf")}
     rows = []

@@ -16,7 +16,7 @@ on the same workloads (workloads.py).
 
 Not modelled: the event loop, tokenization and HTTP; the server's queue limits and SLO admission; the CPU the copy
 thread shares; copies on one link running one after another (each copy takes its own time, in parallel); the
-prefix cache (off). With capacity_tokens infinite, each device's pool is sized so that pages never run out (equal
+prefix cache (off); CPU core lending (runtime/lending.py: a step takes its device's own time, lent or not). With capacity_tokens infinite, each device's pool is sized so that pages never run out (equal
 on every device, so the placers choose as with infinite pools).
 """
 
@@ -34,6 +34,7 @@ from nodeserve.core.cost_model import CostModel, StepShape
 from nodeserve.core.handoff import Handoff, Migrate, Migration, MigrationOutcome, MigrationStep, next_migration_step
 from nodeserve.core.load import Role, SloTarget, StepLimits
 from nodeserve.core.placer import AdaptivePlacer, Placer, StaticPlacer
+from nodeserve.core.prefill_order import DeadlineOrder
 from nodeserve.core.request import Request, TokenEvent
 from nodeserve.core.roles import RoleChange
 from nodeserve.core.sampling_params import SamplingParams
@@ -150,8 +151,9 @@ def pool_pages(capacity_tokens: float, num_devices: int, limits: StepLimits,
 class Simulation:
     def __init__(self, cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget,
                  local_prefill_threshold: int = 0, capacity_tokens: float = float("inf"),
-                 local_prefill_when_busy: int = 0, decode_prefill_chunk: int = 0):
+                 local_prefill_when_busy: int = 0, decode_prefill_chunk: int = 0, prefill_order: str = "deadline"):
         self.cost, self.mode, self.limits, self.slo = cost, mode, limits, slo
+        self.prefill_order = prefill_order  # scheduler.prefill_order: the engine installs it after its profile
         self.threshold, self.capacity_tokens = local_prefill_threshold, capacity_tokens
         self.decode_prefill_chunk = decode_prefill_chunk  # a decode device's prefill tokens per decoding step
         self.roles = {d: Role(r) for d, r in mode.roles.items()}
@@ -190,6 +192,9 @@ class Simulation:
         self.devices = {n: SimDevice(self, n, self.roles[n], decode_wl if self.roles[n] == Role.DECODE else wl,
                                      num_pages) for n in self.names}
         workers = list(self.devices.values())
+        if self.prefill_order == "deadline":
+            for d in workers:
+                d.scheduler.order = DeadlineOrder(d.name, self.slo, self.limits, lambda: self.cost, lambda: self.now)
         # The engine's own router, on the virtual clock; its queue limits are not modelled (no request refused
         # for them), its size checks are (TooLarge).
         self.router = Router([w for w in workers if w.role == Role.PREFILL],
@@ -370,11 +375,11 @@ def records(requests: Sequence[SimRequest]) -> list[dict]:
 def simulate(cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget, workload: Sequence[tuple[int, int]],
              arrivals: Sequence[float], local_prefill_threshold: int = 0,
              capacity_tokens: float = float("inf"), local_prefill_when_busy: int = 0,
-             decode_prefill_chunk: int = 0) -> list[dict]:
+             decode_prefill_chunk: int = 0, prefill_order: str = "deadline") -> list[dict]:
     """Records of (prompt_len, max_tokens) requests sent at `arrivals` (seconds)."""
     reqs = [SimRequest(t, p, m) for (p, m), t in zip(workload, arrivals)]
     sim = Simulation(cost, mode, limits, slo, local_prefill_threshold, capacity_tokens, local_prefill_when_busy,
-                     decode_prefill_chunk)
+                     decode_prefill_chunk, prefill_order)
     return records(sim.run(reqs))
 
 

@@ -24,6 +24,7 @@ from nodeserve.core.admission import QueueFull, SloAdmission, TooLarge
 from nodeserve.core.handoff import MigrationOutcome
 from nodeserve.core.load import Role, SloTarget, StepLimits
 from nodeserve.core.placer import AdaptivePlacer, StaticPlacer
+from nodeserve.core.prefill_order import DeadlineOrder
 from nodeserve.runtime.router import Router, role_changes_since
 from nodeserve.sampling.sampler import Sampler
 from nodeserve.runtime.transfer import KVTransfer
@@ -32,7 +33,7 @@ from nodeserve.kv.events import KVEventLog, event_hash
 from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
 from nodeserve.runtime.kv_events import KVEventPublisher, default_topic
 from nodeserve.runtime.kv_tiers import KVTiers
-from nodeserve.runtime.lending import CoreLending
+from nodeserve.runtime.lending import LEND_GAP_SHARE, CoreLending
 from nodeserve.runtime.loads import NodeLoad, decode_rate
 from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
 from nodeserve.model.llama import LlamaModel
@@ -170,6 +171,8 @@ class Engine:
             self.kv_events = self._start_kv_events()
         if cfg.devices.lend_idle_cores:
             self.lending = CoreLending.build([w.device for w in self.workers])
+            if self.lending is not None and cfg.devices.lend_between_steps:
+                self.lending.lend_between_steps(self.workers, LEND_GAP_SHARE * cfg.slo.tpot_s)
         for t in self.transfers:
             t.start()
         for w in self.workers:
@@ -235,6 +238,10 @@ class Engine:
             placer = self.router.placer = AdaptivePlacer(cost, limits, slo, [w.name for w in self.workers])
         self.router.admission = SloAdmission(slo, cfg.slo.admission == "reject", cfg.slo.margin, limits, cost,
                                              cfg.devices.local_prefill_threshold, placer)
+        if cfg.scheduler.prefill_order == "deadline":
+            # Workers read the model as it stands (the router's thread refits it): a refit swaps whole lists.
+            for w in self.workers:
+                w.scheduler.order = DeadlineOrder(w.name, slo, limits, lambda: self.profiler.model, time.monotonic)
 
     def cost_model(self):
         """The cost model as the profiler holds it, refitted from fresh step records at most once a second."""

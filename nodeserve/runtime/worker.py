@@ -36,6 +36,7 @@ from nodeserve.sampling.sampler import Sampler
 
 if TYPE_CHECKING:
     from nodeserve.runtime.kv_loader import KVLoader, LoadJob
+    from nodeserve.runtime.lending import SlackLending
     from nodeserve.runtime.prefix_fetch import PrefixLoad
     from nodeserve.runtime.transfer import KVTransfer
 
@@ -85,6 +86,9 @@ class Worker:
         self.failure: str | None = None                # why this device is taken for dead
         self.records = RecordLog(StepRecord, MAX_STEP_RECORDS)
         self._last_turn = time.monotonic()             # for the watchdog: updated every loop turn
+        self._step_start = 0.0                         # when the last step started
+        self.slack_lending: SlackLending | None = None  # decode role: lends its core between steps (engine-set)
+        self.lent_seconds = 0.0                        # spent lent between steps (/metrics)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"worker {device.name}", daemon=True)
 
@@ -144,11 +148,22 @@ class Worker:
                     self._finish(self.scheduler.drop_aborted())
                     self._advance_migrations()
                     self._step()
+                    if self.slack_lending is not None and self.scheduler.running and not self.scheduler.waiting:
+                        self._lend_between_steps()  # (prompts of its own come first)
             except Exception as e:  # a bug outside any one request's forward: fail what is in flight, keep serving
                 log.exception("worker %s: step failed", self.name)
                 self._wait_loads()
                 self._finish(self.scheduler.fail_all("internal error in the worker step"))
                 self._count_failed_step(True, e)
+
+    def _lend_between_steps(self) -> None:
+        """Sleeps lent for as long as the decode batch's inter-token gap allows (runtime/lending.py)."""
+        pause = self.slack_lending.pause(self._step_start, time.monotonic())
+        if pause > 0:
+            self.device.lend(True)
+            time.sleep(pause)
+            self.device.lend(False)
+            self.lent_seconds += pause
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -268,7 +283,7 @@ class Worker:
         batch = self.scheduler.schedule()
         if batch is None:
             return
-        start = time.monotonic()
+        start = self._step_start = time.monotonic()
         for seq in batch.seqs[batch.num_decodes:]:
             if seq.req.prefill_start is None:
                 seq.req.prefill_start = start

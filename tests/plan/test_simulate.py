@@ -39,11 +39,12 @@ def test_one_request_by_hand():
 
 
 def test_batching_and_chunking_by_hand():
-    # Budget 8 tokens a step. t=0: A (12 tokens) gets 8, B waits. 0.1+0.08 -> 0.18: A's last 4 + B's 4 = 8 tokens
+    # Oldest prompt first (deadline order would put B first: its TTFT limit is shorter). Budget 8 tokens a step.
+    # t=0: A (12 tokens) gets 8, B waits. 0.1+0.08 -> 0.18: A's last 4 + B's 4 = 8 tokens
     # (0.18 s) -> 0.36: A's first token; B 2 more ... per-token cost only: decodes are free but 0.1 a step.
     c = cost([0.1, 0.01, 0, 0, 0], names=("a",))
     limits = StepLimits(max_num_batched_tokens=8, max_num_seqs=4)
-    ra, rb = simulate(c, COLOC1, limits, SLO, [(12, 2), (6, 2)], [0.0, 0.0])
+    ra, rb = simulate(c, COLOC1, limits, SLO, [(12, 2), (6, 2)], [0.0, 0.0], prefill_order="fifo")
     # step 1 [0, .18]: A 8. step 2 [.18, .36]: A 4 + B 4 -> A's first token at .36.
     # step 3 [.36, .48]: A decodes (1 row, budget 7) + B's last 2 tokens (0.1 + 0.02) -> A done, B first token.
     # step 4 [.48, .58]: B decodes -> done.
@@ -52,13 +53,13 @@ def test_batching_and_chunking_by_hand():
 
 
 def test_a_request_dispatched_by_a_finish_waits_for_the_step_to_be_counted():
-    # Two seats, 8 tokens a step. A arrives first and steps alone [0, .12] (B, 10 ms later, waits for the next
+    # Oldest prompt first. Two seats, 8 tokens a step. A arrives first and steps alone [0, .12] (B, 10 ms later, waits for the next
     # step, as a worker sees a message only between steps). Step 2 [.12, .29]: A decodes + B's first 7 tokens; A
     # ends and its seat goes to C, which must not start a step before B's 7 are counted.
     # Step 3 [.29, .47]: B's last 5 + C's 3. Step 4 [.47, .58]: B decodes (ends) + C's last 1. Step 5: C.
     c = cost([0.1, 0.01, 0, 0, 0], names=("a",))
     limits = StepLimits(max_num_batched_tokens=8, max_num_seqs=2)
-    ra, rb, rc = simulate(c, COLOC1, limits, SLO, [(2, 2), (12, 2), (4, 2)], [0.0, 0.01, 0.02])
+    ra, rb, rc = simulate(c, COLOC1, limits, SLO, [(2, 2), (12, 2), (4, 2)], [0.0, 0.01, 0.02], prefill_order="fifo")
     assert ra["e2e"] == pytest.approx(0.29) and rb["ttft"] == pytest.approx(0.47 - 0.01)
     assert rb["e2e"] == pytest.approx(0.58 - 0.01) and rc["ttft"] == pytest.approx(0.58 - 0.02)
     assert rc["e2e"] == pytest.approx(0.68 - 0.02)
@@ -177,11 +178,12 @@ def test_a_request_that_does_not_fit_yet_is_passed_over_by_smaller_ones():
 
 def test_a_request_passed_over_max_overtakes_times_holds_the_queue():
     # A holds 64 of 70 pages for a long decode; B needs 14 and waits for A's end. Small requests (1 page each) go
-    # past B until MAX_OVERTAKES have (and those placed in the same pass); the rest wait behind B.
+    # past B until MAX_OVERTAKES have (and those placed in the same pass); the rest wait behind B. (The device
+    # prefills oldest first: in deadline order, the smalls' shorter TTFT limits would put them before B there.)
     limits = StepLimits(max_num_batched_tokens=256, max_num_seqs=256)
     smalls = [(8, 2)] * (MAX_OVERTAKES + 10)
     _, (a, b, *s) = _sim(COLOC1, [(16, 1000), (16, 200)] + smalls, [0.0, 0.0005] + [0.001] * len(smalls), limits,
-                         coef=(0.01, 0.001, 0, 0, 0), capacity_tokens=70 * PAGE_SIZE)
+                         coef=(0.01, 0.001, 0, 0, 0), capacity_tokens=70 * PAGE_SIZE, prefill_order="fifo")
     before = [r for r in s if r.first_token < b.first_token]
     assert a.end < b.first_token
     assert MAX_OVERTAKES <= len(before) < len(s)
@@ -216,3 +218,17 @@ def test_a_device_dedicated_to_prefill_moves_its_decodes_live():
     assert sim.role_changes[0].role == "prefill"
     assert sim.num_migrations[MigrationOutcome.MOVED] == len(sim.migration_downtimes) > 0
     assert all(0 < t <= c.transfer_time("a", "b", STOP_PAGES * PAGE_SIZE) for t in sim.migration_downtimes)
+
+
+def test_deadline_order_keeps_more_prompts_within_their_ttft():
+    # One prefill device at 1 ms a prompt token, four long prompts at once: oldest first, the 2,900-token one
+    # (2.9 s) makes every one behind it miss 2.5 s too; deadline order sets it aside and the other three (2.4 s
+    # in all) make it.
+    c = cost([0.0, 0.001, 0, 0.001, 0])
+    slo = SloTarget(ttft_s=2.5, tpot_s=0.1)
+    work = [(2900, 4), (700, 4), (800, 4), (900, 4)]
+    at = [0.0] * 4
+    fifo = simulate(c, SPLIT, LIMITS, slo, work, at, prefill_order="fifo")
+    deadline = simulate(c, SPLIT, LIMITS, slo, work, at)
+    assert sum(r["ttft"] <= 2.5 for r in fifo) == 0
+    assert sum(r["ttft"] <= 2.5 for r in deadline) == 3 and deadline[0]["ok"]  # the long one still ends
