@@ -36,6 +36,10 @@ prompts 1,500-3,000 tokens, the fixed SLO's flat 2.5 s TTFT is out of reach for 
 prefills under 600 tok/s, idle or not: the fixed-SLO figures cannot reach 90 % there; the derived SLO scales TTFT
 with prompt length.
 
+A nodeserve server is configured (`[slo]`) with the SLO its pass is searched on, as an operator would: the fixed
+SLO in pass 1, the derived SLO in pass 2 (its prefill order and, disaggregated, its decode device's lending between
+steps aim at it; since 2026-11-27). Pass 2's fixed-SLO figures come from a server aiming at the derived SLO.
+
 Every request streams with ignore_eos, so it produces exactly max_tokens tokens, on a new connection
 (serve.run's force_close); every target gets the same requests (same seeds); llama-server gets
 `cache_prompt: false` and nodeserve `[kv] prefix_cache = false`, as the goodput probes resend the same prompts
@@ -612,9 +616,16 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def slo_table(ttft: float, tpot: float, ttft_per_token: float) -> str:
+    """nodeserve's [slo] table for an SLO a phase is judged on: the server aims at what it is scored by
+    (its prefill order and its decode device's lending between steps read it)."""
+    return f"[slo]\nttft_s = {ttft!r}\nttft_per_token_s = {ttft_per_token!r}\ntpot_s = {tpot!r}\n"
+
+
 @contextlib.contextmanager
-def serving(name: str, args, tmp: str, log: str, live: list):
-    """Starts the target's server and yields (url, info); stops it on the way out, whatever happens."""
+def serving(name: str, args, tmp: str, log: str, live: list, slo: tuple[float, float, float] | None = None):
+    """Starts the target's server and yields (url, info); stops it on the way out, whatever happens. slo:
+    (ttft, tpot, ttft_per_token) a nodeserve server is configured with; None: the fixed SLO."""
     t = time.perf_counter()
     if is_llama(name):
         if os.getloadavg()[0] > 0.5 and not args.llama_passive and args.llama_threads > 1:
@@ -629,10 +640,11 @@ def serving(name: str, args, tmp: str, log: str, live: list):
                 "omp_wait_policy": "passive" if args.llama_passive else "default"}
     else:
         # Its prefix cache off, as llama-server's cache_prompt: probes resend the same prompts.
+        slo = slo or (args.slo_ttft, args.slo_tpot, args.slo_ttft_per_token)
         proc, url = start_server(name, args.dtype, tmp, log, model_extra=args.nodeserve_model_extra,
-                                 kv_extra="prefix_cache = false\n" + args.nodeserve_kv_extra)
+                                 kv_extra="prefix_cache = false\n" + args.nodeserve_kv_extra, extra=slo_table(*slo))
         info = {"mode": name, "dtype": args.dtype, "model_extra": args.nodeserve_model_extra,
-                "kv_extra": args.nodeserve_kv_extra}
+                "kv_extra": args.nodeserve_kv_extra, "slo": dict(zip(("ttft_s", "tpot_s", "ttft_per_token_s"), slo))}
     live.append(proc)
     info["start_s"] = time.perf_counter() - t
     info["loadavg_at_start"] = os.getloadavg()
@@ -696,7 +708,8 @@ def run_goodput(name: str, args, plan: Plan, tmp: str, log_dir: str, live: list,
                 rate_start: float) -> dict:
     """Pass 2 for one target: the goodput search under the derived SLO."""
     t = time.perf_counter()
-    with serving(name, args, tmp, os.path.join(log_dir, f"{name}-goodput.log"), live) as (url, info):
+    with serving(name, args, tmp, os.path.join(log_dir, f"{name}-goodput.log"), live,
+                 slo.at(args.slo_scale)) as (url, info):
         g = _runner(name, url, args, plan).goodput(slo, args.slo_scale, rate_start)
         g["server"] = info
     g["wall_s"] = time.perf_counter() - t
@@ -871,6 +884,8 @@ def main() -> int:
               + (f" + {args.slo_ttft_per_token * 1000:g} ms per prompt token" if args.slo_ttft_per_token else "")
               + f" and TPOT <= {args.slo_tpot * 1000:g} ms for {args.slo_target * 100:g} % of requests. "
               + slo_text(results.get("derived_slo"), args.slo_scale, args.slo_target)
+              + " nodeserve servers are configured with the SLO their pass is searched on: the fixed one in phases "
+              "0-3, the derived one in the goodput probes."
               + f" Wall time {results['wall_s'] / 60:.1f} min.\n\n")
     scales = scale_table(results)
     with open(os.path.join(args.out_dir, "table.md"), "w") as f:

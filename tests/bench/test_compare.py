@@ -223,3 +223,15 @@ def test_json_safe(C):
     out = C.json_safe({"a": [1.0, math.inf, (2, -math.inf)], "b": {"c": math.inf}, "d": "x"})
     assert out == {"a": [1.0, None, [2, None]], "b": {"c": None}, "d": "x"}
     json.dumps(out, allow_nan=False)
+
+
+def test_the_slo_table_configures_the_slo_a_pass_is_judged_on(C):
+    import tomllib
+
+    from nodeserve.config import config_from_dict
+    from nodeserve.goodput import DerivedSlo
+
+    ttft, tpot, per_token = DerivedSlo.from_dict({"ttft_a": 0.0, "ttft_b": 0.000746, "tpot": 0.0041}).at(5)
+    cfg = config_from_dict(tomllib.loads(C.slo_table(ttft, tpot, per_token)))
+    assert (cfg.slo.ttft_s, cfg.slo.tpot_s, cfg.slo.ttft_per_token_s) == (0.0, tpot, per_token)
+    assert cfg.slo.tpot_s == pytest.approx(0.0205)
