@@ -99,6 +99,7 @@ class DeviceState:
     num_role_changes: int = 0           # cumulative: role changes (adaptive mode)
     num_batch_failures: int = 0         # cumulative: batched forwards that raised (each request then re-run alone)
     num_computed_prompt_tokens: int = 0  # cumulative: prompt tokens prefilled here (not taken from a cache)
+    lent_seconds: float = 0.0           # cumulative: its core lent to another device between its steps
 
 
 class _StateCollector(Collector):
@@ -133,6 +134,9 @@ class _StateCollector(Collector):
                                 labels=d),
             CounterMetricFamily(PREFIX + "prompt_tokens_computed", "Prompt tokens a device prefilled (not taken "
                                 "from a cache of any tier).", labels=d),
+            CounterMetricFamily(PREFIX + "core_lent_between_steps_seconds", "Seconds a decode device's CPU core "
+                                "was lent to a prefill device between its decode steps (devices.lend_between_steps).",
+                                labels=d),
         )
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
@@ -140,7 +144,7 @@ class _StateCollector(Collector):
         return self._families()
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        running, waiting, used, free, usage, queries, hits, role_changes, batch_failures, computed = fams = \
+        running, waiting, used, free, usage, queries, hits, role_changes, batch_failures, computed, lent = fams = \
             self._families()
         states: Sequence[Any] = ()
         num_pending = None
@@ -154,12 +158,12 @@ class _StateCollector(Collector):
             waiting.add_metric([self.model_name, "router", "admission"], num_pending)
         # Sum by label set: one sample per series even if a device ever hosts two workers.
         by_role: dict[tuple[str, str], list[int]] = {}
-        by_dev: dict[str, list[int]] = {}  # pages, free, queried tokens, hit tokens, role changes, batch failures
+        by_dev: dict[str, list] = {}  # pages, free, queried, hit, role changes, batch failures, computed, lent s
         for s in states:
             r = by_role.setdefault((s.device, s.role), [0, 0])
             r[0] += s.num_running
             r[1] += s.num_waiting
-            p = by_dev.setdefault(s.device, [0, 0, 0, 0, 0, 0, 0])
+            p = by_dev.setdefault(s.device, [0, 0, 0, 0, 0, 0, 0, 0.0])
             p[0] += s.num_pages
             p[1] += s.num_free
             p[2] += getattr(s, "num_prefix_queried_tokens", 0)
@@ -167,11 +171,13 @@ class _StateCollector(Collector):
             p[4] += getattr(s, "num_role_changes", 0)
             p[5] += getattr(s, "num_batch_failures", 0)
             p[6] += getattr(s, "num_computed_prompt_tokens", 0)
+            p[7] += getattr(s, "lent_seconds", 0.0)
         for (dev, role), (n_run, n_wait) in by_role.items():
             running.add_metric([self.model_name, dev, role], n_run)
             waiting.add_metric([self.model_name, dev, role], n_wait)
-        for dev, (n_pages, n_free, n_queried, n_hit, n_roles, n_failures, n_computed) in by_dev.items():
+        for dev, (n_pages, n_free, n_queried, n_hit, n_roles, n_failures, n_computed, lent_s) in by_dev.items():
             computed.add_metric([self.model_name, dev], n_computed)
+            lent.add_metric([self.model_name, dev], lent_s)
             queries.add_metric([self.model_name, dev], n_queried)
             hits.add_metric([self.model_name, dev], n_hit)
             role_changes.add_metric([self.model_name, dev], n_roles)

@@ -111,9 +111,11 @@ def test_gauges_read_at_scrape_time():
     assert value(f, "nodeserve:kv_cache_usage_perc", "nodeserve:kv_cache_usage_perc", device="cpu:1") == 0.0
 
     # Read again at the next scrape, not pushed.
-    states[1] = DeviceState("cpu:1", "decode", 0, 0, 200, 50)
+    states[1] = DeviceState("cpu:1", "decode", 0, 0, 200, 50, lent_seconds=1.5)
     f = scrape(m)
     assert value(f, "nodeserve:kv_cache_usage_perc", "nodeserve:kv_cache_usage_perc", device="cpu:1") == 0.75
+    assert value(f, "nodeserve:core_lent_between_steps_seconds", "nodeserve:core_lent_between_steps_seconds_total",
+                 device="cpu:1") == 1.5
 
     # The router's admission queue is a waiting series of its own, so sum(num_requests_waiting) counts it.
     pending = [4]

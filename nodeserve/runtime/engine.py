@@ -68,6 +68,7 @@ class PoolStats:
     num_batch_failures: int
     num_evictions: int
     num_computed_prompt_tokens: int
+    lent_seconds: float  # its core lent between its steps (devices.lend_between_steps)
 
 
 PLACEMENT_FAILED = "placing the request on a device failed (the error is in the server log)"
@@ -371,7 +372,7 @@ class Engine:
         return [PoolStats(w.name, str(w.role), w.kv.num_usable, w.kv.num_free, len(w.scheduler.running),
                           len(w.scheduler.waiting), w.kv.num_queried_tokens, w.kv.num_hit_tokens,
                           changes.get(w.name, 0), w.num_batch_failures, w.kv.num_evictions,
-                          w.num_computed_prompt_tokens) for w in self.workers]
+                          w.num_computed_prompt_tokens, w.lent_seconds) for w in self.workers]
 
     def node_load(self) -> NodeLoad:
         """The node as one worker (from the event loop): what vLLM's gauges and SMG's /v1/loads report."""

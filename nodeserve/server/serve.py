@@ -189,7 +189,8 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
     state.metrics.set_state_source(lambda: [DeviceState(s.device, s.role, s.num_running, s.num_waiting,
                                                         s.num_pages, s.num_free, s.num_prefix_queried_tokens,
                                                         s.num_prefix_hit_tokens, s.num_role_changes,
-                                                        s.num_batch_failures, s.num_computed_prompt_tokens)
+                                                        s.num_batch_failures, s.num_computed_prompt_tokens,
+                                                        s.lent_seconds)
                                                         for s in engine.pool_stats()],
                                    pending=lambda: engine.num_pending)
     state.metrics.set_tier_source(engine.tier_stats)
