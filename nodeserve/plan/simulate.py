@@ -16,8 +16,9 @@ on the same workloads (workloads.py).
 
 Not modelled: the event loop, tokenization and HTTP; the server's queue limits and SLO admission; the CPU the copy
 thread shares; copies on one link running one after another (each copy takes its own time, in parallel); the
-prefix cache (off); CPU core lending (runtime/lending.py: a step takes its device's own time, lent or not). With capacity_tokens infinite, each device's pool is sized so that pages never run out (equal
-on every device, so the placers choose as with infinite pools).
+prefix cache (off); CPU core lending (runtime/lending.py: a step takes its device's own time, lent or not). With
+capacity_tokens infinite, each device's pool is sized so that pages never run out (equal on every device, so the
+placers choose as with infinite pools).
 """
 
 from __future__ import annotations

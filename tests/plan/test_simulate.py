@@ -59,7 +59,8 @@ def test_a_request_dispatched_by_a_finish_waits_for_the_step_to_be_counted():
     # Step 3 [.29, .47]: B's last 5 + C's 3. Step 4 [.47, .58]: B decodes (ends) + C's last 1. Step 5: C.
     c = cost([0.1, 0.01, 0, 0, 0], names=("a",))
     limits = StepLimits(max_num_batched_tokens=8, max_num_seqs=2)
-    ra, rb, rc = simulate(c, COLOC1, limits, SLO, [(2, 2), (12, 2), (4, 2)], [0.0, 0.01, 0.02], prefill_order="fifo")
+    ra, rb, rc = simulate(c, COLOC1, limits, SLO, [(2, 2), (12, 2), (4, 2)], [0.0, 0.01, 0.02],
+                          prefill_order="fifo")
     assert ra["e2e"] == pytest.approx(0.29) and rb["ttft"] == pytest.approx(0.47 - 0.01)
     assert rb["e2e"] == pytest.approx(0.58 - 0.01) and rc["ttft"] == pytest.approx(0.58 - 0.02)
     assert rc["e2e"] == pytest.approx(0.68 - 0.02)
