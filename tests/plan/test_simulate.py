@@ -53,9 +53,9 @@ def test_batching_and_chunking_by_hand():
 
 
 def test_a_request_dispatched_by_a_finish_waits_for_the_step_to_be_counted():
-    # Oldest prompt first. Two seats, 8 tokens a step. A arrives first and steps alone [0, .12] (B, 10 ms later, waits for the next
-    # step, as a worker sees a message only between steps). Step 2 [.12, .29]: A decodes + B's first 7 tokens; A
-    # ends and its seat goes to C, which must not start a step before B's 7 are counted.
+    # Oldest prompt first. Two seats, 8 tokens a step. A arrives first and steps alone [0, .12] (B, 10 ms later,
+    # waits for the next step, as a worker sees a message only between steps). Step 2 [.12, .29]: A decodes + B's
+    # first 7 tokens; A ends and its seat goes to C, which must not start a step before B's 7 are counted.
     # Step 3 [.29, .47]: B's last 5 + C's 3. Step 4 [.47, .58]: B decodes (ends) + C's last 1. Step 5: C.
     c = cost([0.1, 0.01, 0, 0, 0], names=("a",))
     limits = StepLimits(max_num_batched_tokens=8, max_num_seqs=2)
