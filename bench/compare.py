@@ -369,6 +369,11 @@ def slo_text(slo: dict | None, scale: float, target: float = S.DEFAULT_SLO_TARGE
 
 # ---- workloads --------------------------------------------------------------------------------------------
 
+def probe_pool(plan: Plan, seed: int, long_share: float | None) -> list[W.Request]:
+    """The goodput probes' seeded bimodal requests; a probe sends the first n."""
+    return W.generate("bimodal", plan.probe_max_requests, seed + 1, long_share=long_share)
+
+
 def short_requests(n: int, prompt: tuple[int, int], output: int, seed: int, kind: str) -> list[W.Request]:
     """n seeded id prompts with lengths drawn from `prompt` (inclusive) and a fixed output length."""
     rng = random.Random(f"{kind}-{seed}")
@@ -464,7 +469,7 @@ class Runner:
         """Phase 4: the goodput search under the derived SLO at `scale`, from `rate_start`; every probe is also
         scored against the fixed SLO, and the first one against SCALES."""
         p = self.plan
-        pool = W.generate("bimodal", p.probe_max_requests, self.seed + 1, long_share=self.long_share)
+        pool = probe_pool(p, self.seed, self.long_share)
         probes: list[dict] = []
 
         def attainment_at(rate: float) -> float | None:
@@ -498,7 +503,7 @@ class Runner:
         """One probe at `rate` (the goodput pool, cut as the search cuts it) scored against the fixed SLO: for a
         nodeserve server configured with that SLO, as the search's server aims at the derived one."""
         p = self.plan
-        pool = W.generate("bimodal", p.probe_max_requests, self.seed + 1, long_share=self.long_share)
+        pool = probe_pool(p, self.seed, self.long_share)
         m = self.measure(pool[:probe_size(rate, p)], "poisson", rate=rate)
         print(f"    probe {rate:.3f} req/s x {len(m['records'])} aiming at the fixed SLO: fixed "
               f"{_pct(m['attainment']['attainment'])}", flush=True)
@@ -761,7 +766,7 @@ def derive_slo(results: dict, earlier: dict | None, plan: Plan, seed: int, long_
             if _get(r, "calibration", "slo")}
     if not slos:
         return None, {}
-    lens = [r.prompt_len for r in W.generate("bimodal", plan.probe_max_requests, seed + 1, long_share=long_share)]
+    lens = [r.prompt_len for r in probe_pool(plan, seed, long_share)]
     slo, src = S.best_slo(slos, lens)
     return slo, {**slo.as_dict(), **src}
 
@@ -873,7 +878,7 @@ def main() -> int:
                     if _get(res, "chat", "records"):
                         res["chat"]["attainment_derived"] = S.slo_attainment(res["chat"]["records"],
                                                                              *slo.at(args.slo_scale))
-                pool = W.generate("bimodal", plan.probe_max_requests, args.seed + 1, long_share=args.long_share)
+                pool = probe_pool(plan, args.seed, args.long_share)
                 rate_start = args.rate_start or _get(earlier, "goodput_plan", "rate_start") or \
                     1.0 / S.unloaded_service_time(slo, [(r.prompt_len, r.max_tokens) for r in pool])
                 results["goodput_plan"] = {"rate_start": rate_start, "scale": args.slo_scale}
