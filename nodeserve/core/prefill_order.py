@@ -48,14 +48,13 @@ class DeadlineOrder:
         now, cost = self.clock(), self.cost()
         if self.device not in cost.devices:
             return list(waiting), []
-        load = DeviceLoad(self.device, Role.COLOCATED, num_decodes=len(running),
+        load = DeviceLoad(self.device, Role.COLOCATED, num_decodes=len(running),  # (prefill_steps reads no role)
                           decode_context=sum(s.req.num_computed_tokens for s in running))
 
-        def limit(seq: Seq) -> float:
-            return self.target.ttft_limit(seq.req.num_prompt_tokens)
-
-        overdue = [s for s in waiting if now - s.req.arrival_time > MAX_WAIT_FACTOR * limit(s)]
-        rest = sorted((s for s in waiting if s not in overdue), key=lambda s: s.req.arrival_time + limit(s))
+        limit = {id(s): self.target.ttft_limit(s.req.num_prompt_tokens) for s in waiting}
+        overdue = [s for s in waiting if now - s.req.arrival_time > MAX_WAIT_FACTOR * limit[id(s)]]
+        rest = sorted((s for s in waiting if now - s.req.arrival_time <= MAX_WAIT_FACTOR * limit[id(s)]),
+                      key=lambda s: s.req.arrival_time + limit[id(s)])
         kept: list[tuple[float, int, Seq]] = []  # max-heap on seconds left: (-seconds, position, seq)
         finish = now
         for i, seq in enumerate(rest):
@@ -63,7 +62,7 @@ class DeadlineOrder:
             seconds = prefill_steps(cost, load, self.limits, req.num_prompt_tokens, req.num_computed_tokens)[0]
             heapq.heappush(kept, (-seconds, i, seq))
             finish += seconds
-            if finish > req.arrival_time + limit(seq):
+            if finish > req.arrival_time + limit[id(seq)]:
                 longest, _, _ = heapq.heappop(kept)
                 finish += longest  # (negative: its time comes off)
         on_time = {id(s) for _, _, s in kept}

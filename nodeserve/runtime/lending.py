@@ -28,6 +28,11 @@ MIN_BACKLOG_TOKENS = 1024  # prompt tokens queued on the prefill device (one ful
 MIN_SLICE_S = 0.005        # shorter slices are not worth waking the helper for
 
 
+def lender_of(i: int, num_devices: int) -> int:
+    """The device whose core device i borrows (build order): the next one."""
+    return (i + 1) % num_devices
+
+
 @dataclass
 class CoreLending:
     kernels: native.NativeKernels
@@ -51,19 +56,19 @@ class CoreLending:
                 return None
             lending.helpers.append(h)
         for i, d in enumerate(devices):
-            borrowed, own = lending.helpers[(i + 1) % len(devices)], lending.helpers[i]
+            borrowed, own = lending.helpers[lender_of(i, len(devices))], lending.helpers[i]
             d.on_thread_start = lambda h=borrowed: lib.ns_helper_use(h)
             d.on_lend = lambda idle, own=own, borrowed=borrowed: (lib.ns_helper_lend(own, int(idle)),
                                                                   lib.ns_helper_want(borrowed, int(not idle)))
-        log.info("lend_idle_cores: %s", ", ".join(f"{d.name} borrows {devices[(i + 1) % len(devices)].name}'s "
+        log.info("lend_idle_cores: %s", ", ".join(f"{d.name} borrows {devices[lender_of(i, len(devices))].name}'s "
                                                   "core while it idles" for i, d in enumerate(devices)))
         return lending
 
     def lend_between_steps(self, workers: Sequence, max_gap_s: float) -> None:
-        """Each decode worker whose core a prefill worker borrows (the one before it, in build order) lends it
-        between its steps too (SlackLending). workers: in the order of build's devices."""
-        for i, w in enumerate(workers):
-            borrower = workers[i - 1]
+        """Each decode worker whose core a prefill worker borrows lends it between its steps too (SlackLending).
+        workers: in the order of build's devices."""
+        for i, borrower in enumerate(workers):
+            w = workers[lender_of(i, len(workers))]
             if w.role == Role.DECODE and borrower.role == Role.PREFILL:
                 w.slack_lending = SlackLending(lambda b=borrower: b.num_outstanding_prefill_tokens, max_gap_s)
                 log.info("lend_between_steps: %s lends its core to %s between steps while %s has %d or more "
