@@ -17,15 +17,17 @@ What each row means:
     pools taken in turn, so K and V come from DRAM as in a step),
     "x bound" = time / (K and V bytes / bandwidth).
   * prefill attention P+L: one layer's attention for an L-token chunk after P cached tokens, the native
-    AVX-512 kernel (pages read in place) vs the torch path (gather, then torch's flash attention), GFLOP/s of
-    the causal work and its fraction of the fp32 matmul peak.
+    AVX-512 kernel (pages read in place; "bf16": its products in bf16, `model.prompt_attention`) vs the torch
+    path (gather, then torch's flash attention), GFLOP/s of the causal work and its fraction of the fp32 matmul
+    peak.
   * step B x L: ModelRunner.run of B decode rows with L tokens each (what a decode worker runs per step),
     quantization auto vs none; "x bound" = time / ((weight + KV bytes) / bandwidth); "float16 KV": the pool in
     float16 (kv.dtype = "float16"), as the attention rows marked float16.
   * prompt gemm M=m: the layers' projections (no lm_head) on m prompt rows through the VNNI kernel, int16
     activations (the default) vs int8 (`model.prompt_activations = "int8"`), GOP/s of the multiply-adds.
   * prefill: a 512-token chunk, tok/s, and its FLOP rate as a fraction of the measured fp32 matmul peak
-    (int8: the default model with `prompt_activations = "int8"`).
+    (int8: the default model with `prompt_activations = "int8"`); prompt attention as the config resolves it
+    (bf16 products with quantized weights where the CPU has AVX512-BF16).
 """
 
 from __future__ import annotations
@@ -166,6 +168,9 @@ def prefill_attention_rows(kernels, peak: float, shapes: list[tuple[int, int]]) 
         if kernels.prefill:
             t = timed(lambda: kernels.prefill_attention(q, kv, table, num_prefix, 0.125, out), 5)
             row.update(native_ms=t * 1e3, native_GFLOPs=flops / t / 1e9, native_of_peak=flops / t / 1e9 / peak)
+        if kernels.prefill_bf16:  # model.prompt_attention = "bfloat16" (the default with quantized weights)
+            t = timed(lambda: kernels.prefill_attention(q, kv, table, num_prefix, 0.125, out, bf16=True), 5)
+            row.update(bf16_ms=t * 1e3, bf16_GFLOPs=flops / t / 1e9)
         t = timed(by_torch, 5)
         row.update(torch_ms=t * 1e3, torch_GFLOPs=flops / t / 1e9, torch_of_peak=flops / t / 1e9 / peak)
         rows.append(row)
@@ -174,11 +179,13 @@ def prefill_attention_rows(kernels, peak: float, shapes: list[tuple[int, int]]) 
 
 def runner_for(name: str, model, pool: KVPool, max_num_seqs: int):
     """The runner a worker builds; for "avx2", with torch's prefill attention too, as an AVX2 machine runs it
-    (NODESERVE_KERNELS=avx2 is read when the attention backend is built, as it was for the GEMMs at load)."""
+    (NODESERVE_KERNELS=avx2 is read when the attention backend is built, as it was for the GEMMs at load). Prompt
+    attention as the config resolves it: bf16 products with quantized weights, float32 for "none"."""
     if name == "avx2":
         os.environ["NODESERVE_KERNELS"] = "avx2"
     try:
-        return build_runner(model, pool, "auto", cuda_graphs=False, max_num_seqs=max_num_seqs)
+        return build_runner(model, pool, "auto", cuda_graphs=False, max_num_seqs=max_num_seqs,
+                            prompt_attention="float32" if name == "none" else "bfloat16")
     finally:
         os.environ.pop("NODESERVE_KERNELS", None)
 

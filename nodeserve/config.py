@@ -34,6 +34,10 @@ class ModelSection:
     # int16 | int8: the activations' rounding, per block of 32, in the projections of prompt tokens on block-
     # quantized weights (AVX-512 VNNI kernels); decode tokens keep int16. int8 is llama.cpp's, ~1.2x prefill
     prompt_activations: str = "int16"
+    # auto | float32 | bfloat16: the products in prompt tokens' attention on CPU (csrc/prefill_attn.c, with
+    # AVX512-BF16; sums and softmax stay float32). bfloat16: that attention ~1.6x, a 2k prompt ~1.14x on one core.
+    # auto: bfloat16 with quantized weights, float32 on the exact path (quantization = "none")
+    prompt_attention: str = "auto"
     aliases: tuple[str, ...] = ()         # more model ids clients may send (and /v1/models lists)
     tool_parser: str = "auto"             # auto | hermes | llama3 | none: how the model writes tool calls
 
@@ -188,6 +192,14 @@ class Config:
         return "none" if on_cuda or os.path.isdir(os.path.expanduser(self.model.path)) else "auto"
 
     @property
+    def prompt_attention(self) -> str:
+        """model.prompt_attention with "auto" resolved: bf16 products where the weights are quantized anyway,
+        float32 on the exact path, which matches transformers token for token."""
+        if self.model.prompt_attention != "auto":
+            return self.model.prompt_attention
+        return "float32" if self.quantization == "none" else "bfloat16"
+
+    @property
     def api_key(self) -> str:
         """server.api_key, or the NODESERVE_API_KEY environment variable (which keeps it out of the file)."""
         return self.server.api_key or os.environ.get("NODESERVE_API_KEY", "")
@@ -331,6 +343,9 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
         raise ConfigError(f"'model.quantization' must be one of auto, none, int8, int4, fp16, got {m.quantization!r}")
     if m.prompt_activations not in ("int16", "int8"):
         raise ConfigError(f"'model.prompt_activations' must be \"int16\" or \"int8\", got {m.prompt_activations!r}")
+    if m.prompt_attention not in ("auto", "float32", "bfloat16"):
+        raise ConfigError(f"'model.prompt_attention' must be \"auto\", \"float32\" or \"bfloat16\", "
+                          f"got {m.prompt_attention!r}")
     if cfg.quantization != "none":
         if m.dtype not in ("auto", "float32"):
             raise ConfigError(f"'model.quantization = \"{m.quantization}\"' computes in float32: set "

@@ -288,6 +288,17 @@ def test_kv_events_are_off_by_default_with_vllms_settings():
     assert ev.buffer_steps == 10_000 and ev.hwm == 100_000
 
 
+def test_prompt_attention_is_bf16_where_weights_are_quantized_and_float32_on_the_exact_path():
+    assert config_from_dict({}, check_devices=False).prompt_attention == "bfloat16"
+    assert config_from_dict({"model": {"quantization": "none"}}, check_devices=False).prompt_attention == "float32"
+    assert config_from_dict({"model": {"quantization": "none", "prompt_attention": "bfloat16"}},
+                            check_devices=False).prompt_attention == "bfloat16"
+    assert config_from_dict({"model": {"prompt_attention": "float32"}},
+                            check_devices=False).prompt_attention == "float32"
+    with pytest.raises(ConfigError, match=r"model\.prompt_attention"):
+        config_from_dict({"model": {"prompt_attention": "fp8"}}, check_devices=False)
+
+
 def test_prompt_activations_take_int16_or_int8():
     assert config_from_dict({}, check_devices=False).model.prompt_activations == "int16"
     assert config_from_dict({"model": {"prompt_activations": "int8"}},

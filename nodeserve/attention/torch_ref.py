@@ -3,6 +3,7 @@ dtype or in FP8 (e4m3) with per-layer scales; the quantizing write here is the o
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 
 from nodeserve.attention.base import AttentionMetadata, KVPoolLike, ModelConfigLike, PagedAttention
 from nodeserve.kernels import native
+
+log = logging.getLogger(__name__)
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 
@@ -154,8 +157,9 @@ class TorchAttention(PagedAttention):
     FlashInfer's run(k_scale=, v_scale=) computes, and spares a pass over the gathered K/V.
     """
 
-    def __init__(self, pool: KVPoolLike, cfg: ModelConfigLike, dtype: torch.dtype):
-        """dtype: the model's activations' (q's)."""
+    def __init__(self, pool: KVPoolLike, cfg: ModelConfigLike, dtype: torch.dtype, prompt_bf16: bool = False):
+        """dtype: the model's activations' (q's). prompt_bf16: the prefill kernel's products in bf16, where the
+        CPU has AVX512-BF16 (model.prompt_attention = "bfloat16")."""
         super().__init__(pool)
         self.scale = cfg.head_dim ** -0.5
         kernels = native.load() if pool.device.type == "cpu" and dtype == torch.float32 else None
@@ -163,6 +167,10 @@ class TorchAttention(PagedAttention):
         self._kernels = kernels if kernels is not None and pool.dtype in kernels.kv_dtypes else None
         # prefill chunks by csrc/prefill_attn.c where built (AVX-512)
         self._prefill_kernel = self._kernels is not None and self._kernels.prefill and not native.avx2_only()
+        self._prefill_bf16 = prompt_bf16 and self._prefill_kernel and self._kernels.prefill_bf16
+        if prompt_bf16 and not self._prefill_bf16 and pool.device.type == "cpu":
+            log.warning("model.prompt_attention = \"bfloat16\" needs the AVX-512 prefill kernel on a CPU with "
+                        "AVX512-BF16 and a float32 model; prompt attention stays float32 here")
         self._groups: list[_DecodeGroup] = []
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -206,7 +214,7 @@ class TorchAttention(PagedAttention):
             q_len, seq_len = meta.query_lens[b], meta.seq_lens_host[b]
             if self._prefill_kernel and kernels.prefill_attention(
                     q[start:start + q_len], kv_layer, meta.page_tables[b], seq_len - q_len, scale,
-                    out[start:start + q_len]):
+                    out[start:start + q_len], self._prefill_bf16):
                 start += q_len
                 continue
             num_pages = -(-seq_len // meta.page_size)

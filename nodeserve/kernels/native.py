@@ -43,7 +43,7 @@ _SIGNATURES = {
     "ns_paged_decode_attention": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
                                          _int]),
     "ns_prefill_attention": (_int, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
-                                    _int]),
+                                    _int, _int]),
     "ns_rms_norm": (None, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32]),
     "ns_add_rms_norm": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32]),
     "ns_silu_and_mul": (None, [_ptr, _ptr, _i64, _i64]),
@@ -52,6 +52,7 @@ _SIGNATURES = {
     "ns_isa": (_int, []),
     "ns_r16_supported": (_int, []),
     "ns_prefill_supported": (_int, []),
+    "ns_prefill_bf16_supported": (_int, []),
     "ns_r16_bytes": (_i64, [_int, _i64, _i64]),
     "ns_repack_r16": (None, [_int, _ptr, _i64, _i64, _ptr]),
     "ns_helper_new": (_ptr, [_int]),
@@ -107,6 +108,7 @@ class NativeKernels:
             fn.restype, fn.argtypes = restype, argtypes
         self.r16 = bool(lib.ns_r16_supported())  # the VNNI GEMM over repacked weights is built in
         self.prefill = bool(lib.ns_prefill_supported())  # the AVX-512 prefill attention (csrc/prefill_attn.c)
+        self.prefill_bf16 = bool(lib.ns_prefill_bf16_supported())  # ... with bf16 products (AVX512-BF16)
         self.isa = "avx512-vnni" if self.r16 else {2: "avx2", 0: "scalar"}[lib.ns_isa()]
         self.kv_dtypes = (torch.float32, torch.float16) if lib.ns_isa() else (torch.float32,)  # float16: F16C
 
@@ -185,18 +187,19 @@ class NativeKernels:
         return out
 
     def prefill_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, page_table: torch.Tensor, num_prefix: int,
-                          scale: float, out: torch.Tensor) -> bool:
+                          scale: float, out: torch.Tensor, bf16: bool = False) -> bool:
         """out [Lq, H, D] = causal attention of q [Lq, H, D] (float32; heads and D contiguous, rows strided), the
         tokens after num_prefix cached ones of the sequence whose pages are page_table (int64, contiguous), over
         a pool layer [P, 2, page_size, KH, D] of one of kv_dtypes. False (out untouched) where the kernel is not built
-        (no AVX-512) or does not take these shapes."""
+        (no AVX-512; with bf16, no AVX512-BF16) or does not take these shapes. bf16: the products in bf16
+        (vdpbf16ps), the sums and the softmax in float32."""
         lq, h, d = q.shape
         if (q.stride()[1:] != (d, 1) or out.stride()[1:] != (d, 1) or page_table.dtype != torch.int64
                 or not page_table.is_contiguous()):
             return False
         return self.lib.ns_prefill_attention(
             q.data_ptr(), q.stride(0), kv_layer.data_ptr(), page_table.data_ptr(), num_prefix, lq, out.data_ptr(),
-            out.stride(0), h, kv_layer.shape[3], d, kv_layer.shape[2], scale, _is_f16(kv_layer)) == 0
+            out.stride(0), h, kv_layer.shape[3], d, kv_layer.shape[2], scale, _is_f16(kv_layer), int(bf16)) == 0
 
 
 def _is_f16(kv_layer: torch.Tensor) -> int:

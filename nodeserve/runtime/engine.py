@@ -131,7 +131,8 @@ class Engine:
             pool = KVPool(self.loaded.config, num_pages, cfg.kv.page_size, kv_dtype, device.torch_device,
                           cfg.kv.prefix_cache)
             runner = build_runner(replicas[device.torch_device], pool, cfg.devices.attention,
-                                  cfg.devices.cuda_graphs and role is not Role.PREFILL, cfg.scheduler.max_num_seqs)
+                                  cfg.devices.cuda_graphs and role is not Role.PREFILL, cfg.scheduler.max_num_seqs,
+                                  cfg.prompt_attention)
             log.info("%s: %s attention, %d KV pages of %s%s", name, type(runner.backend).__name__, num_pages,
                      kv_dtype, ", CUDA graphs at warm-up" if runner.graphs is not None else "")
             fallback = auto_fallback(cfg.devices.attention, device.torch_device, dtype)
@@ -424,11 +425,11 @@ class Engine:
 
 
 def build_runner(replica: LlamaModel, pool: KVPool, attention: str, cuda_graphs: bool,
-                 max_num_seqs: int) -> ModelRunner:
-    """A device's step runner: the attention backend `attention` asks for; with FlashInfer, its norm, RoPE and
-    SiLU kernels on the replica (set once, before any graph capture) and, if `cuda_graphs`, decode graphs for
-    batches up to max_num_seqs (captured at warm-up)."""
-    backend = make_backend(attention, pool, replica.cfg, replica.dtype)
+                 max_num_seqs: int, prompt_attention: str = "float32") -> ModelRunner:
+    """A device's step runner: the attention backend `attention` asks for (prompt_attention: see make_backend);
+    with FlashInfer, its norm, RoPE and SiLU kernels on the replica (set once, before any graph capture) and, if
+    `cuda_graphs`, decode graphs for batches up to max_num_seqs (captured at warm-up)."""
+    backend = make_backend(attention, pool, replica.cfg, replica.dtype, prompt_attention)
     if not isinstance(backend, FlashInferAttention):
         return ModelRunner(replica, backend)
     if replica.dtype in FLASHINFER_OPS_DTYPES and not isinstance(replica.ops, FlashInferOps):

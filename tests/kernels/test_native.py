@@ -416,12 +416,41 @@ def test_prefill_attention_reads_float16_pools(one_thread, num_prefix, q_len, pa
     torch.testing.assert_close(out, attend(q[None], k, v, mask, False, d ** -0.5)[0], rtol=1e-5, atol=1e-5)
 
 
+needs_bf16 = pytest.mark.skipif(kernels is None or not kernels.prefill_bf16,
+                                reason="needs AVX512-BF16 (the prefill attention kernel's bf16 products)")
+
+
+@needs_bf16
+@pytest.mark.parametrize("num_prefix,q_len,page_size,h,kh,d", [
+    (0, 1, 16, 9, 3, 64), (0, 17, 16, 9, 3, 64), (47, 30, 7, 9, 3, 64), (37, 64, 1, 9, 3, 64),
+    (300, 257, 16, 9, 3, 64), (5, 70, 7, 8, 2, 128)])
+def test_prefill_attention_in_bf16_stays_within_bf16_rounding_of_exact_attention(one_thread, num_prefix, q_len,
+                                                                                 page_size, h, kh, d):
+    """bf16 products (8-bit mantissas): within 2e-2 of attention in float64 everywhere (a pair multiplied with
+    the wrong partner, or a key against the wrong query, is off by ~1), and not the float32 kernel's answer."""
+    kv, table, q = _prefill_case(num_prefix, q_len, page_size, h, kh, d)
+    out, exact32 = torch.full((q_len, h, d), 7.0), torch.empty(q_len, h, d)
+    assert kernels.prefill_attention(q, kv, table, num_prefix, d ** -0.5, out, bf16=True)
+    assert kernels.prefill_attention(q, kv, table, num_prefix, d ** -0.5, exact32)
+    seq_len = num_prefix + q_len
+    pos = torch.arange(seq_len)
+    k, v = (kv[table[pos // page_size], i, pos % page_size].double().repeat_interleave(h // kh, 1) for i in (0, 1))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * d ** -0.5
+    scores = scores.masked_fill(pos[None, :] > torch.arange(num_prefix, seq_len)[:, None], float("-inf"))
+    want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    err = (out.double() - want).abs()
+    assert err.max() < 2e-2 and err.mean() < 3e-3
+    if q_len > 1 or num_prefix:
+        assert not torch.equal(out, exact32)
+
+
 @needs_avx512
 def test_a_lent_core_takes_prefill_attention_tasks_and_the_result_is_the_same():
     kv, table, q = _prefill_case(200, 300, 16, 9, 3, 64, seed=6)
 
-    def call():
-        out = torch.empty(300, 9, 64)
-        assert kernels.prefill_attention(q, kv, table, 200, 0.125, out)
-        return out
-    _check_split_with_a_lent_core(call, call())
+    for bf16 in (False, True) if kernels.prefill_bf16 else (False,):
+        def call():
+            out = torch.empty(300, 9, 64)
+            assert kernels.prefill_attention(q, kv, table, 200, 0.125, out, bf16)
+            return out
+        _check_split_with_a_lent_core(call, call())

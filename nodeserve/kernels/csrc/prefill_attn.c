@@ -25,6 +25,11 @@
 
 #include "simd512.h"
 #define NS_PREFILL NS_AVX512
+#if NS_AVX512 && defined(__AVX512BF16__)
+#define NS_PREFILL_BF16 1
+#else
+#define NS_PREFILL_BF16 0
+#endif
 
 #define LANES 16    /* query tokens per task, one per lane */
 #define KEYS 16     /* keys per block: 16 score vectors */
@@ -38,12 +43,14 @@ struct ns_prefill {
     int kv_f16;
     const int64_t *table;     /* the sequence's pages */
     float *out;               /* [Lq, H, D], rows ldo floats apart */
-    const float *kpack, *vpack;  /* pack_kv's */
+    const float *kpack, *vpack;  /* pack_kv's (pack_kv_bf16's: uint32 bf16 pairs) */
+    int bf16;                 /* products in bf16 (vdpbf16ps), sums in float32: run_task_bf16 */
     int64_t ldq, ldo, num_prefix, Lq, H, KH, D, page_size;
     float scale;
 };
 
 int ns_prefill_supported(void) { return NS_PREFILL; }
+int ns_prefill_bf16_supported(void) { return NS_PREFILL_BF16; }
 
 static int64_t num_tasks(const struct ns_prefill *a) { return (a->Lq + LANES - 1) / LANES * a->H; }
 
@@ -147,6 +154,115 @@ static void run_task(const struct ns_prefill *a, int64_t t) {
 }
 #endif
 
+#if NS_PREFILL_BF16
+/* float32 -> bf16, rounded to nearest even (as vcvtneps2bf16; no NaN reaches here). */
+static inline uint32_t bf16_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+/* pack_kv for run_task_bf16, per KV head and block of 16 keys: K as [D / 2][16] uint32, key j's (k[2e], k[2e + 1])
+ * in bf16 (the pair a vdpbf16ps lane multiplies with a query's q[2e], q[2e + 1]), and V as [D][8] uint32, value d of
+ * keys 2p and 2p + 1 (paired with their two probabilities). */
+static void pack_kv_bf16(const struct ns_prefill *a, int64_t num_keys, uint32_t *kp, uint32_t *vp) {
+    const int64_t D = a->D, ps = a->page_size, token_stride = a->KH * D, page_stride = 2 * ps * token_stride;
+    const int64_t nb = (num_keys + KEYS - 1) / KEYS;
+    float k[MAX_D], v[MAX_D];
+    for (int64_t kh = 0; kh < a->KH; kh++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint32_t *kb = kp + (kh * nb + b) * KEYS * D / 2, *vb = vp + (kh * nb + b) * KEYS * D / 2;
+            for (int64_t j = 0; j < KEYS; j++) {
+                const int64_t t = b * KEYS + j;
+                if (t < num_keys) {
+                    const int64_t at = a->table[t / ps] * page_stride + (t % ps) * token_stride + kh * D;
+                    widen_row(a->kv, at, a->kv_f16, D, k);
+                    widen_row(a->kv, at + ps * token_stride, a->kv_f16, D, v);
+                } else {
+                    memset(k, 0, sizeof(float) * (size_t)D);
+                    memset(v, 0, sizeof(float) * (size_t)D);
+                }
+                for (int64_t e = 0; e < D / 2; e++) kb[e * KEYS + j] = bf16_bits(k[2 * e]) | bf16_bits(k[2 * e + 1]) << 16;
+                for (int64_t d = 0; d < D; d++) {
+                    uint32_t *w = vb + d * (KEYS / 2) + j / 2;
+                    *w = j % 2 ? (*w & 0xffffu) | bf16_bits(v[d]) << 16 : bf16_bits(v[d]);
+                }
+            }
+        }
+}
+
+/* run_task with the products in bf16: 32 multiply-adds a vdpbf16ps where an FMA does 16, sums, softmax and the
+ * output in float32. Scores: lane i (query) takes its (q[2e], q[2e + 1]) against key j's pair, D / 2 of them a
+ * key; output: lane i takes (p[2p'], p[2p' + 1]), its probabilities of keys 2p' and 2p' + 1, against their value
+ * d. D even. */
+static void run_task_bf16(const struct ns_prefill *a, int64_t t) {
+    const int64_t nrb = (a->Lq + LANES - 1) / LANES, D = a->D;
+    const int64_t rb = nrb - 1 - t / a->H, h = t % a->H, kh = h / (a->H / a->KH);
+    const int64_t r0 = rb * LANES, nr = a->Lq - r0 < LANES ? a->Lq - r0 : LANES;
+    const int64_t num_keys = a->num_prefix + r0 + nr;
+    const int64_t nb_all = (a->num_prefix + a->Lq + KEYS - 1) / KEYS;
+    const float c = a->scale * 1.4426950408889634f;
+    uint32_t qt[MAX_D / 2][LANES] __attribute__((aligned(64)));
+    float ot[MAX_D][LANES] __attribute__((aligned(64)));
+    for (int64_t e = 0; e < D / 2; e++)
+        for (int64_t i = 0; i < LANES; i++) {
+            const float *qi = a->q + (r0 + i) * a->ldq + h * D + 2 * e;
+            qt[e][i] = i < nr ? bf16_bits(qi[0] * c) | bf16_bits(qi[1] * c) << 16 : 0;
+        }
+    memset(ot, 0, sizeof(float) * (size_t)(D * LANES));
+    /* word p' of lane i <- (s[2p'] lane i, s[2p' + 1] lane i): cvtne2ps puts s[2p'] in words 0..15, s[2p' + 1] in 16..31 */
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+    for (int64_t b = 0; b * KEYS < num_keys; b++) {
+        const uint32_t *kb = (const uint32_t *)a->kpack + (kh * nb_all + b) * KEYS * D / 2;
+        const uint32_t *vb = (const uint32_t *)a->vpack + (kh * nb_all + b) * KEYS * D / 2;
+        __mmask16 valid[KEYS];
+        for (int j = 0; j < KEYS; j++) {
+            const int64_t first = b * KEYS + j - a->num_prefix - r0;
+            valid[j] = b * KEYS + j >= num_keys ? 0 : first <= 0 ? (__mmask16)0xffff : (__mmask16)(0xffffu << first);
+        }
+        __m512 s[KEYS];
+        for (int j = 0; j < KEYS; j++) s[j] = _mm512_setzero_ps();
+        for (int64_t e = 0; e < D / 2; e++) {
+            const __m512bh qe = (__m512bh)_mm512_load_si512((const void *)qt[e]);
+            for (int j = 0; j < KEYS; j++)
+                s[j] = _mm512_dpbf16_ps(s[j], qe, (__m512bh)_mm512_set1_epi32((int)kb[e * KEYS + j]));
+        }
+        __m512 mx = m;
+        for (int j = 0; j < KEYS; j++) {
+            s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], s[j]);
+            mx = _mm512_max_ps(mx, s[j]);
+        }
+        const __m512 alpha = exp2_ps(_mm512_sub_ps(m, mx));
+        m = mx;
+        l = _mm512_mul_ps(l, alpha);
+        __m512bh p2[KEYS / 2];
+        for (int j = 0; j < KEYS; j += 2) {
+            const __m512 p0 = _mm512_maskz_mov_ps(valid[j], exp2_ps(_mm512_sub_ps(s[j], mx)));
+            const __m512 p1 = _mm512_maskz_mov_ps(valid[j + 1], exp2_ps(_mm512_sub_ps(s[j + 1], mx)));
+            /* the sum takes the probabilities as rounded, so the weights the output uses sum to 1 */
+            const __m512i pr = _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            p2[j / 2] = (__m512bh)pr;
+            l = _mm512_add_ps(l, _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(pr, 16)),
+                                               _mm512_castsi512_ps(_mm512_and_si512(pr, _mm512_set1_epi32((int)0xffff0000u)))));
+        }
+        for (int64_t d = 0; d < D; d++) {
+            __m512 o = _mm512_mul_ps(_mm512_load_ps(ot[d]), alpha);
+            for (int j = 0; j < KEYS / 2; j++)
+                o = _mm512_dpbf16_ps(o, p2[j], (__m512bh)_mm512_set1_epi32((int)vb[d * (KEYS / 2) + j]));
+            _mm512_store_ps(ot[d], o);
+        }
+    }
+    float inv[LANES] __attribute__((aligned(64)));
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+    for (int64_t i = 0; i < nr; i++) {
+        float *o = a->out + (r0 + i) * a->ldo + h * D;
+        for (int64_t d = 0; d < D; d++) o[d] = ot[d][i] * inv[i];
+    }
+}
+#endif
+
 /* Takes tasks from *next until none are left, or (a helper) until *lent is 0: its core's owner wants it back. */
 static void run_tasks(const void *ctx, atomic_long *next, const atomic_int *lent) {
 #if NS_PREFILL
@@ -155,6 +271,9 @@ static void run_tasks(const void *ctx, atomic_long *next, const atomic_int *lent
     while (!lent || atomic_load(lent)) {
         const int64_t t = atomic_fetch_add(next, 1);
         if (t >= n) break;
+#if NS_PREFILL_BF16
+        if (a->bf16) { run_task_bf16(a, t); continue; }
+#endif
         run_task(a, t);
     }
 #else
@@ -169,25 +288,29 @@ static void run_tasks(const void *ctx, atomic_long *next, const atomic_int *lent
  * uses torch's). */
 int ns_prefill_attention(const float *q, int64_t ldq, const void *kv, const int64_t *table, int64_t num_prefix,
                          int64_t Lq, float *out, int64_t ldo, int64_t H, int64_t KH, int64_t D, int64_t page_size,
-                         float scale, int kv_f16) {
-    if (!NS_PREFILL || D > MAX_D || KH <= 0 || H % KH || Lq <= 0) return -1;
+                         float scale, int kv_f16, int bf16) {
+    if (!NS_PREFILL || D > MAX_D || KH <= 0 || H % KH || Lq <= 0 || (bf16 && (!NS_PREFILL_BF16 || D % 2))) return -1;
 #if NS_PREFILL
     struct ns_prefill a = {.q = q, .kv = kv, .table = table, .out = out, .ldq = ldq, .ldo = ldo,
                            .num_prefix = num_prefix, .Lq = Lq, .H = H, .KH = KH, .D = D, .page_size = page_size,
-                           .scale = scale, .kv_f16 = kv_f16};
+                           .scale = scale, .kv_f16 = kv_f16, .bf16 = bf16};
     const int64_t num_keys = num_prefix + Lq, packed = (num_keys + KEYS - 1) / KEYS * KEYS * KH * D;
     float *kp = aligned_alloc(64, sizeof(float) * (size_t)(2 * packed));
     if (!kp) return -1;
+#if NS_PREFILL_BF16
+    if (bf16) pack_kv_bf16(&a, num_keys, (uint32_t *)kp, (uint32_t *)kp + packed / 2);
+    else
+#endif
     pack_kv(&a, num_keys, kp, kp + packed);
     a.kpack = kp;
-    a.vpack = kp + packed;
+    a.vpack = bf16 ? kp + packed / 2 : kp + packed;
     /* below ~64 x 64 query-key pairs a head, the post costs more than the second core gives */
     ns_run_tasks(run_tasks, &a, num_tasks(&a) > 1 && Lq * (num_prefix + Lq) >= MIN_SPLIT_PAIRS);
     free(kp);
     return 0;
 #else
     (void)q; (void)ldq; (void)kv; (void)table; (void)num_prefix; (void)out; (void)ldo; (void)page_size; (void)scale;
-    (void)kv_f16;
+    (void)kv_f16; (void)bf16;
     return -1;
 #endif
 }
