@@ -24,10 +24,11 @@ What each row means:
     quantization auto vs none; "x bound" = time / ((weight + KV bytes) / bandwidth); "float16 KV": the pool in
     float16 (kv.dtype = "float16"), as the attention rows marked float16.
   * prompt gemm M=m: the layers' projections (no lm_head) on m prompt rows through the VNNI kernel, int16
-    activations (the default) vs int8 (`model.prompt_activations = "int8"`), GOP/s of the multiply-adds.
+    activations vs int8 (`model.prompt_activations = "int8"`) vs bf16 products (`"bf16"`, the default where the
+    CPU has AVX512-BF16), GOP/s of the multiply-adds.
   * prefill: a 512-token chunk, tok/s, and its FLOP rate as a fraction of the measured fp32 matmul peak
-    (int8: the default model with `prompt_activations = "int8"`); prompt attention as the config resolves it
-    (bf16 products with quantized weights where the CPU has AVX512-BF16).
+    (int8 / bf16: the default model with `prompt_activations = "int8"` / `"bf16"`); prompt attention as the config
+    resolves it (bf16 products with quantized weights where the CPU has AVX512-BF16).
 """
 
 from __future__ import annotations
@@ -91,14 +92,17 @@ def gemm_rows(models: dict, gbs: float, ms: list[int]) -> list[dict]:
 
 
 def prompt_gemm_rows(quant, ms: list[int]) -> list[dict]:
-    """int16 vs int8 activations over one layer stack's projections, as prompt rows take them."""
+    """int16 vs int8 activations (vs bf16 products, where built) over one layer stack's projections, as prompt rows
+    take them."""
+    kernels = native.load()
     mods = [m for m in quant.modules() if isinstance(m, QuantLinear) and m is not quant.lm_head]
     rows = []
     for m in ms:
         xs = {k: torch.randn(m, k) for k in {mod.in_features for mod in mods}}
         ops = 2 * m * sum(mod.in_features * mod.out_features for mod in mods)
         row = {"what": f"prompt gemm M={m}"}
-        for name, flag in (("int16", 0), ("int8", native.ACT8)):
+        flags = (("int16", 0), ("int8", native.ACT8)) + ((("bf16", native.BF16),) if kernels.bf16_gemm else ())
+        for name, flag in flags:
             t = timed(lambda: [mod.kernels.linear(mod.qtype | flag, mod.weight, xs[mod.in_features],
                                                   mod.out_features) for mod in mods], 3)
             row.update({f"{name}_ms": t * 1e3, f"{name}_GOPs": ops / t / 1e9})
@@ -248,6 +252,9 @@ def main(argv: list[str] | None = None) -> dict:
     dense = load_model(MODEL, torch.float32, quantization="none").model
     models = {"auto": quant, "avx2": gguf_layout, "none": dense} if kernels.r16 else {"auto": quant, "none": dense}
     int8 = load_model(MODEL, torch.float32, quantization="auto", prompt_activations="int8").model
+    prompt_models = {"int8": int8}
+    if kernels.bf16_gemm:  # the default where the CPU has AVX512-BF16 (model.prompt_activations = "auto")
+        prompt_models["bf16"] = load_model(MODEL, torch.float32, quantization="auto", prompt_activations="bf16").model
     result = {"machine": platform.processor() or platform.machine(), "isa": kernels.isa,
               "bandwidth_GBs": gbs, "fp32_peak_GFLOPs": peak, "rows": []}
     print(f"one-core DRAM read {gbs:.1f} GB/s, fp32 matmul peak {peak:.1f} GFLOP/s, kernels: {kernels.isa}")
@@ -262,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["rows"] += step_rows({"auto": quant}, gbs, [(1, 1024), (16, 1024)], torch.float16)
     if kernels.r16:
         result["rows"] += prompt_gemm_rows(quant, [64, 512])
-    result["rows"] += prefill_rows({**models, "int8": int8} if kernels.r16 else models, peak)
+    result["rows"] += prefill_rows({**models, **prompt_models} if kernels.r16 else models, peak)
     for row in result["rows"]:
         print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     if args.json:

@@ -31,12 +31,14 @@ class ModelSection:
     max_model_len: int = 0                # 0: the checkpoint's context length
     # auto | none | int8 | int4 | fp16: CPU weight formats, float32 compute (model/block_quant.py, model/quant.py)
     quantization: str = "auto"
-    # int16 | int8: the activations' rounding, per block of 32, in the projections of prompt tokens on block-
-    # quantized weights (AVX-512 VNNI kernels); decode tokens keep int16. int8 is llama.cpp's, ~1.2x prefill
-    prompt_activations: str = "int16"
+    # auto | int16 | int8 | bf16: how the projections of prompt tokens on block-quantized weights multiply (AVX-512
+    # VNNI kernels): activations rounded per block of 32 to int16 or int8 (llama.cpp's), or bf16 products over
+    # weights dequantized once a call (AVX512-BF16). auto: bf16 where the CPU has it, else int16. Decode tokens
+    # keep int16 in every case
+    prompt_activations: str = "auto"
     # auto | float32 | bfloat16: the products in prompt tokens' attention on CPU (csrc/prefill_attn.c, with
     # AVX512-BF16; sums and softmax stay float32). bfloat16: that attention ~1.6x, a 2k prompt ~1.14x on one core.
-    # auto: bfloat16 with quantized weights, float32 on the exact path (quantization = "none")
+    # auto: bfloat16 with quantized weights where the CPU has AVX512-BF16, float32 on the exact path
     prompt_attention: str = "auto"
     aliases: tuple[str, ...] = ()         # more model ids clients may send (and /v1/models lists)
     tool_parser: str = "auto"             # auto | hermes | llama3 | none: how the model writes tool calls
@@ -193,11 +195,11 @@ class Config:
 
     @property
     def prompt_attention(self) -> str:
-        """model.prompt_attention with "auto" resolved: bf16 products where the weights are quantized anyway,
-        float32 on the exact path, which matches transformers token for token."""
-        if self.model.prompt_attention != "auto":
-            return self.model.prompt_attention
-        return "float32" if self.quantization == "none" else "bfloat16"
+        """model.prompt_attention, "auto" kept only where the weights are quantized anyway (bf16 products where the
+        CPU has them): the exact path, which matches transformers token for token, stays float32."""
+        if self.model.prompt_attention == "auto" and self.quantization == "none":
+            return "float32"
+        return self.model.prompt_attention
 
     @property
     def api_key(self) -> str:
@@ -341,8 +343,9 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
         raise ConfigError(f"'model.dtype' must be one of auto, float32, bfloat16, float16, got {m.dtype!r}")
     if m.quantization not in ("auto", "none", "int8", "int4", "fp16"):
         raise ConfigError(f"'model.quantization' must be one of auto, none, int8, int4, fp16, got {m.quantization!r}")
-    if m.prompt_activations not in ("int16", "int8"):
-        raise ConfigError(f"'model.prompt_activations' must be \"int16\" or \"int8\", got {m.prompt_activations!r}")
+    if m.prompt_activations not in ("auto", "int16", "int8", "bf16"):
+        raise ConfigError(f"'model.prompt_activations' must be \"auto\", \"int16\", \"int8\" or \"bf16\", "
+                          f"got {m.prompt_activations!r}")
     if m.prompt_attention not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"'model.prompt_attention' must be \"auto\", \"float32\" or \"bfloat16\", "
                           f"got {m.prompt_attention!r}")

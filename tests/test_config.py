@@ -289,7 +289,7 @@ def test_kv_events_are_off_by_default_with_vllms_settings():
 
 
 def test_prompt_attention_is_bf16_where_weights_are_quantized_and_float32_on_the_exact_path():
-    assert config_from_dict({}, check_devices=False).prompt_attention == "bfloat16"
+    assert config_from_dict({}, check_devices=False).prompt_attention == "auto"  # bf16 where the CPU has it
     assert config_from_dict({"model": {"quantization": "none"}}, check_devices=False).prompt_attention == "float32"
     assert config_from_dict({"model": {"quantization": "none", "prompt_attention": "bfloat16"}},
                             check_devices=False).prompt_attention == "bfloat16"
@@ -299,9 +299,10 @@ def test_prompt_attention_is_bf16_where_weights_are_quantized_and_float32_on_the
         config_from_dict({"model": {"prompt_attention": "fp8"}}, check_devices=False)
 
 
-def test_prompt_activations_take_int16_or_int8():
-    assert config_from_dict({}, check_devices=False).model.prompt_activations == "int16"
-    assert config_from_dict({"model": {"prompt_activations": "int8"}},
-                            check_devices=False).model.prompt_activations == "int8"
+def test_prompt_activations_take_auto_int16_int8_or_bf16():
+    assert config_from_dict({}, check_devices=False).model.prompt_activations == "auto"
+    for kind in ("int16", "int8", "bf16"):
+        assert config_from_dict({"model": {"prompt_activations": kind}},
+                                check_devices=False).model.prompt_activations == kind
     with pytest.raises(ConfigError, match=r"model\.prompt_activations"):
         config_from_dict({"model": {"prompt_activations": "int4"}}, check_devices=False)

@@ -37,9 +37,9 @@ def make_backend(name: str, pool: KVPoolLike, cfg: ModelConfigLike, dtype: torch
                  prompt_attention: str = "float32") -> AttentionBackend:
     """The backend over `pool` for a model of config `cfg` whose activations are `dtype`. "torch": the PyTorch
     reference; "flashinfer": FlashInfer (CUDA only, bf16/fp16 models); "auto": FlashInfer on a CUDA device when it
-    imports and the model is not float32, the reference otherwise. prompt_attention "bfloat16": the reference's
-    native prefill kernel multiplies in bf16 (model.prompt_attention; elsewhere it changes nothing). Raises
-    ConfigError when the choice cannot run here."""
+    imports and the model is not float32, the reference otherwise. prompt_attention (model.prompt_attention, as
+    Config.prompt_attention resolves it): "bfloat16" / "auto", the reference's native prefill kernel multiplies in
+    bf16 where the CPU can (elsewhere it changes nothing). Raises ConfigError when the choice cannot run here."""
     from nodeserve.config import FLASHINFER_FLOAT32, ConfigError
 
     device = pool.device
@@ -50,7 +50,7 @@ def make_backend(name: str, pool: KVPoolLike, cfg: ModelConfigLike, dtype: torch
     if not use_flashinfer:
         from nodeserve.attention.torch_ref import TorchAttention
 
-        return TorchAttention(pool, cfg, dtype, prompt_bf16=prompt_attention == "bfloat16")
+        return TorchAttention(pool, cfg, dtype, prompt_attention)
     if device.type != "cuda":
         raise ConfigError(f"'devices.attention' = \"flashinfer\" needs a CUDA device, not {device}; "
                           "use \"auto\" or \"torch\"")

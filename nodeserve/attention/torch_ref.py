@@ -157,9 +157,10 @@ class TorchAttention(PagedAttention):
     FlashInfer's run(k_scale=, v_scale=) computes, and spares a pass over the gathered K/V.
     """
 
-    def __init__(self, pool: KVPoolLike, cfg: ModelConfigLike, dtype: torch.dtype, prompt_bf16: bool = False):
-        """dtype: the model's activations' (q's). prompt_bf16: the prefill kernel's products in bf16, where the
-        CPU has AVX512-BF16 (model.prompt_attention = "bfloat16")."""
+    def __init__(self, pool: KVPoolLike, cfg: ModelConfigLike, dtype: torch.dtype, prompt_attention: str = "float32"):
+        """dtype: the model's activations' (q's). prompt_attention (model.prompt_attention): "bfloat16" or "auto",
+        the prefill kernel's products in bf16 where the CPU has AVX512-BF16 (only "bfloat16" warns where not);
+        "float32" in float32."""
         super().__init__(pool)
         self.scale = cfg.head_dim ** -0.5
         kernels = native.load() if pool.device.type == "cpu" and dtype == torch.float32 else None
@@ -167,8 +168,9 @@ class TorchAttention(PagedAttention):
         self._kernels = kernels if kernels is not None and pool.dtype in kernels.kv_dtypes else None
         # prefill chunks by csrc/prefill_attn.c where built (AVX-512)
         self._prefill_kernel = self._kernels is not None and self._kernels.prefill and not native.avx2_only()
-        self._prefill_bf16 = prompt_bf16 and self._prefill_kernel and self._kernels.prefill_bf16
-        if prompt_bf16 and not self._prefill_bf16 and pool.device.type == "cpu":
+        self._prefill_bf16 = (prompt_attention != "float32" and self._prefill_kernel
+                              and self._kernels.prefill_bf16)
+        if prompt_attention == "bfloat16" and not self._prefill_bf16 and pool.device.type == "cpu":
             log.warning("model.prompt_attention = \"bfloat16\" needs the AVX-512 prefill kernel on a CPU with "
                         "AVX512-BF16 and a float32 model; prompt attention stays float32 here")
         self._groups: list[_DecodeGroup] = []

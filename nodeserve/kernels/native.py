@@ -34,6 +34,7 @@ Q4_0, Q4_1, Q8_0 = 2, 3, 8
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # bytes per 32 weights
 R16 = 0x100  # type flag: weights repacked in 16-row groups for the AVX-512 VNNI kernels (csrc/vnni_gemm.c)
 ACT8 = 0x200  # type flag with R16: 8-bit activations for Q4_0 / Q4_1 (vnni_gemm.c's group_rows_i8); others 15-bit
+BF16 = 0x400  # type flag with R16: bf16 products, weights dequantized per call (csrc/bf16_gemm.c)
 BLOCK_SIZE = 32
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -53,6 +54,7 @@ _SIGNATURES = {
     "ns_r16_supported": (_int, []),
     "ns_prefill_supported": (_int, []),
     "ns_prefill_bf16_supported": (_int, []),
+    "ns_bf16_gemm_supported": (_int, []),
     "ns_r16_bytes": (_i64, [_int, _i64, _i64]),
     "ns_repack_r16": (None, [_int, _ptr, _i64, _i64, _ptr]),
     "ns_helper_new": (_ptr, [_int]),
@@ -109,6 +111,7 @@ class NativeKernels:
         self.r16 = bool(lib.ns_r16_supported())  # the VNNI GEMM over repacked weights is built in
         self.prefill = bool(lib.ns_prefill_supported())  # the AVX-512 prefill attention (csrc/prefill_attn.c)
         self.prefill_bf16 = bool(lib.ns_prefill_bf16_supported())  # ... with bf16 products (AVX512-BF16)
+        self.bf16_gemm = self.r16 and bool(lib.ns_bf16_gemm_supported())  # R16 weights x bf16 (csrc/bf16_gemm.c)
         self.isa = "avx512-vnni" if self.r16 else {2: "avx2", 0: "scalar"}[lib.ns_isa()]
         self.kv_dtypes = (torch.float32, torch.float16) if lib.ns_isa() else (torch.float32,)  # float16: F16C
 

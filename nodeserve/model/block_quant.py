@@ -13,9 +13,10 @@ to the best GEMM the CPU has, and the dequantization costs a few percent of it.
 On a CPU with AVX-512 VNNI, repack() moves every block-quantized matrix into 16-row groups (the same bytes) for the
 integer GEMM of kernels/csrc/vnni_gemm.c, which rounds activations to int16 per 32-block and runs every row count,
 prefill chunks included (bench/kernels.py: 3-15x the float32 paths on batched rows). With
-`model.prompt_activations = "int8"` (use_int8_prompt_activations) a step's prompt rows take int8 activations
-instead, as llama.cpp rounds every row: twice vpdpwssd's multiply rate. Decode rows keep int16 either way, so a
-decode token never depends on what shares its step. NODESERVE_KERNELS=avx2 keeps the float32 / int16 paths above
+`model.prompt_activations = "int8"` (use_prompt_activations) a step's prompt rows take int8 activations
+instead, as llama.cpp rounds every row: twice vpdpwssd's multiply rate; with "bf16" (AVX512-BF16), bf16 products
+over weights dequantized once a call (kernels/csrc/bf16_gemm.c: no per-block scaling). Decode rows keep int16
+either way, so a decode token never depends on what shares its step. NODESERVE_KERNELS=avx2 keeps the float32 / int16 paths above
 (for A/B measurements).
 """
 
@@ -93,7 +94,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("weight", weight.data)  # uint8 blocks: counted in the replica's bytes
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.kernels = _kernels()
-        self.int8_prompt_rows = False  # set by use_int8_prompt_activations
+        self.prompt_flag = 0  # native.ACT8 or native.BF16: how prompt rows are multiplied (use_prompt_activations)
 
     @property
     def quantized(self) -> QuantizedWeight:
@@ -101,7 +102,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
         """prompt_from: x's rows from this one on are prompt tokens (the step's decode rows come first), which
-        take int8 activations where int8_prompt_rows is set; None: every row is computed alike."""
+        take the kernel prompt_flag asks for where it is set; None: every row is computed alike."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # [M, in]
         y = self._matmul(x2, None if self._fused_kernel_takes(x2.shape[0]) else self._dense(), prompt_from)
@@ -128,11 +129,11 @@ class QuantLinear(nn.Module):
         if dense is not None:
             return F.linear(x2, dense, self.bias)
         m = x2.shape[0]
-        if self.int8_prompt_rows and prompt_from is not None and prompt_from < m:
+        if self.prompt_flag and prompt_from is not None and prompt_from < m:
             y = torch.empty(m, self.out_features, dtype=torch.float32)
             if prompt_from > 0:
                 self.kernels.linear(self.qtype, self.weight, x2[:prompt_from], self.out_features, y[:prompt_from])
-            self.kernels.linear(self.qtype | native.ACT8, self.weight, x2[prompt_from:], self.out_features,
+            self.kernels.linear(self.qtype | self.prompt_flag, self.weight, x2[prompt_from:], self.out_features,
                                 y[prompt_from:])
         else:
             y = self.kernels.linear(self.qtype, self.weight, x2, self.out_features)
@@ -176,14 +177,22 @@ def repack(model: nn.Module) -> int:
     return len(repacked)
 
 
-def use_int8_prompt_activations(model: nn.Module) -> int:
-    """Prompt rows of every repacked Q4_0 / Q4_1 projection (not the lm_head, which sees only sampled rows) take
-    int8 activations from now on. Returns how many projections do."""
+def use_prompt_activations(model: nn.Module, kind: str) -> int:
+    """Prompt rows of repacked projections (not the lm_head, which sees only sampled rows) take `kind`
+    ("int8": Q4_0 / Q4_1 ones, the VNNI kernel's int8 path; "bf16": every one, where the CPU has AVX512-BF16)
+    from now on. Returns how many projections do."""
+    kernels = native.load()
+    if kind == "int8":
+        flag, types = native.ACT8, (native.Q4_0, native.Q4_1)
+    elif kind == "bf16" and kernels is not None and kernels.bf16_gemm:
+        flag, types = native.BF16, (native.Q4_0, native.Q4_1, native.Q8_0)
+    else:
+        return 0
     num = 0
     for m in model.modules():
         if isinstance(m, QuantLinear) and m is not getattr(model, "lm_head", None) and m.qtype & native.R16 \
-                and (m.qtype & 0xff) in (native.Q4_0, native.Q4_1):
-            m.int8_prompt_rows = True
+                and (m.qtype & 0xff) in types:
+            m.prompt_flag = flag
             num += 1
     return num
 

@@ -76,8 +76,10 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     quantization (model/quant.py, model/block_quant.py): "none" keeps dense Linear layers in `dtype`; "auto"
     keeps a GGUF file's Q4_0/Q4_1/Q8_0 matrices in their blocks (an HF checkpoint stays dense); "int8" / "int4"
     put every Linear in Q8_0 / Q4_1 blocks; "fp16" repacks them for fbgemm. All but "none" need float32.
-    prompt_activations "int8": prompt rows of the repacked Q4_0 / Q4_1 projections take int8 activations
-    (block_quant.use_int8_prompt_activations); elsewhere it changes nothing.
+    prompt_activations "int8": prompt rows of the repacked Q4_0 / Q4_1 projections take int8 activations; "bf16":
+    prompt rows of every repacked projection take bf16 products, on AVX512-BF16 CPUs
+    (block_quant.use_prompt_activations); elsewhere they change nothing, and say so. "auto": bf16 where it
+    applies, int16 (the kernels' own) elsewhere, silently.
     """
     from nodeserve.model.quant import quantize_linears, supported
 
@@ -129,7 +131,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
             raise LoadError(f"{resolved}: tensor '{name}' has shape {tuple(tensor.shape)}, the config implies "
                             f"{tuple(expected[name].shape)}")
     blocks = {name: w for name, w in state.items() if isinstance(w, block_quant.QuantizedWeight)}
-    num_int8 = 0  # projections whose prompt rows take int8 activations
+    num_prompt = 0  # projections whose prompt rows take prompt_activations (not int16)
     model.load_state_dict({n: w for n, w in state.items() if n not in blocks}, assign=True, strict=not blocks)
     for name, weight in blocks.items():
         module_name = name.removesuffix(".weight")
@@ -143,17 +145,20 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
         _quantize_dense_linears(model, block_quant.BLOCK_FORMATS[quantization])
     if blocks or quantization in block_quant.BLOCK_FORMATS:
         block_quant.repack(model)
-        if prompt_activations == "int8":
-            num_int8 = block_quant.use_int8_prompt_activations(model)
+        if prompt_activations != "int16":
+            num_prompt = block_quant.use_prompt_activations(model, "bf16" if prompt_activations == "auto"
+                                                            else prompt_activations)
         ops = NativeOps(native.load(), model.rope, cfg.max_position_embeddings)
         model.use_kernels(ops)
         if NativeDecoder.usable(model):
             model.native_decoder = NativeDecoder(model, native.load(), ops.cos_sin_cache)
     elif quantization == "fp16":
         quantize_linears(model, quantization)
-    if prompt_activations == "int8" and not num_int8:
-        log.warning("model.prompt_activations = \"int8\" applies to Q4_0/Q4_1 weights in the AVX-512 VNNI kernels, "
-                    "and this model or CPU has none: prompt rows are computed as before")
+    if prompt_activations not in ("auto", "int16") and not num_prompt:
+        where = "Q4_0/Q4_1 weights in the AVX-512 VNNI kernels" if prompt_activations == "int8" else \
+            "block-quantized weights in the AVX-512 VNNI kernels on a CPU with AVX512-BF16"
+        log.warning("model.prompt_activations = \"%s\" applies to %s, and this model or CPU has none: prompt rows "
+                    "are computed as before", prompt_activations, where)
     model.eval()
     return LoadedModel(cfg, model, tokenizer, resolved)
 

@@ -135,6 +135,17 @@ def config_devices(config: Config) -> list[str]:
     return list(config.prefill_devices + config.decode_devices)
 
 
+def simulation_settings(config: Config, cost: CostModel) -> dict:
+    """The config's settings the simulator takes (simulate's keyword arguments), pools sized from kv.memory_gib."""
+    devices = config_devices(config)
+    return {"local_prefill_threshold": config.devices.local_prefill_threshold,
+            "local_prefill_when_busy": config.devices.local_prefill_when_busy,
+            "decode_prefill_chunk": config.scheduler.prefill_with_decodes(devices[-1].split(":")[0]),
+            "prefill_order": config.scheduler.prefill_order,
+            "capacity_tokens": config.kv.memory_gib * 2**30 / cost.kv_bytes_per_token if cost.kv_bytes_per_token
+            else float("inf")}
+
+
 def plan(config: Config, cost: CostModel, wl: WorkloadPlan) -> dict:
     """Predicted goodput of every candidate mode, attainment at the asked rates, and the recommendation."""
     devices = config_devices(config)
@@ -144,12 +155,7 @@ def plan(config: Config, cost: CostModel, wl: WorkloadPlan) -> dict:
                           "(GET /debug/profile of a server running this config, or --measure)")
     limits = StepLimits(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
     reqs = wl.requests()
-    kw = {"local_prefill_threshold": config.devices.local_prefill_threshold,
-          "local_prefill_when_busy": config.devices.local_prefill_when_busy,
-          "decode_prefill_chunk": config.scheduler.prefill_with_decodes(devices[-1].split(":")[0]),
-          "prefill_order": config.scheduler.prefill_order,
-          "capacity_tokens": config.kv.memory_gib * 2**30 / cost.kv_bytes_per_token if cost.kv_bytes_per_token
-          else float("inf")}
+    kw = simulation_settings(config, cost)
     rows = []
     for mode in candidate_modes(devices):
         g = predict_goodput(cost, mode, limits, wl.slo, reqs, wl.seed, wl.target, **kw)

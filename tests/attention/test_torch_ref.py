@@ -177,12 +177,12 @@ MIN_BF16_TOP1_AGREEMENT, MAX_BF16_LOGIT_DIFF = 0.99, 0.6
 def test_prompt_attention_in_bf16_stays_close_to_float32(fp8_check, loaded_fp32, one_thread):
     """Every teacher-forced position's logits with prompt attention's products in bf16 against float32 products:
     top-1 nearly everywhere the same, logits close; and not identical (the bf16 products really ran)."""
-    def logits(prompt_bf16: bool) -> torch.Tensor:
+    def logits(prompt_attention: str) -> torch.Tensor:
         pool = KVPool(loaded_fp32.config, 64, 16, torch.float32, torch.device("cpu"))
-        backend = TorchAttention(pool, loaded_fp32.config, torch.float32, prompt_bf16=prompt_bf16)
+        backend = TorchAttention(pool, loaded_fp32.config, torch.float32, prompt_attention)
         return fp8_check.teacher_forced_logits(ModelRunner(loaded_fp32.model, backend), loaded_fp32.tokenizer)
 
-    want, got = logits(False), logits(True)
+    want, got = logits("float32"), logits("bfloat16")
     agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     max_diff = (got - want).abs().max().item()
     assert want.shape[0] >= 200

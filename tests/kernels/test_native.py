@@ -185,6 +185,41 @@ def test_int8_activations_leave_q8_0_weights_at_int16(matrices):
                        kernels.linear(native.Q8_0 | native.R16, r16, x, 40))
 
 
+needs_bf16_gemm = pytest.mark.skipif(kernels is None or not kernels.bf16_gemm,
+                                     reason="needs AVX-512 VNNI and AVX512-BF16 (csrc/bf16_gemm.c)")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 40])
+def test_bf16_prompt_rows_are_the_product_of_bf16_rounded_operands(matrices, name, m):
+    """BF16: x and the dequantized weights rounded to bf16, multiplied and summed in float32: the float64 product
+    of the rounded operands up to float32 sums; a partner mixed up in a pair or a row misplaced is off by ~1
+    relative. And not the int16 path's answer (the flag really switched kernels)."""
+    torch.manual_seed(m)
+    x = torch.randn(m, 96) * torch.logspace(-2, 1, 96)
+    r16 = kernels.repack(TYPES[name], matrices[name], 40, 96)
+    got = kernels.linear(TYPES[name] | native.R16 | native.BF16, r16, x, 40)
+    dense = gguf_dense(matrices[name], name, 96)
+    want = x.bfloat16().double() @ dense.bfloat16().double().T
+    # a weight whose float32 d q + m lies on a bf16 rounding tie may round either way: ~1e-3 of one product
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=2e-3 * want.abs().max().item())
+    exact = x.double() @ dense.double().T
+    assert (got.double() - exact).norm() < 1e-2 * exact.norm()
+    assert not torch.equal(got, kernels.linear(TYPES[name] | native.R16, r16, x, 40))
+
+
+@needs_bf16_gemm
+def test_a_bf16_row_is_the_same_in_any_tile(matrices):
+    torch.manual_seed(2)
+    x = torch.randn(25, 96)
+    r16 = kernels.repack(native.Q4_1, matrices["Q4_1"], 40, 96)
+    qtype = native.Q4_1 | native.R16 | native.BF16
+    whole = kernels.linear(qtype, r16, x, 40)
+    for m in (1, 4, 5, 12, 16):
+        assert torch.equal(kernels.linear(qtype, r16, x[:m], 40), whole[:m]), m
+
+
 @needs_vnni
 def test_an_int8_row_is_the_same_in_any_tile(matrices):
     """As with int16: a row's output does not depend on how many rows share the call."""

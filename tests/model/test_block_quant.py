@@ -102,22 +102,26 @@ def test_a_long_chunks_mlp_runs_by_row_blocks_with_the_same_values(loaded_auto, 
 
 
 @pytest.mark.skipif(not block_quant.available() or not native.load().r16, reason="needs the AVX-512 VNNI kernels")
-def test_int8_prompt_rows_leave_the_decode_rows_as_they_were(gguf_path, one_thread):
-    """With prompt_activations = "int8" the rows from prompt_from on (prompt tokens) take the ACT8 kernel and the
-    rows before it (the step's decodes) are bit for bit what they are alone; the lm_head never switches."""
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_prompt_rows_leave_the_decode_rows_as_they_were(gguf_path, one_thread, kind):
+    """With prompt_activations = "int8" or "bf16" the rows from prompt_from on (prompt tokens) take that kernel
+    and the rows before it (the step's decodes) are bit for bit what they are alone; the lm_head never switches."""
     from nodeserve.model.llama import MAX_MLP_ROWS
     from nodeserve.model.loader import load_model
 
-    model = load_model(gguf_path, torch.float32, quantization="auto", prompt_activations="int8").model
+    flag = {"int8": native.ACT8, "bf16": native.BF16}[kind]
+    if kind == "bf16" and not native.load().bf16_gemm:
+        pytest.skip("needs AVX512-BF16")
+    model = load_model(gguf_path, torch.float32, quantization="auto", prompt_activations=kind).model
     mlp = model.layers[0].mlp
     gate_up = mlp.gate_up_proj
-    assert gate_up.int8_prompt_rows and not model.lm_head.int8_prompt_rows
+    assert gate_up.prompt_flag == flag and not model.lm_head.prompt_flag
     x = torch.randn(MAX_MLP_ROWS + 9, gate_up.in_features)
     split = gate_up(x, prompt_from=3)
     int16 = gate_up.kernels.linear(gate_up.qtype, gate_up.weight, x, gate_up.out_features)
-    int8 = gate_up.kernels.linear(gate_up.qtype | native.ACT8, gate_up.weight, x, gate_up.out_features)
-    assert torch.equal(split[:3], int16[:3]) and torch.equal(split[3:], int8[3:])
-    assert not torch.equal(int8[3:], int16[3:])
+    prompt = gate_up.kernels.linear(gate_up.qtype | flag, gate_up.weight, x, gate_up.out_features)
+    assert torch.equal(split[:3], int16[:3]) and torch.equal(split[3:], prompt[3:])
+    assert not torch.equal(prompt[3:], int16[3:])
     assert torch.equal(gate_up(x), int16)  # no prompt_from: every row alike, as before
     assert torch.equal(torch.cat(list(gate_up.row_blocks(x, MAX_MLP_ROWS, prompt_from=3))), split)
     # a long chunk's MLP by row blocks, past its first block's rows, equals the one-call product
@@ -189,11 +193,26 @@ def test_embedding_refuses_ids_outside_the_table(loaded_auto):
         loaded_auto.model.embed_tokens(torch.tensor([0, loaded_auto.config.vocab_size]))
 
 
-def test_int8_prompt_activations_say_so_where_nothing_takes_them(gguf_path, caplog):
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_prompt_activations_say_so_where_nothing_takes_them(gguf_path, caplog, kind):
     """The exact path has no block-quantized projections: the setting changes nothing, and the log says so."""
     from nodeserve.model.loader import load_model
 
     with caplog.at_level("WARNING", logger="nodeserve"):
-        model = load_model(gguf_path, torch.float32, quantization="none", prompt_activations="int8").model
+        model = load_model(gguf_path, torch.float32, quantization="none", prompt_activations=kind).model
     assert not any(isinstance(m, block_quant.QuantLinear) for m in model.modules())
     assert "prompt_activations" in caplog.text
+
+
+def test_auto_prompt_activations_take_bf16_where_the_cpu_has_it_and_say_nothing(gguf_path, caplog):
+    """The default: bf16 products on AVX512-BF16 CPUs, the kernels' own int16 elsewhere, and no warning on
+    either (nor on the exact path, where nothing takes it)."""
+    from nodeserve.model.loader import load_model
+
+    kernels = native.load()
+    want = native.BF16 if kernels is not None and kernels.bf16_gemm else 0
+    with caplog.at_level("WARNING", logger="nodeserve"):
+        model = load_model(gguf_path, torch.float32, quantization="auto", prompt_activations="auto").model
+        load_model(gguf_path, torch.float32, quantization="none", prompt_activations="auto")
+    assert model.layers[0].mlp.gate_up_proj.prompt_flag == want and not model.lm_head.prompt_flag
+    assert "prompt_activations" not in caplog.text

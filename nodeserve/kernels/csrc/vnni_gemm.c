@@ -34,6 +34,7 @@
 
 enum { R_Q4_0 = 2, R_Q4_1 = 3, R_Q8_0 = 8 };
 #define R_ACT8 0x200  /* type flag: int8 activations (group_rows_i8) for Q4_0 / Q4_1; others keep int16 */
+#define R_BF16 0x400  /* type flag: bf16 products (bf16_gemm.c), every type */
 #define QK 32
 #define GROUP 16
 #define MAX_ROWS 12  /* activation rows per pass over a group (group_rows_wide: 12 int32 + 12 float accumulators) */
@@ -336,10 +337,15 @@ static inline __attribute__((always_inline)) void linear_groups(
 }
 #endif
 
-/* y [M, ldy] columns n_begin..n_end (n_begin a multiple of 16) = x [M, K] @ W^T, W in R16. Returns 0; -1 when
- * out of memory or this build has no VNNI path (callers only pass R16 weights when ns_r16_supported()). */
+/* y [M, ldy] columns n_begin..n_end (n_begin a multiple of 16) = x [M, K] @ W^T, W in R16 (with R_BF16, in bf16:
+ * bf16_gemm.c). Returns 0; -1 when out of memory or this build has no VNNI path (callers only pass R16 weights when
+ * ns_r16_supported(), and R_BF16 when ns_bf16_gemm_supported()). */
+int ns_linear_r16_bf16(int type, const uint8_t *wr, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
+                       int64_t n_begin, int64_t n_end);  /* bf16_gemm.c */
+
 int ns_linear_r16(int type, const uint8_t *wr, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
                   int64_t n_begin, int64_t n_end) {
+    if (type & R_BF16) return ns_linear_r16_bf16(type & 0xff, wr, x, y, M, K, ldy, n_begin, n_end);
 #if NS_R16
     const int64_t nb = K / QK;
     if ((type & R_ACT8) && ((type & 0xff) == R_Q4_0 || (type & 0xff) == R_Q4_1)) {
