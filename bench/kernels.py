@@ -189,7 +189,7 @@ def runner_for(name: str, model, pool: KVPool, max_num_seqs: int):
         os.environ["NODESERVE_KERNELS"] = "avx2"
     try:
         return build_runner(model, pool, "auto", cuda_graphs=False, max_num_seqs=max_num_seqs,
-                            prompt_attention="float32" if name == "none" else "bfloat16")
+                            prompt_attention="float32" if name == "none" else "auto")
     finally:
         os.environ.pop("NODESERVE_KERNELS", None)
 
