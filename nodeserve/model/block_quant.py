@@ -14,10 +14,10 @@ On a CPU with AVX-512 VNNI, repack() moves every block-quantized matrix into 16-
 integer GEMM of kernels/csrc/vnni_gemm.c, which rounds activations to int16 per 32-block and runs every row count,
 prefill chunks included (bench/kernels.py: 3-15x the float32 paths on batched rows). With
 `model.prompt_activations = "int8"` (use_prompt_activations) a step's prompt rows take int8 activations
-instead, as llama.cpp rounds every row: twice vpdpwssd's multiply rate; with "bf16" (AVX512-BF16), bf16 products
-over weights dequantized once a call (kernels/csrc/bf16_gemm.c: no per-block scaling). Decode rows keep int16
-either way, so a decode token never depends on what shares its step. NODESERVE_KERNELS=avx2 keeps the float32 / int16 paths above
-(for A/B measurements).
+instead, as llama.cpp rounds every row: twice vpdpwssd's multiply rate; with "bf16" (AVX512-BF16; the default
+"auto" where the CPU has it), bf16 products over weights dequantized once a call (kernels/csrc/bf16_gemm.c: no
+per-block scaling). Decode rows keep int16 either way, so a decode token never depends on what shares its step.
+NODESERVE_KERNELS=avx2 keeps the float32 / int16 paths above (for A/B measurements).
 """
 
 from __future__ import annotations

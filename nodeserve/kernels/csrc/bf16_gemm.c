@@ -15,8 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "simd512.h"
+#if NS_AVX512 && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define NS_BF16_GEMM 1
 #else
 #define NS_BF16_GEMM 0
@@ -34,14 +34,6 @@ static int64_t block_bytes(int type) { return type == B_Q4_0 ? 288 : type == B_Q
 
 static int64_t quant_offset(int type) { return type == B_Q4_1 ? 64 : 32; }
 
-/* (a, b) lane i -> one vector whose lane i holds the bf16 pair (a[i], b[i]), a in the low half, as vdpbf16ps
- * pairs two values of one lane. */
-static inline __m512i pair_bf16(__m512 a, __m512 b) {
-    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-}
-
 /* A group's 16 rows of K weights, dequantized as GGUF does: wp[e] lane r = row r's weights 2e, 2e + 1 in bf16. */
 static void dequant_group(int type, const uint8_t *wg, int64_t nb, __m512i *wp) {
     const int64_t rb = block_bytes(type), qo = quant_offset(type);
@@ -54,8 +46,10 @@ static void dequant_group(int type, const uint8_t *wg, int64_t nb, __m512i *wp) 
             for (int j = 0; j < 8; j++) {  /* vector j: lane r's bytes are its weights 4j .. 4j + 3, signed */
                 const __m512i v = _mm512_loadu_si512((const void *)(o + qo + 64 * j));
                 __m512 w[4];
-                for (int t = 0; t < 4; t++)
-                    w[t] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * t), 24)));
+                for (int t = 0; t < 4; t++) {
+                    const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * t), 24);  /* byte t, signed */
+                    w[t] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(q));
+                }
                 out[2 * j] = pair_bf16(w[0], w[1]);
                 out[2 * j + 1] = pair_bf16(w[2], w[3]);
             }
@@ -68,8 +62,10 @@ static void dequant_group(int type, const uint8_t *wg, int64_t nb, __m512i *wp) 
             for (int h = 0; h < 2; h++) {
                 const __m512i q = _mm512_and_si512(h ? _mm512_srli_epi32(v, 4) : v, _mm512_set1_epi8(0x0f));
                 __m512 w[4];
-                for (int t = 0; t < 4; t++)
-                    w[t] = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(q, 8 * t), byte)), vm);
+                for (int t = 0; t < 4; t++) {
+                    const __m512i qt = _mm512_and_si512(_mm512_srli_epi32(q, 8 * t), byte);
+                    w[t] = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(qt), vm);
+                }
                 out[8 * h + 2 * j] = pair_bf16(w[0], w[1]);
                 out[8 * h + 2 * j + 1] = pair_bf16(w[2], w[3]);
             }
@@ -109,7 +105,8 @@ int ns_linear_r16_bf16(int type, const uint8_t *wr, const float *x, float *y, in
         const int64_t lo = g * GROUP, hi = lo + GROUP < n_end ? lo + GROUP : n_end;
         const __mmask16 keep = (__mmask16)((1u << (hi - lo)) - 1);
         int64_t i0 = 0;
-        for (; i0 + TILE_ROWS <= M; i0 += TILE_ROWS) tile(TILE_ROWS, wp, xb + i0 * ke, ke, y + i0 * ldy + lo, ldy, keep);
+        for (; i0 + TILE_ROWS <= M; i0 += TILE_ROWS)
+            tile(TILE_ROWS, wp, xb + i0 * ke, ke, y + i0 * ldy + lo, ldy, keep);
         switch (M - i0) {  /* constant tile sizes unroll fully */
             case 11: tile(11, wp, xb + i0 * ke, ke, y + i0 * ldy + lo, ldy, keep); break;
             case 10: tile(10, wp, xb + i0 * ke, ke, y + i0 * ldy + lo, ldy, keep); break;

@@ -182,7 +182,8 @@ static void pack_kv_bf16(const struct ns_prefill *a, int64_t num_keys, uint32_t 
                     memset(k, 0, sizeof(float) * (size_t)D);
                     memset(v, 0, sizeof(float) * (size_t)D);
                 }
-                for (int64_t e = 0; e < D / 2; e++) kb[e * KEYS + j] = bf16_bits(k[2 * e]) | bf16_bits(k[2 * e + 1]) << 16;
+                for (int64_t e = 0; e < D / 2; e++)
+                    kb[e * KEYS + j] = bf16_bits(k[2 * e]) | bf16_bits(k[2 * e + 1]) << 16;
                 for (int64_t d = 0; d < D; d++) {
                     uint32_t *w = vb + d * (KEYS / 2) + j / 2;
                     *w = j % 2 ? (*w & 0xffffu) | bf16_bits(v[d]) << 16 : bf16_bits(v[d]);
@@ -210,9 +211,6 @@ static void run_task_bf16(const struct ns_prefill *a, int64_t t) {
             qt[e][i] = i < nr ? bf16_bits(qi[0] * c) | bf16_bits(qi[1] * c) << 16 : 0;
         }
     memset(ot, 0, sizeof(float) * (size_t)(D * LANES));
-    /* word p' of lane i <- (s[2p'] lane i, s[2p' + 1] lane i): cvtne2ps puts s[2p'] in words 0..15, s[2p' + 1] in 16..31 */
-    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
     for (int64_t b = 0; b * KEYS < num_keys; b++) {
         const uint32_t *kb = (const uint32_t *)a->kpack + (kh * nb_all + b) * KEYS * D / 2;
@@ -242,10 +240,11 @@ static void run_task_bf16(const struct ns_prefill *a, int64_t t) {
             const __m512 p0 = _mm512_maskz_mov_ps(valid[j], exp2_ps(_mm512_sub_ps(s[j], mx)));
             const __m512 p1 = _mm512_maskz_mov_ps(valid[j + 1], exp2_ps(_mm512_sub_ps(s[j + 1], mx)));
             /* the sum takes the probabilities as rounded, so the weights the output uses sum to 1 */
-            const __m512i pr = _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            const __m512i pr = pair_bf16(p0, p1);
+            const __m512i hi = _mm512_and_si512(pr, _mm512_set1_epi32((int)0xffff0000u));
             p2[j / 2] = (__m512bh)pr;
-            l = _mm512_add_ps(l, _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(pr, 16)),
-                                               _mm512_castsi512_ps(_mm512_and_si512(pr, _mm512_set1_epi32((int)0xffff0000u)))));
+            const __m512 p0r = _mm512_castsi512_ps(_mm512_slli_epi32(pr, 16)), p1r = _mm512_castsi512_ps(hi);
+            l = _mm512_add_ps(l, _mm512_add_ps(p0r, p1r));
         }
         for (int64_t d = 0; d < D; d++) {
             __m512 o = _mm512_mul_ps(_mm512_load_ps(ot[d]), alpha);

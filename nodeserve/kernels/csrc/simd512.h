@@ -1,5 +1,5 @@
-/* AVX-512 helpers shared by the attention kernels (prefill_attn.c, decode_attn512.c). Included, not compiled
- * alone; native.py's build key covers headers too. */
+/* AVX-512 helpers shared by the attention and bf16 kernels (prefill_attn.c, decode_attn512.c, bf16_gemm.c).
+ * Included, not compiled alone; native.py's build key covers headers too. */
 #ifndef NS_SIMD512_H
 #define NS_SIMD512_H
 
@@ -22,6 +22,17 @@ static inline __m512 exp2_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+
+#if defined(__AVX512BF16__)
+/* (a, b) -> one vector whose lane i holds the bf16 pair (a[i], b[i]), a in the low half, rounded to nearest even:
+ * the two values vdpbf16ps multiplies, in one lane, by the pair in the same lane of its other operand. */
+static inline __m512i pair_bf16(__m512 a, __m512 b) {
+    /* cvtne2ps puts a in words 0..15 and b in 16..31; word 2i <- word i, 2i + 1 <- word 16 + i */
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+#endif
 #else
 #define NS_AVX512 0
 #endif
