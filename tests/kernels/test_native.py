@@ -209,24 +209,16 @@ def test_bf16_prompt_rows_are_the_product_of_bf16_rounded_operands(matrices, nam
     assert not torch.equal(got, kernels.linear(TYPES[name] | native.R16, r16, x, 40))
 
 
-@needs_bf16_gemm
-def test_a_bf16_row_is_the_same_in_any_tile(matrices):
-    torch.manual_seed(2)
-    x = torch.randn(25, 96)
-    r16 = kernels.repack(native.Q4_1, matrices["Q4_1"], 40, 96)
-    qtype = native.Q4_1 | native.R16 | native.BF16
-    whole = kernels.linear(qtype, r16, x, 40)
-    for m in (1, 4, 5, 12, 16):
-        assert torch.equal(kernels.linear(qtype, r16, x[:m], 40), whole[:m]), m
-
-
 @needs_vnni
-def test_an_int8_row_is_the_same_in_any_tile(matrices):
+@pytest.mark.parametrize("flag", ["ACT8", "BF16"])
+def test_an_int8_or_bf16_row_is_the_same_in_any_tile(matrices, flag):
     """As with int16: a row's output does not depend on how many rows share the call."""
+    if flag == "BF16" and not kernels.bf16_gemm:
+        pytest.skip("needs AVX512-BF16 (csrc/bf16_gemm.c)")
     torch.manual_seed(1)
     x = torch.randn(25, 96)
     r16 = kernels.repack(native.Q4_1, matrices["Q4_1"], 40, 96)
-    qtype = native.Q4_1 | native.R16 | native.ACT8
+    qtype = native.Q4_1 | native.R16 | getattr(native, flag)
     whole = kernels.linear(qtype, r16, x, 40)
     for m in (1, 4, 5, 12, 16):
         assert torch.equal(kernels.linear(qtype, r16, x[:m], 40), whole[:m]), m

@@ -70,25 +70,30 @@ static void widen_row(const void *kv, int64_t at, int f16, int64_t D, float *out
     for (; d < D; d++) out[d] = _mm512_cvtss_f32(_mm512_cvtph_ps(_mm256_set1_epi16((short)h[d])));
 }
 
+/* k, v = key t's K and V rows of KV head kh, as float32; zeros past num_keys (the last block's padding). */
+static void key_rows(const struct ns_prefill *a, int64_t num_keys, int64_t kh, int64_t t, float *k, float *v) {
+    const int64_t D = a->D, ps = a->page_size, token_stride = a->KH * D, page_stride = 2 * ps * token_stride;
+    if (t >= num_keys) {
+        memset(k, 0, sizeof(float) * (size_t)D);
+        memset(v, 0, sizeof(float) * (size_t)D);
+        return;
+    }
+    const int64_t at = a->table[t / ps] * page_stride + (t % ps) * token_stride + kh * D;
+    widen_row(a->kv, at, a->kv_f16, D, k);
+    widen_row(a->kv, at + ps * token_stride, a->kv_f16, D, v);
+}
+
 /* K and V of the sequence's first num_keys keys, packed for the tasks: per KV head and block of 16 keys,
  * [D][16] (the 16 keys' value d side by side), so a task's multiply-adds broadcast from one base at constant
  * offsets. Past num_keys: zeros (masked). Shared by the H / KH heads and every task. */
 static void pack_kv(const struct ns_prefill *a, int64_t num_keys, float *kp, float *vp) {
-    const int64_t D = a->D, ps = a->page_size, token_stride = a->KH * D, page_stride = 2 * ps * token_stride;
-    const int64_t nb = (num_keys + KEYS - 1) / KEYS;
+    const int64_t D = a->D, nb = (num_keys + KEYS - 1) / KEYS;
     float k[MAX_D], v[MAX_D];
     for (int64_t kh = 0; kh < a->KH; kh++)
         for (int64_t b = 0; b < nb; b++) {
             float *kb = kp + (kh * nb + b) * KEYS * D, *vb = vp + (kh * nb + b) * KEYS * D;
             for (int64_t j = 0; j < KEYS; j++) {
-                const int64_t t = b * KEYS + j;
-                if (t >= num_keys) {
-                    for (int64_t d = 0; d < D; d++) kb[d * KEYS + j] = vb[d * KEYS + j] = 0.0f;
-                    continue;
-                }
-                const int64_t at = a->table[t / ps] * page_stride + (t % ps) * token_stride + kh * D;
-                widen_row(a->kv, at, a->kv_f16, D, k);
-                widen_row(a->kv, at + ps * token_stride, a->kv_f16, D, v);
+                key_rows(a, num_keys, kh, b * KEYS + j, k, v);
                 for (int64_t d = 0; d < D; d++) {
                     kb[d * KEYS + j] = k[d];
                     vb[d * KEYS + j] = v[d];
@@ -97,46 +102,77 @@ static void pack_kv(const struct ns_prefill *a, int64_t num_keys, float *kp, flo
         }
 }
 
-/* Task t: query tokens r0 .. r0 + 15 of head h. */
+/* Task t: query tokens r0 .. r0 + nr - 1 (nr <= 16) of head h, reading KV head kh's packed blocks. */
+struct ns_task {
+    int64_t h, kh, r0, nr, num_keys, nb_all;
+};
+
+static struct ns_task task_of(const struct ns_prefill *a, int64_t t) {
+    const int64_t nrb = (a->Lq + LANES - 1) / LANES, rb = nrb - 1 - t / a->H, h = t % a->H, r0 = rb * LANES;
+    const int64_t nr = a->Lq - r0 < LANES ? a->Lq - r0 : LANES;
+    return (struct ns_task){.h = h, .kh = h / (a->H / a->KH), .r0 = r0, .nr = nr,
+                            .num_keys = a->num_prefix + r0 + nr,  /* the last token of the task sees them all */
+                            .nb_all = (a->num_prefix + a->Lq + KEYS - 1) / KEYS};
+}
+
+/* valid[j]: the task's lanes that see key b * 16 + j (those i with num_prefix + r0 + i >= b * 16 + j). */
+static void block_masks(const struct ns_prefill *a, const struct ns_task *k, int64_t b, __mmask16 valid[KEYS]) {
+    for (int j = 0; j < KEYS; j++) {
+        const int64_t first = b * KEYS + j - a->num_prefix - k->r0;
+        valid[j] = b * KEYS + j >= k->num_keys ? 0 : first <= 0 ? (__mmask16)0xffff : (__mmask16)(0xffffu << first);
+    }
+}
+
+/* The online softmax's step over a block's scores: masked scores to -inf, the running max *m raised to the
+ * block's, and the factor alpha that rescales what was summed before. */
+static inline __m512 new_max(__m512 s[KEYS], const __mmask16 valid[KEYS], __m512 *m) {
+    __m512 mx = *m;
+    for (int j = 0; j < KEYS; j++) {
+        s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], s[j]);
+        mx = _mm512_max_ps(mx, s[j]);
+    }
+    const __m512 alpha = exp2_ps(_mm512_sub_ps(*m, mx));  /* ~0 on the first block, where l and ot are 0 */
+    *m = mx;
+    return alpha;
+}
+
+/* out rows of the task = ot / l. */
+static void store_task(const struct ns_prefill *a, const struct ns_task *k, float ot[][LANES], __m512 l) {
+    float inv[LANES] __attribute__((aligned(64)));
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+    for (int64_t i = 0; i < k->nr; i++) {
+        float *o = a->out + (k->r0 + i) * a->ldo + k->h * a->D;
+        for (int64_t d = 0; d < a->D; d++) o[d] = ot[d][i] * inv[i];
+    }
+}
+
 static void run_task(const struct ns_prefill *a, int64_t t) {
-    const int64_t nrb = (a->Lq + LANES - 1) / LANES, D = a->D;
-    const int64_t rb = nrb - 1 - t / a->H, h = t % a->H, kh = h / (a->H / a->KH);
-    const int64_t r0 = rb * LANES, nr = a->Lq - r0 < LANES ? a->Lq - r0 : LANES;
-    const int64_t num_keys = a->num_prefix + r0 + nr;  /* the last token of the task sees them all */
-    const int64_t nb_all = (a->num_prefix + a->Lq + KEYS - 1) / KEYS;
+    const struct ns_task k = task_of(a, t);
+    const int64_t D = a->D;
     const float c = a->scale * 1.4426950408889634f;     /* log2 e: softmax in base 2 */
     float qt[MAX_D][LANES] __attribute__((aligned(64)));
     float ot[MAX_D][LANES] __attribute__((aligned(64)));
     for (int64_t d = 0; d < D; d++)
         for (int64_t i = 0; i < LANES; i++) {
-            qt[d][i] = i < nr ? a->q[(r0 + i) * a->ldq + h * D + d] * c : 0.0f;
+            qt[d][i] = i < k.nr ? a->q[(k.r0 + i) * a->ldq + k.h * D + d] * c : 0.0f;
             ot[d][i] = 0.0f;
         }
     __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
-    for (int64_t b = 0; b * KEYS < num_keys; b++) {
-        const float *kb = a->kpack + (kh * nb_all + b) * KEYS * D, *vb = a->vpack + (kh * nb_all + b) * KEYS * D;
+    for (int64_t b = 0; b * KEYS < k.num_keys; b++) {
+        const int64_t at = (k.kh * k.nb_all + b) * KEYS * D;
+        const float *kb = a->kpack + at, *vb = a->vpack + at;
         __mmask16 valid[KEYS];
-        for (int j = 0; j < KEYS; j++) {
-            /* key b * 16 + j is seen by lanes i with num_prefix + r0 + i >= b * 16 + j */
-            const int64_t first = b * KEYS + j - a->num_prefix - r0;
-            valid[j] = b * KEYS + j >= num_keys ? 0 : first <= 0 ? (__mmask16)0xffff : (__mmask16)(0xffffu << first);
-        }
+        block_masks(a, &k, b, valid);
         __m512 s[KEYS];
         for (int j = 0; j < KEYS; j++) s[j] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; d++) {
             const __m512 qd = _mm512_load_ps(qt[d]);
             for (int j = 0; j < KEYS; j++) s[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kb[d * KEYS + j]), s[j]);
         }
-        __m512 mx = m;
-        for (int j = 0; j < KEYS; j++) {
-            s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], s[j]);
-            mx = _mm512_max_ps(mx, s[j]);
-        }
-        const __m512 alpha = exp2_ps(_mm512_sub_ps(m, mx));  /* ~0 on the first block, where l and ot are 0 */
-        m = mx;
+        const __m512 alpha = new_max(s, valid, &m);
         l = _mm512_mul_ps(l, alpha);
         for (int j = 0; j < KEYS; j++) {
-            s[j] = _mm512_maskz_mov_ps(valid[j], exp2_ps(_mm512_sub_ps(s[j], mx)));
+            s[j] = _mm512_maskz_mov_ps(valid[j], exp2_ps(_mm512_sub_ps(s[j], m)));
             l = _mm512_add_ps(l, s[j]);
         }
         for (int64_t d = 0; d < D; d++) {
@@ -145,12 +181,7 @@ static void run_task(const struct ns_prefill *a, int64_t t) {
             _mm512_store_ps(ot[d], o);
         }
     }
-    float inv[LANES] __attribute__((aligned(64)));
-    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
-    for (int64_t i = 0; i < nr; i++) {
-        float *o = a->out + (r0 + i) * a->ldo + h * D;
-        for (int64_t d = 0; d < D; d++) o[d] = ot[d][i] * inv[i];
-    }
+    store_task(a, &k, ot, l);
 }
 #endif
 
@@ -166,22 +197,13 @@ static inline uint32_t bf16_bits(float x) {
  * in bf16 (the pair a vdpbf16ps lane multiplies with a query's q[2e], q[2e + 1]), and V as [D][8] uint32, value d of
  * keys 2p and 2p + 1 (paired with their two probabilities). */
 static void pack_kv_bf16(const struct ns_prefill *a, int64_t num_keys, uint32_t *kp, uint32_t *vp) {
-    const int64_t D = a->D, ps = a->page_size, token_stride = a->KH * D, page_stride = 2 * ps * token_stride;
-    const int64_t nb = (num_keys + KEYS - 1) / KEYS;
+    const int64_t D = a->D, nb = (num_keys + KEYS - 1) / KEYS;
     float k[MAX_D], v[MAX_D];
     for (int64_t kh = 0; kh < a->KH; kh++)
         for (int64_t b = 0; b < nb; b++) {
             uint32_t *kb = kp + (kh * nb + b) * KEYS * D / 2, *vb = vp + (kh * nb + b) * KEYS * D / 2;
             for (int64_t j = 0; j < KEYS; j++) {
-                const int64_t t = b * KEYS + j;
-                if (t < num_keys) {
-                    const int64_t at = a->table[t / ps] * page_stride + (t % ps) * token_stride + kh * D;
-                    widen_row(a->kv, at, a->kv_f16, D, k);
-                    widen_row(a->kv, at + ps * token_stride, a->kv_f16, D, v);
-                } else {
-                    memset(k, 0, sizeof(float) * (size_t)D);
-                    memset(v, 0, sizeof(float) * (size_t)D);
-                }
+                key_rows(a, num_keys, kh, b * KEYS + j, k, v);
                 for (int64_t e = 0; e < D / 2; e++)
                     kb[e * KEYS + j] = bf16_bits(k[2 * e]) | bf16_bits(k[2 * e + 1]) << 16;
                 for (int64_t d = 0; d < D; d++) {
@@ -197,29 +219,23 @@ static void pack_kv_bf16(const struct ns_prefill *a, int64_t num_keys, uint32_t 
  * key; output: lane i takes (p[2p'], p[2p' + 1]), its probabilities of keys 2p' and 2p' + 1, against their value
  * d. D even. */
 static void run_task_bf16(const struct ns_prefill *a, int64_t t) {
-    const int64_t nrb = (a->Lq + LANES - 1) / LANES, D = a->D;
-    const int64_t rb = nrb - 1 - t / a->H, h = t % a->H, kh = h / (a->H / a->KH);
-    const int64_t r0 = rb * LANES, nr = a->Lq - r0 < LANES ? a->Lq - r0 : LANES;
-    const int64_t num_keys = a->num_prefix + r0 + nr;
-    const int64_t nb_all = (a->num_prefix + a->Lq + KEYS - 1) / KEYS;
+    const struct ns_task k = task_of(a, t);
+    const int64_t D = a->D;
     const float c = a->scale * 1.4426950408889634f;
     uint32_t qt[MAX_D / 2][LANES] __attribute__((aligned(64)));
     float ot[MAX_D][LANES] __attribute__((aligned(64)));
     for (int64_t e = 0; e < D / 2; e++)
         for (int64_t i = 0; i < LANES; i++) {
-            const float *qi = a->q + (r0 + i) * a->ldq + h * D + 2 * e;
-            qt[e][i] = i < nr ? bf16_bits(qi[0] * c) | bf16_bits(qi[1] * c) << 16 : 0;
+            const float *qi = a->q + (k.r0 + i) * a->ldq + k.h * D + 2 * e;
+            qt[e][i] = i < k.nr ? bf16_bits(qi[0] * c) | bf16_bits(qi[1] * c) << 16 : 0;
         }
     memset(ot, 0, sizeof(float) * (size_t)(D * LANES));
     __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
-    for (int64_t b = 0; b * KEYS < num_keys; b++) {
-        const uint32_t *kb = (const uint32_t *)a->kpack + (kh * nb_all + b) * KEYS * D / 2;
-        const uint32_t *vb = (const uint32_t *)a->vpack + (kh * nb_all + b) * KEYS * D / 2;
+    for (int64_t b = 0; b * KEYS < k.num_keys; b++) {
+        const int64_t at = (k.kh * k.nb_all + b) * KEYS * D / 2;
+        const uint32_t *kb = (const uint32_t *)a->kpack + at, *vb = (const uint32_t *)a->vpack + at;
         __mmask16 valid[KEYS];
-        for (int j = 0; j < KEYS; j++) {
-            const int64_t first = b * KEYS + j - a->num_prefix - r0;
-            valid[j] = b * KEYS + j >= num_keys ? 0 : first <= 0 ? (__mmask16)0xffff : (__mmask16)(0xffffu << first);
-        }
+        block_masks(a, &k, b, valid);
         __m512 s[KEYS];
         for (int j = 0; j < KEYS; j++) s[j] = _mm512_setzero_ps();
         for (int64_t e = 0; e < D / 2; e++) {
@@ -227,18 +243,12 @@ static void run_task_bf16(const struct ns_prefill *a, int64_t t) {
             for (int j = 0; j < KEYS; j++)
                 s[j] = _mm512_dpbf16_ps(s[j], qe, (__m512bh)_mm512_set1_epi32((int)kb[e * KEYS + j]));
         }
-        __m512 mx = m;
-        for (int j = 0; j < KEYS; j++) {
-            s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], s[j]);
-            mx = _mm512_max_ps(mx, s[j]);
-        }
-        const __m512 alpha = exp2_ps(_mm512_sub_ps(m, mx));
-        m = mx;
+        const __m512 alpha = new_max(s, valid, &m);
         l = _mm512_mul_ps(l, alpha);
         __m512bh p2[KEYS / 2];
         for (int j = 0; j < KEYS; j += 2) {
-            const __m512 p0 = _mm512_maskz_mov_ps(valid[j], exp2_ps(_mm512_sub_ps(s[j], mx)));
-            const __m512 p1 = _mm512_maskz_mov_ps(valid[j + 1], exp2_ps(_mm512_sub_ps(s[j + 1], mx)));
+            const __m512 p0 = _mm512_maskz_mov_ps(valid[j], exp2_ps(_mm512_sub_ps(s[j], m)));
+            const __m512 p1 = _mm512_maskz_mov_ps(valid[j + 1], exp2_ps(_mm512_sub_ps(s[j + 1], m)));
             /* the sum takes the probabilities as rounded, so the weights the output uses sum to 1 */
             const __m512i pr = pair_bf16(p0, p1);
             const __m512i hi = _mm512_and_si512(pr, _mm512_set1_epi32((int)0xffff0000u));
@@ -253,12 +263,7 @@ static void run_task_bf16(const struct ns_prefill *a, int64_t t) {
             _mm512_store_ps(ot[d], o);
         }
     }
-    float inv[LANES] __attribute__((aligned(64)));
-    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
-    for (int64_t i = 0; i < nr; i++) {
-        float *o = a->out + (r0 + i) * a->ldo + h * D;
-        for (int64_t d = 0; d < D; d++) o[d] = ot[d][i] * inv[i];
-    }
+    store_task(a, &k, ot, l);
 }
 #endif
 
