@@ -94,14 +94,13 @@ def gemm_rows(models: dict, gbs: float, ms: list[int]) -> list[dict]:
 def prompt_gemm_rows(quant, ms: list[int]) -> list[dict]:
     """int16 vs int8 activations (vs bf16 products, where built) over one layer stack's projections, as prompt rows
     take them."""
-    kernels = native.load()
+    flags = (("int16", 0), ("int8", native.ACT8)) + ((("bf16", native.BF16),) if native.load().bf16_gemm else ())
     mods = [m for m in quant.modules() if isinstance(m, QuantLinear) and m is not quant.lm_head]
     rows = []
     for m in ms:
         xs = {k: torch.randn(m, k) for k in {mod.in_features for mod in mods}}
         ops = 2 * m * sum(mod.in_features * mod.out_features for mod in mods)
         row = {"what": f"prompt gemm M={m}"}
-        flags = (("int16", 0), ("int8", native.ACT8)) + ((("bf16", native.BF16),) if kernels.bf16_gemm else ())
         for name, flag in flags:
             t = timed(lambda: [mod.kernels.linear(mod.qtype | flag, mod.weight, xs[mod.in_features],
                                                   mod.out_features) for mod in mods], 3)

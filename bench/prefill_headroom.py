@@ -34,14 +34,6 @@ from nodeserve.plan.simulate import Mode, simulate
 PROMPT_FEATURES = ("prefill_tokens", "prefill_pairs")  # the coefficients a faster prompt kernel divides
 
 
-def config_mode(config: Config) -> Mode:
-    if config.devices.mode == "disaggregated":
-        roles = {**{d: "prefill" for d in config.prefill_devices}, **{d: "decode" for d in config.decode_devices}}
-    else:
-        roles = {d: "colocated" for d in config.decode_devices}
-    return Mode(config.devices.mode, roles)
-
-
 def faster_prefill(profile: dict, devices: Sequence[str], factor: float) -> CostModel:
     """The profile's cost model with `devices`' prompt coefficients divided by factor."""
     cost = CostModel.from_dict(profile)
@@ -59,7 +51,7 @@ def replay(config: Config, profile: dict, records: Sequence[dict], factor: float
     slo = SloTarget(config.slo.ttft_s, config.slo.tpot_s, config.slo.ttft_per_token_s)
     kw = {**simulation_settings(config, cost), "prefill_order": prefill_order}
     start = min(r["sent_s"] for r in records)
-    return simulate(cost, config_mode(config), limits, slo, [(r["prompt_len"], r["max_tokens"]) for r in records],
+    return simulate(cost, Mode.of_section(config.devices), limits, slo, [(r["prompt_len"], r["max_tokens"]) for r in records],
                     [r["sent_s"] - start for r in records], **kw)
 
 

@@ -64,6 +64,14 @@ class Mode:
                 return {"mode": role, "devices": by(role)}
         return {"mode": "disaggregated", "prefill": by("prefill"), "decode": by("decode")}
 
+    @classmethod
+    def of_section(cls, section) -> Mode:
+        """The mode a [devices] section (config.DevicesSection) serves: devices_section's inverse."""
+        if section.mode == "disaggregated":
+            return cls(section.mode, {**{d: "prefill" for d in section.prefill},
+                                      **{d: "decode" for d in section.decode}})
+        return cls(section.mode, {d: section.mode for d in section.devices})
+
     def config_lines(self) -> list[str]:
         return [f"{k} = " + (f'"{v}"' if isinstance(v, str) else "[" + ", ".join(f'"{x}"' for x in v) + "]")
                 for k, v in self.devices_section().items()]

@@ -52,6 +52,14 @@ def test_batching_and_chunking_by_hand():
     assert rb["ttft"] == pytest.approx(0.48) and rb["e2e"] == pytest.approx(0.58)
 
 
+def test_a_mode_is_the_one_its_devices_section_serves():
+    from nodeserve.config import config_from_dict
+
+    for mode in candidate_modes(["cpu:0", "cpu:1", "cpu:2"]):
+        section = config_from_dict({"devices": mode.devices_section()}, check_devices=False).devices
+        assert Mode.of_section(section).roles == mode.roles, mode.name
+
+
 def test_a_request_dispatched_by_a_finish_waits_for_the_step_to_be_counted():
     # Oldest prompt first. Two seats, 8 tokens a step. A arrives first and steps alone [0, .12] (B, 10 ms later,
     # waits for the next step, as a worker sees a message only between steps). Step 2 [.12, .29]: A decodes + B's
