@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "r16.h"
 #include "simd512.h"
 #if NS_AVX512 && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define NS_BF16_GEMM 1
@@ -22,27 +23,20 @@
 #define NS_BF16_GEMM 0
 #endif
 
-enum { B_Q4_0 = 2, B_Q4_1 = 3, B_Q8_0 = 8 };
-#define QK 32
-#define GROUP 16
 #define TILE_ROWS 12  /* activation rows a pass over a group's weights: 12 accumulators (16 was slower) */
 
 int ns_bf16_gemm_supported(void) { return NS_BF16_GEMM; }
 
 #if NS_BF16_GEMM
-static int64_t block_bytes(int type) { return type == B_Q4_0 ? 288 : type == B_Q4_1 ? 320 : 544; }
-
-static int64_t quant_offset(int type) { return type == B_Q4_1 ? 64 : 32; }
-
 /* A group's 16 rows of K weights, dequantized as GGUF does: wp[e] lane r = row r's weights 2e, 2e + 1 in bf16. */
 static void dequant_group(int type, const uint8_t *wg, int64_t nb, __m512i *wp) {
-    const int64_t rb = block_bytes(type), qo = quant_offset(type);
+    const int64_t rb = r16_block_bytes(type), qo = quant_offset(type);
     const __m512i byte = _mm512_set1_epi32(0xff);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *o = wg + b * rb;
         const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)o));
         __m512i *out = wp + b * (QK / 2);
-        if (type == B_Q8_0) {
+        if (type == R_Q8_0) {
             for (int j = 0; j < 8; j++) {  /* vector j: lane r's bytes are its weights 4j .. 4j + 3, signed */
                 const __m512i v = _mm512_loadu_si512((const void *)(o + qo + 64 * j));
                 __m512 w[4];
@@ -55,7 +49,7 @@ static void dequant_group(int type, const uint8_t *wg, int64_t nb, __m512i *wp) 
             }
             continue;
         }
-        const __m512 vm = type == B_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 32)))
+        const __m512 vm = type == R_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 32)))
                                          : _mm512_mul_ps(vd, _mm512_set1_ps(-8.0f));
         for (int j = 0; j < 4; j++) {  /* lane r's low nibbles: weights 4j .. 4j + 3; high: 16 + 4j .. */
             const __m512i v = _mm512_loadu_si512((const void *)(o + qo + 64 * j));
@@ -92,7 +86,7 @@ static inline __attribute__((always_inline)) void tile(const int mt, const __m51
 int ns_linear_r16_bf16(int type, const uint8_t *wr, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
                        int64_t n_begin, int64_t n_end) {
 #if NS_BF16_GEMM
-    const int64_t nb = K / QK, gbytes = nb * block_bytes(type), ke = K / 2;
+    const int64_t nb = K / QK, gbytes = nb * r16_block_bytes(type), ke = K / 2;
     uint32_t *xb = aligned_alloc(64, sizeof(uint32_t) * (size_t)(M * ke + 16));
     __m512i *wp = aligned_alloc(64, sizeof(__m512i) * (size_t)(ke > 0 ? ke : 1));
     if (!xb || !wp) { free(xb); free(wp); return -1; }

@@ -32,11 +32,9 @@
 #define NS_R16 0
 #endif
 
-enum { R_Q4_0 = 2, R_Q4_1 = 3, R_Q8_0 = 8 };
+#include "r16.h"
 #define R_ACT8 0x200  /* type flag: int8 activations (group_rows_i8) for Q4_0 / Q4_1; others keep int16 */
 #define R_BF16 0x400  /* type flag: bf16 products (bf16_gemm.c), every type */
-#define QK 32
-#define GROUP 16
 #define MAX_ROWS 12  /* activation rows per pass over a group (group_rows_wide: 12 int32 + 12 float accumulators) */
 #define MAX_NARROW_ROWS 4  /* up to this many, group_rows: four chains a row hide the latency one chain cannot */
 /* group_rows asks for the weights this far ahead of the block it reads: a GEMV reads each byte once, and with the
@@ -47,10 +45,6 @@ enum { R_Q4_0 = 2, R_Q4_1 = 3, R_Q8_0 = 8 };
 int ns_r16_supported(void) { return NS_R16; }
 
 static int64_t gguf_block_bytes(int type) { return type == R_Q4_0 ? 18 : type == R_Q4_1 ? 20 : 34; }
-
-static int64_t r16_block_bytes(int type) { return type == R_Q4_0 ? 288 : type == R_Q4_1 ? 320 : 544; }
-
-static int64_t quant_offset(int type) { return type == R_Q4_1 ? 64 : 32; }
 
 /* Bytes of an [N, K] matrix in R16. */
 int64_t ns_r16_bytes(int type, int64_t N, int64_t K) {

@@ -1,0 +1,18 @@
+/* The R16 weight layout's constants (vnni_gemm.c's header comment describes it), shared by the GEMMs that read
+ * it (vnni_gemm.c, bf16_gemm.c). Included, not compiled alone; native.py's build key covers headers too. */
+#ifndef NS_R16_H
+#define NS_R16_H
+
+#include <stdint.h>
+
+enum { R_Q4_0 = 2, R_Q4_1 = 3, R_Q8_0 = 8 };
+#define QK 32     /* weights a block */
+#define GROUP 16  /* rows a group */
+
+/* Bytes of one R16 block (32 weights of each of 16 rows). */
+static inline int64_t r16_block_bytes(int type) { return type == R_Q4_0 ? 288 : type == R_Q4_1 ? 320 : 544; }
+
+/* Where an R16 block's quants start (after its fp16 d, and m for Q4_1). */
+static inline int64_t quant_offset(int type) { return type == R_Q4_1 ? 64 : 32; }
+
+#endif
