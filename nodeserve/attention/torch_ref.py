@@ -175,6 +175,12 @@ class TorchAttention(PagedAttention):
                         "AVX512-BF16 and a float32 model; prompt attention stays float32 here")
         self._groups: list[_DecodeGroup] = []
 
+    @property
+    def prompt_kernel(self) -> str:
+        """How prompt chunks attend here, for the start-up log."""
+        return "native, bf16 products" if self._prefill_bf16 else "native, float32" if self._prefill_kernel \
+            else "torch"
+
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
         self._groups = self._decode_groups(meta) if self._kernels is None else []

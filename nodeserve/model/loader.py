@@ -146,8 +146,10 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     if blocks or quantization in block_quant.BLOCK_FORMATS:
         block_quant.repack(model)
         if prompt_activations != "int16":
-            num_prompt = block_quant.use_prompt_activations(model, "bf16" if prompt_activations == "auto"
-                                                            else prompt_activations)
+            kind = "bf16" if prompt_activations == "auto" else prompt_activations
+            num_prompt = block_quant.use_prompt_activations(model, kind)
+            if num_prompt:  # the operator sees which kernels prompts take (auto picks silently)
+                log.info("prompt rows of %d projections take %s activations", num_prompt, kind)
         ops = NativeOps(native.load(), model.rope, cfg.max_position_embeddings)
         model.use_kernels(ops)
         if NativeDecoder.usable(model):

@@ -188,3 +188,18 @@ def test_prompt_attention_in_bf16_stays_close_to_float32(fp8_check, loaded_fp32,
     assert want.shape[0] >= 200
     assert agreement >= MIN_BF16_TOP1_AGREEMENT and max_diff <= MAX_BF16_LOGIT_DIFF, (agreement, max_diff)
     assert max_diff > 0
+
+
+def test_the_prompt_kernel_it_reports_follows_the_setting_and_the_cpu():
+    """What the start-up log says prompts take: float32 asks for no bf16; auto and bfloat16 get bf16 exactly where
+    the kernel has it."""
+    pool = KVPool(CFG, 4, 16, torch.float32, torch.device("cpu"))
+    kernels = native.load()
+    native_prefill = kernels is not None and kernels.prefill and not native.avx2_only()
+    has_bf16 = native_prefill and kernels.prefill_bf16
+    assert TorchAttention(pool, CFG, torch.float32, "float32").prompt_kernel == \
+        ("native, float32" if native_prefill else "torch")
+    for setting in ("auto", "bfloat16"):
+        assert TorchAttention(pool, CFG, torch.float32, setting).prompt_kernel == \
+            ("native, bf16 products" if has_bf16 else "native, float32" if native_prefill else "torch")
+    assert TorchAttention(pool, CFG, torch.bfloat16, "auto").prompt_kernel == "torch"  # not a float32 model
