@@ -131,8 +131,9 @@ class SchedulerSection:
     def prefill_with_decodes(self, device_type: str) -> int:
         """decode_prefill_chunk, auto resolved: on CPU a 32-token chunk added ~60 ms to a decode step with the int16
         prompt kernels (a 200-token prompt in one step stretched the inter-token gap p99 to 328 ms, bench/compare.py),
-        ~20 ms beside 15 streams with bf16 prompts on the Zen 5; 64 and 128 there made no request more on time and
-        raised the gap p99 to 110 / 138 ms (docs/performance.md). A GPU's steps absorb far more."""
+        ~20 ms beside 15 streams with bf16 prompts on the Zen 5; 64 and 128 there kept 91.7 / 93.8 % of a closed loop of
+        16 on time in one run each (91.7 % with 32) and raised the gap p99 to 110 / 138 ms (89 with 32;
+        docs/performance.md). A GPU's steps absorb far more."""
         auto = AUTO_DECODE_PREFILL_CHUNK
         return self.decode_prefill_chunk or auto.get(device_type, auto["cpu"])
 
