@@ -155,10 +155,14 @@ class NativeKernels:
         """In place on contiguous [T, H] tensors: residual += x; x = rms_norm(residual)."""
         self.lib.ns_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), *x.shape, eps)
 
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2I] contiguous -> [T, I]."""
+    def silu_and_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, 2I] contiguous -> [T, I], into out (float32, contiguous) when given."""
         t, i2 = gate_up.shape
-        out = torch.empty(t, i2 // 2, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(t, i2 // 2, dtype=torch.float32)
+        elif out.shape != (t, i2 // 2) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"silu_and_mul: out must be a contiguous float32 [{t}, {i2 // 2}], got "
+                             f"{out.dtype} {tuple(out.shape)}")
         self.lib.ns_silu_and_mul(gate_up.data_ptr(), out.data_ptr(), t, i2 // 2)
         return out
 

@@ -55,8 +55,8 @@ class FlashInferOps:
         self._fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
 
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self._silu_and_mul(gate_up)
+    def silu_and_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._silu_and_mul(gate_up, out)
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> FlashInferRotary:
         return FlashInferRotary(self._rope_inplace, positions, self.cos_sin_cache)

@@ -113,8 +113,12 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj
         if x.shape[0] <= MAX_MLP_ROWS or not isinstance(gate_up, block_quant.QuantLinear):
             act = ops.silu_and_mul(_project(gate_up, x, prompt_from))  # [T, 2I] -> [T, I]
-        else:
-            act = torch.cat([ops.silu_and_mul(y) for y in gate_up.row_blocks(x, MAX_MLP_ROWS, prompt_from)])
+        else:  # each block's SiLU straight into its rows of act (a cat of the blocks took 19 ms a 2k prompt)
+            act = torch.empty(x.shape[0], self.intermediate_size, dtype=torch.float32,  # QuantLinear's outputs'
+                              device=x.device)
+            for start, y in zip(range(0, x.shape[0], MAX_MLP_ROWS),
+                                gate_up.row_blocks(x, MAX_MLP_ROWS, prompt_from)):
+                ops.silu_and_mul(y, out=act[start:start + y.shape[0]])
         return _project(self.down_proj, act, prompt_from)  # [T, hidden]
 
 

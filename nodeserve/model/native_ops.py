@@ -38,8 +38,8 @@ class NativeOps:
         self.kernels.add_rms_norm(x, residual, weight, eps)  # residual += x; x = norm(residual)
         return x, residual
 
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.kernels.silu_and_mul(gate_up.contiguous())
+    def silu_and_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernels.silu_and_mul(gate_up.contiguous(), out)
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> NativeRotary:
         if positions.numel() and int(positions.max()) >= len(self.cos_sin_cache):  # C indexes the table unchecked

@@ -36,8 +36,9 @@ class Kernels(Protocol):
         """(rms_norm(residual + x), residual + x), all [T, hidden]."""
         ...
 
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2I] -> [T, I]: silu(gate_up[:, :I]) * gate_up[:, I:]."""
+    def silu_and_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, 2I] -> [T, I]: silu(gate_up[:, :I]) * gate_up[:, I:]; written into out (a contiguous [T, I]) when
+        given, and out returned."""
         ...
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
@@ -71,9 +72,9 @@ class TorchOps:
         residual = residual + x  # rounded to the input dtype before the norm, as transformers does
         return self.rms_norm(residual, weight, eps), residual
 
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_and_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         half = gate_up.shape[-1] // 2
-        return F.silu(gate_up[..., :half]) * gate_up[..., half:]
+        return torch.mul(F.silu(gate_up[..., :half]), gate_up[..., half:], out=out)
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> TorchRotary:
         # cos/sin once per step, shared by every layer.

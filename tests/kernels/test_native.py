@@ -281,6 +281,12 @@ def test_pointwise_kernels_match_torch_ops(one_thread):
     torch.testing.assert_close(got[1], want[1])
     gu = torch.randn(5, 2 * 80) * 10
     torch.testing.assert_close(nat.silu_and_mul(gu), ref.silu_and_mul(gu))
+    into = torch.full((7, 80), float("nan"))  # out=: rows of a bigger buffer, as the MLP's row blocks write them
+    assert nat.silu_and_mul(gu, out=into[1:6]).data_ptr() == into[1:6].data_ptr()
+    assert torch.equal(into[1:6], nat.silu_and_mul(gu)) and into[0].isnan().all() and into[6].isnan().all()
+    torch.testing.assert_close(ref.silu_and_mul(gu, out=torch.empty(5, 80)), ref.silu_and_mul(gu))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        nat.silu_and_mul(gu, out=torch.empty(5, 160)[:, :80])
     qkv = torch.randn(5, (9 + 3 + 3) * 64)  # rows of the fused projection: q and k are strided views
     positions = torch.tensor([0, 1, 7, 300, 511])
     q, k = qkv[:, :576].view(5, 9, 64), qkv[:, 576:768].view(5, 3, 64)
