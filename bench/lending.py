@@ -41,6 +41,18 @@ async def _stream(engine, ids, max_tokens):
     return first - t0, last - first, n
 
 
+def bench_engine(loaded, lend: bool) -> Engine:
+    """The engine these scripts measure: the default config but lend_idle_cores, no prefix cache (every run
+    prefills its whole prompt), no start-up profile."""
+    return Engine(config_from_dict({"devices": {"lend_idle_cores": lend},
+                                    "kv": {"memory_gib": 1.0, "prefix_cache": False}, "profile": {"startup": False}}),
+                  loaded)
+
+
+def long_prompt(tokenizer, num_tokens: int) -> list[int]:
+    return (tokenizer.encode("The history of the city is long. ") * num_tokens)[:num_tokens]
+
+
 def run(loaded, lend: bool, long_tokens: int, decode_tokens: int, torch_prefill_attention: bool | None = None) -> dict:
     """torch_prefill_attention: None leaves the environment alone; True / False set NODESERVE_KERNELS=avx2 / unset it
     while engine.start() builds the attention backends (torch's prefill attention, as an AVX2 machine runs it)."""
@@ -49,11 +61,9 @@ def run(loaded, lend: bool, long_tokens: int, decode_tokens: int, torch_prefill_
         os.environ.pop("NODESERVE_KERNELS", None)
         if torch_prefill_attention:
             os.environ["NODESERVE_KERNELS"] = "avx2"
-    cfg = config_from_dict({"devices": {"lend_idle_cores": lend}, "kv": {"memory_gib": 1.0, "prefix_cache": False},
-                            "profile": {"startup": False}})
-    engine = Engine(cfg, loaded)
+    engine = bench_engine(loaded, lend)
     short = loaded.tokenizer.encode("Write a short story about a lighthouse keeper.")
-    long_ids = (loaded.tokenizer.encode("The history of the city is long. ") * long_tokens)[:long_tokens]
+    long_ids = long_prompt(loaded.tokenizer, long_tokens)
 
     async def main():
         engine.start(asyncio.get_running_loop())  # builds the attention backends

@@ -21,13 +21,11 @@ from collections import defaultdict
 
 import torch
 
-from nodeserve.config import config_from_dict
 from nodeserve.kernels import native
 from nodeserve.model.loader import load_model
-from nodeserve.runtime.engine import Engine
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lending import _stream  # noqa: E402  (bench/ is scripts, not a package)
+from lending import _stream, bench_engine, long_prompt  # noqa: E402  (bench/ is scripts, not a package)
 from local_server import cpu_model  # noqa: E402
 
 KERNELS = ("linear", "prefill_attention", "silu_and_mul", "rms_norm", "add_rms_norm", "rope", "write_kv",
@@ -49,10 +47,8 @@ def instrument(seconds: dict[str, float]) -> None:
 
 
 def run(loaded, lend: bool, num_tokens: int, seconds: dict[str, float]) -> dict:
-    cfg = config_from_dict({"devices": {"lend_idle_cores": lend}, "kv": {"memory_gib": 1.0, "prefix_cache": False},
-                            "profile": {"startup": False}})
-    engine = Engine(cfg, loaded)
-    ids = (loaded.tokenizer.encode("The history of the city is long. ") * num_tokens)[:num_tokens]
+    engine = bench_engine(loaded, lend)
+    ids = long_prompt(loaded.tokenizer, num_tokens)
 
     async def main():
         engine.start(asyncio.get_running_loop())

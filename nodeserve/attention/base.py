@@ -82,6 +82,7 @@ class AttentionBackend(Protocol):
 
     pool: KVPoolLike
     meta: AttentionMetadata | None  # the step prepare() was last given
+    prompt_kernel: str              # how prompt chunks attend here, for the start-up log
 
     def prepare(self, meta: AttentionMetadata) -> None: ...
 

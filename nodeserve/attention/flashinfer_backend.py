@@ -95,6 +95,8 @@ class FlashInferAttention(PagedAttention):
     which a captured CUDA graph keeps: calibrate before capturing (runtime/warmup.py).
     """
 
+    prompt_kernel = "flashinfer"
+
     def __init__(self, pool: KVPoolLike, cfg: ModelConfigLike, dtype: torch.dtype, graph_batch_size: int | None = None,
                  workspace: torch.Tensor | None = None):
         import flashinfer  # optional dependency ([cuda] extra); its kernels and wrappers need a GPU

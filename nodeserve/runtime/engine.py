@@ -15,7 +15,6 @@ import torch
 
 from nodeserve.attention import auto_fallback, make_backend
 from nodeserve.attention.flashinfer_backend import FlashInferAttention
-from nodeserve.attention.torch_ref import TorchAttention
 from nodeserve.config import Config
 from nodeserve.device import make_device
 from nodeserve.runtime.memory import check_fits, weight_bytes
@@ -134,10 +133,9 @@ class Engine:
             runner = build_runner(replicas[device.torch_device], pool, cfg.devices.attention,
                                   cfg.devices.cuda_graphs and role is not Role.PREFILL, cfg.scheduler.max_num_seqs,
                                   cfg.prompt_attention)
-            prompts = f" (prompts: {runner.backend.prompt_kernel})" if isinstance(runner.backend, TorchAttention) \
-                else ""
-            log.info("%s: %s attention%s, %d KV pages of %s%s", name, type(runner.backend).__name__, prompts,
-                     num_pages, kv_dtype, ", CUDA graphs at warm-up" if runner.graphs is not None else "")
+            log.info("%s: %s attention (prompts: %s), %d KV pages of %s%s", name, type(runner.backend).__name__,
+                     runner.backend.prompt_kernel, num_pages, kv_dtype,
+                     ", CUDA graphs at warm-up" if runner.graphs is not None else "")
             fallback = auto_fallback(cfg.devices.attention, device.torch_device, dtype)
             if fallback is not None and fallback not in self.warnings:
                 log.warning(fallback)
