@@ -32,7 +32,13 @@ def lower_thread_priority(nice: int = BACKGROUND_NICE) -> bool:
 
 
 def has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16)."""
+    """Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16); under NODESERVE_KERNELS_MARCH, whether the
+    CPU the kernels are built for does (x86-64-v3: no), so a simulated AVX2 machine picks what a real one picks."""
+    from nodeserve.kernels import native
+
+    if native.march() != "native":
+        kernels = native.load()
+        return kernels is not None and bool({"amx_bf16", "avx512_bf16"} & kernels.features)
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "").split()

@@ -6,7 +6,8 @@ slower with float32; llama.cpp's ggml is not a library one can call per op). Why
 torch headers, so it compiles in about a second with the system C compiler, and ctypes releases the GIL
 during each call, so the device workers' threads run their kernels in parallel.
 
-The build is per machine: `-march=native`, cached under $NODESERVE_CACHE_DIR (default
+The build is per machine: `-march=native` (NODESERVE_KERNELS_MARCH overrides it: `x86-64-v3` builds exactly what an
+AVX2-only machine builds, which is how an AVX-512 machine runs and tests that class), cached under $NODESERVE_CACHE_DIR (default
 $XDG_CACHE_HOME/nodeserve/kernels, else ~/.cache/nodeserve/kernels; a temporary directory when neither is
 writable) by a key over the source, the compiler and the CPU's flags, so a cache that
 moves to another CPU model is rebuilt instead of executing instructions the CPU lacks. Without a C compiler
@@ -85,8 +86,31 @@ def _cache_dir() -> str:
     return os.path.join(base, "nodeserve", "kernels")
 
 
+def march() -> str:
+    """The -march the kernels are built for: NODESERVE_KERNELS_MARCH, else native."""
+    return os.environ.get("NODESERVE_KERNELS_MARCH") or "native"
+
+
+# The compiler's macros for the ISA extensions the kernels test (csrc/*.c), by /proc/cpuinfo's names for them.
+_FEATURE_MACROS = {"__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__AVX512F__": "avx512f",
+                   "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl", "__AVX512VNNI__": "avx512_vnni",
+                   "__AVX512BF16__": "avx512_bf16", "__AMX_BF16__": "amx_bf16"}
+
+
+def target_features(cc: str, arch: str) -> frozenset[str]:
+    """The ISA extensions of the CPU the kernels are built for, as the compiler defines them for -march=arch: with
+    native, this CPU's (as far as the compiler knows them), so a build never claims what the CPU lacks."""
+    try:
+        macros = subprocess.run([cc, f"-march={arch}", "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
+                                text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    defined = {line.split()[1] for line in macros.splitlines() if line.startswith("#define ")}
+    return frozenset(name for macro, name in _FEATURE_MACROS.items() if macro in defined)
+
+
 def _compile(cc: str, srcs: list[str], out: str) -> None:
-    flags = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-math-errno", "-pthread"]
+    flags = ["-O3", f"-march={march()}", "-fPIC", "-shared", "-std=c11", "-fno-math-errno", "-pthread"]
     tmp_dir = os.path.dirname(out)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=tmp_dir)
     os.close(fd)
@@ -103,8 +127,9 @@ class NativeKernels:
     """The loaded library. Methods take contiguous CPU tensors of the shapes they name and do not check them:
     C reads raw pointers, so callers (QuantLinear, QuantEmbedding, NativeOps, the attention backend) own that."""
 
-    def __init__(self, lib: ctypes.CDLL, path: str):
+    def __init__(self, lib: ctypes.CDLL, path: str, features: frozenset[str] = frozenset()):
         self.lib, self.path = lib, path
+        self.features = features  # the build target's ISA extensions (target_features): what tests skip on
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
@@ -237,7 +262,7 @@ def load() -> NativeKernels | None:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode() + march().encode()).hexdigest()[:16]
     cache = _cache_dir()
     try:
         os.makedirs(cache, exist_ok=True)
@@ -249,7 +274,7 @@ def load() -> NativeKernels | None:
     try:
         if not os.path.exists(path):
             _compile(cc, srcs, path)
-        kernels = NativeKernels(ctypes.CDLL(path), path)
+        kernels = NativeKernels(ctypes.CDLL(path), path, target_features(cc, march()))
     except subprocess.CalledProcessError as e:
         log.warning("building the CPU kernels failed, using torch paths: %s", (e.stderr or "").strip()[-500:])
         return None

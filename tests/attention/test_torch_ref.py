@@ -172,8 +172,8 @@ def test_a_chunk_after_a_prefix_equals_one_masked_sdpa_call():
 MIN_BF16_TOP1_AGREEMENT, MAX_BF16_LOGIT_DIFF = 0.99, 0.6
 
 
-@pytest.mark.skipif(native.load() is None or not native.load().prefill_bf16,
-                    reason="needs AVX512-BF16 (the prefill attention kernel's bf16 products)")
+@pytest.mark.skipif(native.load() is None, reason="the native kernels could not be built")
+@pytest.mark.needs_cpu("avx512f", "avx512_bf16")  # the prefill attention kernel's bf16 products
 def test_prompt_attention_in_bf16_stays_close_to_float32(fp8_check, loaded_fp32, one_thread):
     """Every teacher-forced position's logits with prompt attention's products in bf16 against float32 products:
     top-1 nearly everywhere the same, logits close; and not identical (the bf16 products really ran)."""

@@ -18,9 +18,9 @@ from nodeserve.attention.base import AttentionMetadata
 from nodeserve.attention.torch_ref import TorchAttention
 
 # 3600 s a test, not the suite's 900: the first use of each FlashInfer kernel JIT-compiles it (minutes when cold).
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.needs_cuda, pytest.mark.timeout(3600)]
 needs_flashinfer = pytest.mark.skipif(not flashinfer_importable(), reason="needs flashinfer (pip install -e '.[cuda]')")
-needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+needs_two_gpus = pytest.mark.needs_cuda(num_gpus=2)
 
 H, KH, D = 8, 2, 128
 SCALE = D ** -0.5  # what the backends derive from head_dim

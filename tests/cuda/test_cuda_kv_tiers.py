@@ -11,8 +11,8 @@ import asyncio
 import pytest
 import torch
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.timeout(3600)]
-needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+pytestmark = [pytest.mark.needs_cuda, pytest.mark.timeout(3600)]
+needs_two_gpus = pytest.mark.needs_cuda(num_gpus=2)
 
 
 def _pool(loaded, num_pages: int, device: str):

@@ -90,7 +90,8 @@ def test_linear_on_raw_random_blocks(m):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-needs_vnni = pytest.mark.skipif(kernels is None or not kernels.r16, reason="needs AVX-512 VNNI (the R16 kernels)")
+needs_f16c = pytest.mark.needs_cpu("avx2", "fma", "f16c")  # float16 pools: the AVX2 build's loads
+needs_vnni = pytest.mark.needs_cpu("avx512f", "avx512bw", "avx512_vnni")  # the R16 kernels (csrc/vnni_gemm.c)
 
 
 @needs_vnni
@@ -185,8 +186,7 @@ def test_int8_activations_leave_q8_0_weights_at_int16(matrices):
                        kernels.linear(native.Q8_0 | native.R16, r16, x, 40))
 
 
-needs_bf16_gemm = pytest.mark.skipif(kernels is None or not kernels.bf16_gemm,
-                                     reason="needs AVX-512 VNNI and AVX512-BF16 (csrc/bf16_gemm.c)")
+needs_bf16_gemm = pytest.mark.needs_cpu("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")  # csrc/bf16_gemm.c
 
 
 @needs_bf16_gemm
@@ -210,11 +210,9 @@ def test_bf16_prompt_rows_are_the_product_of_bf16_rounded_operands(matrices, nam
 
 
 @needs_vnni
-@pytest.mark.parametrize("flag", ["ACT8", "BF16"])
+@pytest.mark.parametrize("flag", ["ACT8", pytest.param("BF16", marks=pytest.mark.needs_cpu("avx512_bf16"))])
 def test_an_int8_or_bf16_row_is_the_same_in_any_tile(matrices, flag):
     """As with int16: a row's output does not depend on how many rows share the call."""
-    if flag == "BF16" and not kernels.bf16_gemm:
-        pytest.skip("needs AVX512-BF16 (csrc/bf16_gemm.c)")
     torch.manual_seed(1)
     x = torch.randn(25, 96)
     r16 = kernels.repack(native.Q4_1, matrices["Q4_1"], 40, 96)
@@ -236,7 +234,7 @@ def test_repacked_linear_writes_only_the_columns_asked_for(matrices):
     assert torch.equal(y[:, 16:], full[:, 16:]) and (y[:, :16] == 7.0).all()
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, pytest.param(torch.float16, marks=needs_f16c)])
 @pytest.mark.parametrize("page_size,d,kh,h", [(4, 64, 3, 9), (16, 64, 3, 9), (32, 128, 2, 8), (16, 96, 1, 2)])
 def test_paged_decode_attention_matches_sdpa_over_gathered_pages(one_thread, page_size, d, kh, h, kv_dtype):
     """Every path: head_dim 64 / 128 take AVX-512 where built (decode_attn512.c), 96 the plain loop; lengths that
@@ -244,8 +242,6 @@ def test_paged_decode_attention_matches_sdpa_over_gathered_pages(one_thread, pag
     a float16 pool gives attention over its values widened to float32."""
     from nodeserve.attention.torch_ref import attend_decode, gather_kv
 
-    if kv_dtype not in kernels.kv_dtypes:
-        pytest.skip("float16 pools need F16C (an AVX2 build)")
     torch.manual_seed(3)
     seq_lens = [1, 4, 5, 13, 16, 17, 37, 70]
     num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
@@ -297,13 +293,11 @@ def test_pointwise_kernels_match_torch_ops(one_thread):
     assert got_q.data_ptr() == q.data_ptr()  # in place
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, pytest.param(torch.float16, marks=needs_f16c)])
 def test_write_kv_scatters_like_index_put(kv_dtype):
     """float16: rounded to nearest even, as torch's conversion, bit for bit (values past 65504 become inf)."""
     from nodeserve.attention.torch_ref import write_kv
 
-    if kv_dtype not in kernels.kv_dtypes:
-        pytest.skip("float16 pools need F16C (an AVX2 build)")
     torch.manual_seed(5)
     kv = torch.zeros(6, 2, 4, 3, 8, dtype=kv_dtype)
     qkv = torch.randn(5, 9 * 8) * torch.logspace(-6, 5, 72)  # subnormal in float16 .. past its range
@@ -395,8 +389,7 @@ def test_a_lent_core_takes_the_later_sequences_of_decode_attention_and_the_resul
                                   kernels.paged_decode_attention(q, kv, tables, lens, 0.125))
 
 
-needs_avx512 = pytest.mark.skipif(kernels is None or not kernels.prefill,
-                                  reason="needs AVX-512F (the prefill attention kernel)")
+needs_avx512 = pytest.mark.needs_cpu("avx512f")  # the prefill attention kernel (csrc/prefill_attn.c)
 
 
 def _prefill_case(num_prefix: int, q_len: int, page_size: int, h: int, kh: int, d: int, seed: int = 0):
@@ -449,8 +442,7 @@ def test_prefill_attention_reads_float16_pools(one_thread, num_prefix, q_len, pa
     torch.testing.assert_close(out, attend(q[None], k, v, mask, False, d ** -0.5)[0], rtol=1e-5, atol=1e-5)
 
 
-needs_bf16 = pytest.mark.skipif(kernels is None or not kernels.prefill_bf16,
-                                reason="needs AVX512-BF16 (the prefill attention kernel's bf16 products)")
+needs_bf16 = pytest.mark.needs_cpu("avx512f", "avx512_bf16")  # the prefill attention kernel's bf16 products
 
 
 @needs_bf16

@@ -101,8 +101,8 @@ def test_a_long_chunks_mlp_runs_by_row_blocks_with_the_same_values(loaded_auto, 
         torch.testing.assert_close(mlp(x, model.ops), whole, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.skipif(not block_quant.available() or not native.load().r16, reason="needs the AVX-512 VNNI kernels")
-@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.needs_cpu("avx512f", "avx512bw", "avx512_vnni")
+@pytest.mark.parametrize("kind", ["int8", pytest.param("bf16", marks=pytest.mark.needs_cpu("avx512_bf16"))])
 def test_prompt_rows_leave_the_decode_rows_as_they_were(gguf_path, one_thread, kind):
     """With prompt_activations = "int8" or "bf16" the rows from prompt_from on (prompt tokens) take that kernel
     and the rows before it (the step's decodes) are bit for bit what they are alone; the lm_head never switches."""
@@ -110,8 +110,6 @@ def test_prompt_rows_leave_the_decode_rows_as_they_were(gguf_path, one_thread, k
     from nodeserve.model.loader import load_model
 
     flag = {"int8": native.ACT8, "bf16": native.BF16}[kind]
-    if kind == "bf16" and not native.load().bf16_gemm:
-        pytest.skip("needs AVX512-BF16")
     model = load_model(gguf_path, torch.float32, quantization="auto", prompt_activations=kind).model
     mlp = model.layers[0].mlp
     gate_up = mlp.gate_up_proj
