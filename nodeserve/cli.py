@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+from typing import NoReturn
 
 from nodeserve import __version__
 
@@ -27,7 +29,46 @@ def _load_config(path: str, prefix: str, args: argparse.Namespace | None = None)
         return None
 
 
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def _end_process(code: int) -> NoReturn:
+    """Flushes the logs and ends the process without the interpreter's shutdown. A stop during start-up leaves the
+    load, warm-up or profile threads running torch code; at shutdown CPython (before 3.14) ends such daemon threads
+    with pthread_exit as they wake for the GIL, which unwinds through torch's C++ frames and aborts (SIGABRT, a
+    core dump for systemd). By now serve() has stopped and joined everything that holds data."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _stop_before_serving(notifier) -> None:
+    """SIGTERM / SIGINT before serve() has its own handlers (config, re-exec, imports): nothing is running yet, so
+    tell systemd and end with 0. The signals stay blocked across the jemalloc re-exec and are unblocked once this
+    is in place, so a stop at any moment of start-up ends here or in serve()'s drain, never by the default action."""
+    def on_signal(signum, frame) -> None:
+        notifier.stopping()
+        _end_process(0)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    from nodeserve.server.systemd import Notifier
+
+    notifier = Notifier.from_env()
+    _stop_before_serving(notifier)
+    notifier.status("starting")
+    return _end_process(_run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
     from nodeserve.config import ConfigError
     from nodeserve.model.config import LoadError
     from nodeserve.runtime import memory
@@ -41,6 +82,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"nodeserve: config error: {e}", file=sys.stderr)
         return 2
     if env is not None:  # the same command again, jemalloc preloaded: same PID, so systemd sees one service
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # pending until the new image's handlers exist
         os.execve(sys.executable, sys.orig_argv, env)
     if memory.allocator_in_use() == "glibc":
         memory.limit_malloc_arenas()  # before the worker, copy and tokenizer threads exist

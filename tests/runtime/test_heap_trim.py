@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import signal
 import subprocess
 import sys
 
@@ -83,7 +84,8 @@ def test_the_server_caps_malloc_arenas_unless_the_operator_chose():
 
 
 def _run_calls(monkeypatch, tmp_path, allocator: str, library: str | None, in_use: str = "glibc") -> list:
-    """What `nodeserve run` does before loading, in order, with the server's run() and os.execve recorded."""
+    """What `nodeserve run` does before loading, in order, with the server's run(), os.execve and the signal mask
+    recorded (cli._run: the part of the command that does not end the process)."""
     from nodeserve import cli
     from nodeserve.server import serve
 
@@ -93,9 +95,10 @@ def _run_calls(monkeypatch, tmp_path, allocator: str, library: str | None, in_us
     monkeypatch.setattr(memory, "limit_malloc_arenas", lambda: calls.append("arenas") or True)
     monkeypatch.setattr(memory, "fix_malloc_thresholds", lambda: calls.append("mmap") or True)
     monkeypatch.setattr(os, "execve", lambda path, argv, env: calls.append(("exec", path, list(argv), env)))
+    monkeypatch.setattr(signal, "pthread_sigmask", lambda how, sigs: calls.append(("mask", how, set(sigs))))
     monkeypatch.setattr(serve, "run", lambda config: calls.append("run") or 0)
     (tmp_path / "ok.toml").write_text(f"[server]\nallocator = {allocator!r}\n")
-    assert cli.main(["run", "--config", str(tmp_path / "ok.toml")]) == 0
+    assert cli._run(cli.build_parser().parse_args(["run", "--config", str(tmp_path / "ok.toml")])) == 0
     return calls
 
 
@@ -108,7 +111,9 @@ def test_nodeserve_run_runs_itself_again_with_jemalloc_when_the_system_has_it(mo
     monkeypatch.setenv("LD_PRELOAD", "libextra.so")
     monkeypatch.delenv("MALLOC_CONF", raising=False)
     calls = _run_calls(monkeypatch, tmp_path, "auto", "libjemalloc.so.2")
-    (exec_call, path, argv, env), rest = calls[0], calls[1:]
+    # SIGTERM / SIGINT stay blocked across the exec: pending until the new image has its handlers
+    assert calls[0] == ("mask", signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    (exec_call, path, argv, env), rest = calls[1], calls[2:]
     assert exec_call == "exec" and path == sys.executable and argv == sys.orig_argv  # the same command
     assert env["LD_PRELOAD"] == "libjemalloc.so.2 libextra.so" and env["MALLOC_CONF"] == memory.JEMALLOC_CONF
     assert rest == ["arenas", "mmap", "run"]  # (only because execve was recorded, not done)

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -69,6 +70,47 @@ memory_gib = 1.0
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+class NotifySocket:
+    """The datagram socket systemd would own; collects every message the server sends."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[float, str]] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._recv, daemon=True)
+        self._thread.start()
+
+    def _recv(self):
+        while not self._stop:
+            try:
+                data = self.sock.recv(4096)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            self.messages.append((time.monotonic(), data.decode()))
+
+    def times(self, message: str) -> list[float]:
+        """When each datagram carrying `message` as one of its lines arrived."""
+        return [t for t, m in self.messages if message in m.split("\n")]
+
+    def close(self):
+        self._stop = True
+        self._thread.join()
+        self.sock.close()
+
+
+@pytest.fixture
+def notify_socket(tmp_path):
+    """A NotifySocket at a path for NOTIFY_SOCKET; closed after the test."""
+    sock = NotifySocket(str(tmp_path / "notify.sock"))
+    yield sock
+    sock.close()
 
 
 @pytest.fixture(scope="session")

@@ -18,38 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from nodeserve.config import config_from_dict
 
 
-class NotifySocket:
-    """The datagram socket systemd would own; collects every message the server sends."""
-
-    def __init__(self, path: str):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(path)
-        self.sock.settimeout(0.2)
-        self.messages: list[tuple[float, str]] = []
-        self._stop = False
-        self._thread = threading.Thread(target=self._recv, daemon=True)
-        self._thread.start()
-
-    def _recv(self):
-        while not self._stop:
-            try:
-                data = self.sock.recv(4096)
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            self.messages.append((time.monotonic(), data.decode()))
-
-    def times(self, message: str) -> list[float]:
-        """When each datagram carrying `message` as one of its lines arrived."""
-        return [t for t, m in self.messages if message in m.split("\n")]
-
-    def close(self):
-        self._stop = True
-        self._thread.join()
-        self.sock.close()
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,11 +25,11 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_systemd_ready_watchdog_stopping_and_a_stalled_worker_stops_the_pings(tmp_path, monkeypatch):
+def test_systemd_ready_watchdog_stopping_and_a_stalled_worker_stops_the_pings(notify_socket, monkeypatch):
     from nodeserve.server import serve as serve_module
 
-    notify = NotifySocket(str(tmp_path / "notify.sock"))
-    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify.sock"))
+    notify = notify_socket
+    monkeypatch.setenv("NOTIFY_SOCKET", notify.path)
     monkeypatch.setenv("WATCHDOG_USEC", "400000")  # ping every 0.2 s
     monkeypatch.delenv("WATCHDOG_PID", raising=False)
     monkeypatch.setattr(serve_module, "WORKER_STALL_S", 1.0)
@@ -115,7 +83,6 @@ def test_systemd_ready_watchdog_stopping_and_a_stalled_worker_stops_the_pings(tm
         code, stalled, recovered = asyncio.run(scenario())
     finally:
         release.set()
-        notify.close()
         gc.unfreeze()  # the rest of this test process collects as usual
     assert code == 0
     assert stalled == []
