@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from nodeserve.runtime.engine import build_runner
+from nodeserve.runtime.node import build_runner
 from nodeserve.runtime.model_runner import SeqChunk
 from nodeserve.runtime.warmup import warmup_runner
 from nodeserve.kv.pool import KVPool, pages_for

@@ -42,7 +42,8 @@ import time
 
 import torch
 
-from nodeserve.runtime.engine import build_runner, weight_bytes
+from nodeserve.runtime.memory import weight_bytes
+from nodeserve.runtime.node import build_runner
 from nodeserve.runtime.model_runner import SeqChunk
 from nodeserve.kernels import native
 from nodeserve.kv.pool import KVPool, pages_for

@@ -18,7 +18,6 @@ class ConfigError(ValueError):
     """The config is invalid; the message names the key and how to fix it."""
 
 
-AUTO_DECODE_PREFILL_CHUNK = {"cpu": 32, "cuda": 256}  # scheduler.decode_prefill_chunk = 0, by device type
 FLASHINFER_FLOAT32 = ("'devices.attention' = \"flashinfer\" with a float32 model: FlashInfer has no float32 kernels; "
                       "set model.dtype = \"bfloat16\" (or \"auto\"), or devices.attention = \"torch\"")
 
@@ -125,17 +124,9 @@ class SchedulerSection:
     prefill_order: str = "deadline"       # deadline: most prompts within slo.ttft_s first (core/prefill_order.py;
                                           # needs profile.startup, else fifo) | fifo: oldest first
     # disaggregated: prompt tokens a decode device adds to one step of its decode batch when it prefills a prompt
-    # itself (devices.local_prefill_*), so its streams' inter-token gaps stay short; 0: auto (CPU 32, CUDA 256)
+    # itself (devices.local_prefill_*), so its streams' inter-token gaps stay short; 0: auto (core/start.py: CPU 32,
+    # CUDA 256)
     decode_prefill_chunk: int = 0
-
-    def prefill_with_decodes(self, device_type: str) -> int:
-        """decode_prefill_chunk, auto resolved: on CPU a 32-token chunk added ~60 ms to a decode step with the int16
-        prompt kernels (a 200-token prompt in one step stretched the inter-token gap p99 to 328 ms, bench/compare.py),
-        ~20 ms beside 15 streams with bf16 prompts on the Zen 5; 64 and 128 there kept 91.7 / 93.8 % of a closed loop of
-        16 on time in one run each (91.7 % with 32) and raised the gap p99 to 110 / 138 ms (89 with 32;
-        docs/performance.md). A GPU's steps absorb far more."""
-        auto = AUTO_DECODE_PREFILL_CHUNK
-        return self.decode_prefill_chunk or auto.get(device_type, auto["cpu"])
 
 
 @dataclass(frozen=True)

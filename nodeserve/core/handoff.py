@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from nodeserve.core.request import Request
 
@@ -25,12 +25,22 @@ STOP_PAGES = 2    # a round that leaves at most this many pages to send ends the
 MAX_ROUNDS = 8    # pre-copy rounds before a migration that does not converge is given up (the request stays)
 
 
+class HandoffTarget(Protocol):
+    """Where a handoff's KV goes, as the device sending it sees it: a name (its transfer there is found by it) and
+    an inbox (what ended: the pages it may free, the request's arrival). core.serving_unit.ServingUnit is one."""
+
+    @property
+    def name(self) -> str: ...
+
+    def send(self, msg: Arrival | FreePages | Migrate | None) -> None: ...
+
+
 @dataclass
 class Handoff:
     """Where a request's KV goes: the target device's worker and the pages reserved there, the first
     num_cached_pages of which already hold its prefix (shared from the target's prefix cache)."""
 
-    target: Any  # the target Worker (the runtime's; only passed through here)
+    target: HandoffTarget
     pages: list[int]
     num_cached_pages: int = 0
     num_sent_pages: int = field(init=False)  # pages below this are there whole, cached or copied
@@ -119,7 +129,7 @@ class FreePages:
 class PageCopy:
     """Pages one step sends to one target, for every layer as the forward finishes it."""
 
-    target: Any
+    target: HandoffTarget
     src: list[int] = field(default_factory=list)
     dst: list[int] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from nodeserve.core.handoff import Handoff, Migration
 from nodeserve.kv.manager import KVManager, hash_pages
@@ -49,6 +49,14 @@ class SeqChunk:
     want_logits: bool = True    # whether to return logits for the last token fed
 
 
+class PageLoad(Protocol):
+    """Pages a request's device fills from other devices or tiers before computing the rest (the runtime's
+    prefix_fetch.PrefixLoad); the scheduler only waits for it to end."""
+
+    @property
+    def num_pages(self) -> int: ...
+
+
 @dataclass(eq=False)
 class Seq:
     """A request's life on one device: its pages in this device's pool (taken by the router when it placed the
@@ -59,7 +67,7 @@ class Seq:
     handoff: Handoff | None = None
     migration: Migration | None = None
     num_published: int = -1  # its pages below this are in the prefix cache (-1: those it found there)
-    load: Any = None         # pages being filled from another tier (runtime.prefix_fetch.PrefixLoad), or None
+    load: PageLoad | None = None  # pages being filled from other devices or tiers first, or None
     ready: bool = True       # False until the load knows how many pages it fills (not scheduled until then)
 
 
@@ -96,6 +104,10 @@ class Scheduler:
         # Which waiting prompt goes first (core/prefill_order.py): order(waiting, running) -> (the prompts to run
         # first, in order; the rest, for steps with none of the first); None: oldest first.
         self.order: Callable[[Sequence[Seq], Sequence[Seq]], tuple[list[Seq], list[Seq]]] | None = None
+
+    def use_order(self, order: Callable[[Sequence[Seq], Sequence[Seq]], tuple[list[Seq], list[Seq]]]) -> None:
+        """The prefill order (core/prefill_order.py), once the cost model it predicts with is measured."""
+        self.order = order
 
     @property
     def idle(self) -> bool:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from nodeserve.device.base import Device, DeviceNameError, available_devices, parse_device_name, upload
 
 
-def make_device(name: str) -> Device:
+def make_device(name: str, on_thread_start: Callable[[], None] | None = None,
+                on_lend: Callable[[bool], None] | None = None) -> Device:
+    """The device `name` names; a CPU device with its core-lending hooks (CPUDevice), which a GPU has none of."""
     parsed = parse_device_name(name)
     if parsed.startswith("cpu:"):
         from nodeserve.device.cpu import CPUDevice
 
-        return CPUDevice(int(parsed[4:]))
+        return CPUDevice(int(parsed[4:]), on_thread_start, on_lend)
     from nodeserve.device.cuda import CUDADevice
 
     return CUDADevice(int(parsed[5:]))

@@ -48,14 +48,14 @@ def has_fast_bf16() -> bool:
 
 
 class CPUDevice(Device):
-    def __init__(self, core: int):
+    def __init__(self, core: int, on_thread_start: Callable[[], None] | None = None,
+                 on_lend: Callable[[bool], None] | None = None):
+        """Core lending (runtime/lending.py): on_thread_start runs in the worker thread (it borrows a helper there);
+        on_lend is called with True / False as the worker idles / works. None: this core lends nothing."""
         self.core = core
         self.name = f"cpu:{core}"
         self.torch_device = torch.device("cpu")
-        # Core lending (runtime/lending.py): set before the worker starts. on_thread_start: run in the worker
-        # thread (it borrows a helper there); on_lend: called with True / False as the worker idles / works.
-        self.on_thread_start: Callable[[], None] | None = None
-        self.on_lend: Callable[[bool], None] | None = None
+        self.on_thread_start, self.on_lend = on_thread_start, on_lend
 
     def init_worker_thread(self) -> None:
         # One core per worker: torch releases the GIL inside ops, so one thread per core is a real split.

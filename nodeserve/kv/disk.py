@@ -100,7 +100,8 @@ def _check_page(t: torch.Tensor, page_nbytes: int, what: str) -> None:
 class DiskTier:
     """Pages on disk, in an LRU index (hash -> file size) rebuilt by start() from a directory scan."""
 
-    def __init__(self, path: str, max_bytes: int, fingerprint: str, page_nbytes: int, max_queued: int = 1024):
+    def __init__(self, path: str, max_bytes: int, fingerprint: str, page_nbytes: int, max_queued: int = 1024,
+                 events: KVEventSink | None = None):
         if len(fingerprint) != 32:
             raise ValueError(f"fingerprint must be 32 hex chars, got {fingerprint!r}")
         if page_nbytes <= 0 or max_queued <= 0:
@@ -121,7 +122,7 @@ class DiskTier:
         self._queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(max_queued)
         self._thread: threading.Thread | None = None
         self._abandon = False  # stop() ran out of time: the writer discards what is left
-        self.events: KVEventSink | None = None  # told, under the lock, every page entering or leaving the index
+        self.events = events  # told, under the lock, every page entering or leaving the index
 
     def _header(self, h: bytes, payload) -> bytes:
         return HEADER.pack(MAGIC, self.fingerprint_bytes, h, self.page_nbytes, zlib.crc32(payload))

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from nodeserve.kv.manager import KVManager, OutOfPages
+from nodeserve.kv.manager import KVManager, KVObservers, OutOfPages
 from nodeserve.kv.pool import KVPool
 
 if TYPE_CHECKING:
     from nodeserve.kv.disk import DiskTier
+    from nodeserve.kv.events import KVEventSink
 
 FLUSH_CHUNK = 128  # pages copied in per disk flush at a stop: the disk queue drops pages past its bound
 STORE_AHEAD_WINDOW = 512  # write-back: the next pages to evict a pool keeps copied here ahead of time
@@ -36,14 +37,16 @@ MAX_EVICT_COPY_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}
 
 
 class HostTier:
-    def __init__(self, num_slots: int, pool: KVPool, pin: bool = False, disk: DiskTier | None = None):
-        """pool: any device pool, for the page shape and dtype (every pool shares them)."""
-        num_layers, _, two, page_size, heads, dim = pool.data.shape
+    def __init__(self, num_slots: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False,
+                 disk: DiskTier | None = None, events: KVEventSink | None = None):
+        """page_shape: a device pool's page, [num_layers, 2, page_size, kv heads, head dim] (every pool shares it,
+        and its dtype); events: told every hash entering or leaving this tier ([kv_events])."""
+        num_layers, two, page_size, heads, dim = page_shape
         self.page_size, self.num_layers, self.disk = page_size, num_layers, disk
         # empty, not zeros: on a CPU node only slots written take memory.
-        self.data = torch.empty(num_slots, num_layers, two, page_size, heads, dim, dtype=pool.dtype,
-                                pin_memory=pin)
-        self.index = KVManager(num_slots, page_size, prefix_cache=True)  # evictions need no copy: see store()
+        self.data = torch.empty(num_slots, num_layers, two, page_size, heads, dim, dtype=dtype, pin_memory=pin)
+        # evictions need no copy: see store()
+        self.index = KVManager(num_slots, page_size, prefix_cache=True, observers=KVObservers(events=events))
         self.page_nbytes = self.data[0].numel() * self.data.element_size()
         self._lock = threading.Lock()  # the counters, bumped from several threads
         self.num_stored_pages = 0     # pages copied in from a device pool
@@ -51,6 +54,16 @@ class HostTier:
         self.num_loaded_pages = 0     # pages copied out to a device pool
         self.num_hit_tokens = 0       # prompt tokens served from here instead of computed
         self.load_seconds = 0.0
+
+    @classmethod
+    def like(cls, num_slots: int, pool: KVPool, pin: bool = False, disk: DiskTier | None = None) -> HostTier:
+        """A host tier for pages of `pool`'s shape and dtype."""
+        num_layers, _, two, page_size, heads, dim = pool.data.shape
+        return cls(num_slots, (num_layers, two, page_size, heads, dim), pool.dtype, pin, disk)
+
+    def use_disk(self, disk: DiskTier) -> None:
+        """The disk tier below this one, once it is open (after warm-up: its fingerprint names the FP8 scales)."""
+        self.disk = disk
 
     @property
     def num_slots(self) -> int:

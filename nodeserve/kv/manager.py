@@ -18,6 +18,7 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 if TYPE_CHECKING:
@@ -41,12 +42,26 @@ def hash_pages(token_ids: Sequence[int], page_size: int, parent: bytes | None = 
     return hashes
 
 
+
+@dataclass(frozen=True)
+class KVObservers:
+    """Who hears of a page cache's pages, given to its KVManager when it is built."""
+
+    # with the (page, hash, tokens or None) of the pages an allocation evicts, under the manager's lock, before
+    # they are handed out: the host tier copies them out (kv/host.py). None: evicted KV is gone.
+    on_evict: Callable[[list[tuple[int, bytes, array | None]]], None] | None = None
+    # with the pages publish() entered and their hashes, outside the lock: the host tier's write-through.
+    on_publish: Callable[[list[int], list[bytes]], None] | None = None
+    events: KVEventSink | None = None  # every hash entering or leaving the cache ([kv_events])
+
 class KVManager:
     """Thread-safe: the router reserves from the event loop while workers and transfers free from their threads.
     The page-leak invariant lives here: `num_used` is 0 once every request has ended (tests and /debug/kv read
     it), and freeing a page twice or one never handed out raises."""
 
-    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = False):
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = False, observers: KVObservers | None = None):
+        """observers: who hears of this cache's pages (the host tier, the node's KV events); None: nobody."""
+        observers = observers or KVObservers()
         self.num_pages, self.page_size, self.prefix_cache = num_pages, page_size, prefix_cache
         self._free = deque(range(num_pages))
         self._refcount = [0] * num_pages
@@ -62,13 +77,7 @@ class KVManager:
         self.num_queried_tokens = 0  # prompt tokens looked up by allocate_prompt(), and how many were cached here
         self.num_hit_tokens = 0
         self.num_evictions = 0
-        # Called, under this manager's lock, with the (page, hash, tokens or None) of the pages an allocation
-        # evicts, before they are handed out: the host tier copies them out (kv/host.py). None: evicted KV is gone.
-        self.on_evict: Callable[[list[tuple[int, bytes, array | None]]], None] | None = None
-        # Called, outside the lock, with the pages publish() entered and their hashes: write-through.
-        self.on_publish: Callable[[list[int], list[bytes]], None] | None = None
-        # Told, under the lock, every hash entering or leaving the cache: the node's KV events ([kv_events]).
-        self.events: KVEventSink | None = None
+        self.on_evict, self.on_publish, self.events = observers.on_evict, observers.on_publish, observers.events
 
     @property
     def num_free(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from nodeserve.kv.manager import KVManager
+from nodeserve.kv.manager import KVManager, KVObservers
 from nodeserve.model.config import ModelConfig
 
 
@@ -35,7 +35,7 @@ class KVPool:
     """
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, observers: KVObservers | None = None):
         self.num_pages, self.page_size, self.dtype, self.device = num_pages, page_size, dtype, device
         # One allocation for all layers; zero-filled so padding reads see finite values.
         self.data = torch.zeros(cfg.num_layers, num_pages, 2, page_size, cfg.num_kv_heads, cfg.head_dim,
@@ -43,10 +43,14 @@ class KVPool:
         self.layers = list(self.data.unbind(0))
         self.k_scales = [1.0] * cfg.num_layers
         self.v_scales = [1.0] * cfg.num_layers
-        self.manager = KVManager(num_pages, page_size, prefix_cache)
+        self.manager = KVManager(num_pages, page_size, prefix_cache, observers)
         # Recorded on the owner's stream just before it frees pages: a transfer writing into pages it was handed
         # waits on it, so no earlier compute or copy still touches them (None on CPU, where streams are in order).
         self.freed_event = None
+
+    def use_scales(self, k_scales: list[float], v_scales: list[float]) -> None:
+        """FP8 KV: per-layer scales measured on another pool (every pool must read the raw bytes alike)."""
+        self.k_scales, self.v_scales = list(k_scales), list(v_scales)
 
     @property
     def is_fp8(self) -> bool:

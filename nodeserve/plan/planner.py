@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from nodeserve import goodput, workloads
 from nodeserve.core.cost_model import CostModel
 from nodeserve.core.placement import SloTarget, StepLimits
+from nodeserve.core.start import decode_prefill_chunk
 from nodeserve.plan.simulate import attainment, candidate_modes, predict_goodput
 from nodeserve.config import Config, ConfigError
 
@@ -140,7 +141,7 @@ def simulation_settings(config: Config, cost: CostModel) -> dict:
     devices = config_devices(config)
     return {"local_prefill_threshold": config.devices.local_prefill_threshold,
             "local_prefill_when_busy": config.devices.local_prefill_when_busy,
-            "decode_prefill_chunk": config.scheduler.prefill_with_decodes(devices[-1].split(":")[0]),
+            "decode_prefill_chunk": decode_prefill_chunk(config.scheduler, devices[-1].split(":")[0]),
             "prefill_order": config.scheduler.prefill_order,
             "capacity_tokens": config.kv.memory_gib * 2**30 / cost.kv_bytes_per_token if cost.kv_bytes_per_token
             else float("inf")}

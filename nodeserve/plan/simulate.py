@@ -32,14 +32,15 @@ from typing import NamedTuple, Sequence
 from nodeserve import goodput
 from nodeserve.core.admission import TooLarge
 from nodeserve.core.cost_model import CostModel, StepShape
-from nodeserve.core.handoff import Handoff, Migrate, Migration, MigrationOutcome, MigrationStep, next_migration_step
+from nodeserve.core.handoff import (Arrival, FreePages, Handoff, Migrate, Migration, MigrationOutcome, MigrationStep,
+                                    next_migration_step)
 from nodeserve.core.load import Role, SloTarget, StepLimits
 from nodeserve.core.placer import AdaptivePlacer, Placer, StaticPlacer
 from nodeserve.core.prefill_order import DeadlineOrder
 from nodeserve.core.request import Request, TokenEvent
 from nodeserve.core.roles import RoleChange
 from nodeserve.core.sampling_params import SamplingParams
-from nodeserve.core.scheduler import Batch, Scheduler, Seq, StepOutput, WorkerLimits
+from nodeserve.core.scheduler import Batch, PageLoad, Scheduler, Seq, StepOutput, WorkerLimits
 from nodeserve.kv.manager import KVManager
 from nodeserve.runtime.records import RecordLog
 from nodeserve.runtime.router import Router
@@ -113,8 +114,7 @@ class StepRecord(NamedTuple):
 
 
 class SimDevice:
-    """A virtual device: what the runtime's Router and runtime/loads.worker_load use of a Worker (name, role, limits,
-    scheduler, kv, num_outstanding_prefill_tokens, records, add_prefill, send), and its inbox of moves (handled
+    """A virtual device: a core.serving_unit.ServingUnit, as the runtime's Worker is, and its inbox of moves (handled
     between steps, as a worker does). What the router sends it is seen at a later event, as a worker sees what the
     event loop sends it, so the router is never re-entered from inside its own dispatch."""
 
@@ -127,9 +127,10 @@ class SimDevice:
         self.inbox: list[Migrate] = []
         self.migrating: list[Seq] = []   # its requests that were asked to move live (some may have ended)
         self.busy = False   # in a turn or a step: what arrives now is seen at its next turn
+        self.failure: str | None = None  # a virtual device never fails
 
-    def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None, load: None = None,
-                    num_own_pages: int = -1) -> None:
+    def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None,
+                    load: PageLoad | None = None, num_own_pages: int = -1) -> None:
         """As Worker.add_prefill; the simulator models no tier below the device pools (load is always None)."""
         self.num_outstanding_prefill_tokens += req.num_prompt_tokens
         self.scheduler.waiting.append(Seq(req, pages, handoff, num_published=num_own_pages))
@@ -137,9 +138,11 @@ class SimDevice:
         sim.prefill_dev, sim.decode_dev = self.name, (handoff.target if handoff else self).name
         self.sim._at(self.sim.now, self.sim._turn, self)
 
-    def send(self, msg: Migrate) -> None:
-        self.inbox.append(msg)
-        self.sim._at(self.sim.now, self.sim._turn, self)
+    def send(self, msg: Arrival | FreePages | Migrate | None) -> None:
+        """Only moves arrive here: the simulator copies no KV, so no page comes back to free and nothing lands."""
+        if isinstance(msg, Migrate):
+            self.inbox.append(msg)
+            self.sim._at(self.sim.now, self.sim._turn, self)
 
     def __repr__(self) -> str:
         return f"SimDevice({self.name!r}, {self.role!s})"
@@ -203,7 +206,8 @@ class Simulation:
         workers = list(self.devices.values())
         if self.prefill_order == "deadline":
             for d in workers:
-                d.scheduler.order = DeadlineOrder(d.name, self.slo, self.limits, lambda: self.cost, lambda: self.now)
+                d.scheduler.use_order(DeadlineOrder(d.name, self.slo, self.limits, lambda: self.cost,
+                                                    lambda: self.now))
         # The engine's own router, on the virtual clock; its queue limits are not modelled (no request refused
         # for them), its size checks are (TooLarge).
         self.router = Router([w for w in workers if w.role == Role.PREFILL],

@@ -3,44 +3,31 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import logging
-import socket
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
-
-from nodeserve.attention import auto_fallback, make_backend
-from nodeserve.attention.flashinfer_backend import FlashInferAttention
 from nodeserve.config import Config
-from nodeserve.device import make_device
-from nodeserve.runtime.memory import check_fits, weight_bytes
-from nodeserve.runtime.cuda_graphs import DecodeGraphs
-from nodeserve.runtime.model_runner import ModelRunner
 from nodeserve.core.admission import QueueFull, SloAdmission, TooLarge
 from nodeserve.core.handoff import MigrationOutcome
-from nodeserve.core.load import Role, SloTarget, StepLimits
-from nodeserve.core.placer import AdaptivePlacer, StaticPlacer
+from nodeserve.core.load import SloTarget, StepLimits
+from nodeserve.core.placer import AdaptivePlacer
 from nodeserve.core.prefill_order import DeadlineOrder
-from nodeserve.runtime.router import Router, role_changes_since
-from nodeserve.sampling.sampler import Sampler
-from nodeserve.runtime.transfer import KVTransfer
-from nodeserve.runtime.worker import FreePages, Worker, WorkerLimits
-from nodeserve.kv.events import KVEventLog, event_hash
-from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
-from nodeserve.runtime.kv_events import KVEventPublisher, default_topic
-from nodeserve.runtime.kv_tiers import KVTiers
-from nodeserve.runtime.lending import LEND_GAP_SHARE, CoreLending
-from nodeserve.runtime.loads import NodeLoad, decode_rate
-from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
-from nodeserve.model.llama import LlamaModel
-from nodeserve.model.loader import LoadedModel
 from nodeserve.core.request import Request, TokenEvent
-from nodeserve.runtime.stream import RequestStream
 from nodeserve.core.sampling_params import SamplingParams
+from nodeserve.kv.events import event_hash
+from nodeserve.model.loader import LoadedModel
+from nodeserve.runtime.kv_events import KVEventPublisher
+from nodeserve.runtime.kv_tiers import KVTiers
+from nodeserve.runtime.lending import CoreLending
+from nodeserve.runtime.loads import NodeLoad, decode_rate
+from nodeserve.runtime.node import NodeEvents, build_node
+from nodeserve.runtime.router import Router, role_changes_since
+from nodeserve.runtime.stream import RequestStream
+from nodeserve.runtime.transfer import KVTransfer
+from nodeserve.runtime.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -103,98 +90,17 @@ class Engine:
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Builds the node (runtime/node.py) and starts its threads."""
         self._loop = loop
-        cfg = self.config
-        dtype = self.loaded.model.dtype
-        limits = WorkerLimits(cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, self.max_model_len)
-        replicas: dict[torch.device, object] = {}
-
-        def make_worker(name: str, role: Role) -> Worker:
-            device = make_device(name)
-            kv_dtype = kv_cache_dtype(cfg.kv.dtype, dtype)
-            if device.torch_device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(device.torch_device)
-                kv_bytes = int(cfg.kv.memory_gib * 2**30)
-                check_fits(name, free, 0 if device.torch_device in replicas else weight_bytes(self.loaded.model),
-                           kv_bytes)
-            if device.torch_device not in replicas:
-                # CPU workers share one set of weights (read-only); each GPU gets its own replica.
-                replicas[device.torch_device] = self.loaded.model.to(device.torch_device) \
-                    if device.torch_device.type == "cpu" else copy.deepcopy(self.loaded.model).to(device.torch_device)
-            if cfg.kv.memory_gib == 0:  # CUDA only (config checks): what is free once the weights are there
-                free, _ = torch.cuda.mem_get_info(device.torch_device)
-                num_pages = kv_pages_for_device(free, cfg.kv.memory_headroom,
-                                                KVPool.bytes_per_page(self.loaded.config, cfg.kv.page_size, kv_dtype))
-            else:
-                num_pages = KVPool.num_pages_for_bytes(self.loaded.config, int(cfg.kv.memory_gib * 2**30),
-                                                       cfg.kv.page_size, kv_dtype)
-            pool = KVPool(self.loaded.config, num_pages, cfg.kv.page_size, kv_dtype, device.torch_device,
-                          cfg.kv.prefix_cache)
-            runner = build_runner(replicas[device.torch_device], pool, cfg.devices.attention,
-                                  cfg.devices.cuda_graphs and role is not Role.PREFILL, cfg.scheduler.max_num_seqs,
-                                  cfg.prompt_attention)
-            log.info("%s: %s attention (prompts: %s), %d KV pages of %s%s", name, type(runner.backend).__name__,
-                     runner.backend.prompt_kernel, num_pages, kv_dtype,
-                     ", CUDA graphs at warm-up" if runner.graphs is not None else "")
-            fallback = auto_fallback(cfg.devices.attention, device.torch_device, dtype)
-            if fallback is not None and fallback not in self.warnings:
-                log.warning(fallback)
-                self.warnings.append(fallback)
-            sampler = Sampler(device.torch_device, eos_token_ids=self.tokenizer.eos_token_ids)
-            own = limits
-            if role is Role.DECODE:
-                own = replace(limits, max_prefill_with_decodes=cfg.scheduler.prefill_with_decodes(
-                    device.torch_device.type))
-            return Worker(device, role, runner, sampler, self.tokenizer.eos_token_ids, own,
-                          self._emit_batch_threadsafe, self._released_threadsafe, self._migrated_threadsafe)
-
-        self.prefill_workers = [make_worker(n, Role.PREFILL) for n in cfg.prefill_devices]
-        adaptive = cfg.devices.mode == "adaptive"
-        role = Role.DECODE if self.prefill_workers else Role.ADAPTIVE if adaptive else Role.COLOCATED
-        self.decode_workers = [make_worker(n, role) for n in cfg.decode_devices]
-        # Prefill devices send to decode devices; decode devices to each other (a request moved between them, and
-        # in adaptive mode any device prefilling for another).
-        pairs = [(p, d) for p in self.prefill_workers + self.decode_workers for d in self.decode_workers if p is not d]
-        for p, d in pairs:
-            t = KVTransfer(p.device, p.pool, d.device, d.pool,
-                           lambda pages, read, p=p: p.send(FreePages(pages, read)), self.on_transfer)
-            p.transfers[d] = t
-            self.transfers.append(t)
-        self.router = Router(self.prefill_workers, self.decode_workers,
-                             cfg.devices.local_prefill_threshold, cfg.server.max_waiting,
-                             cfg.server.max_queued_tokens,
-                             StaticPlacer(cfg.devices.local_prefill_threshold, cfg.devices.local_prefill_when_busy))
-        if self.on_migration is not None:
-            self.router.on_migration = self.on_migration
-        self.router.on_placement_failed = self._placement_failed
-        if cfg.kv.prefix_cache:
-            self.tiers = KVTiers.build(cfg.kv, self.workers, self.router)
-            self.router.on_prefix_wait = self._arm_prefix_retry
-        if cfg.kv_events.enabled:  # before any page is published (config: it needs the prefix cache)
-            self.kv_events = self._start_kv_events()
-        if cfg.devices.lend_idle_cores:
-            self.lending = CoreLending.build([w.device for w in self.workers])
-            if self.lending is not None and cfg.devices.lend_between_steps:
-                self.lending.lend_between_steps(self.workers, LEND_GAP_SHARE * cfg.slo.tpot_s)
-        for t in self.transfers:
-            t.start()
-        for w in self.workers:
-            w.start()
-
-    def _start_kv_events(self) -> KVEventPublisher:
-        """Every device pool reports under its device's name, the host and disk tiers as "host" and "disk"."""
-        cfg = self.config
-        events = KVEventLog(cfg.kv.page_size)
-        for w in self.workers:
-            w.kv.events = events.sink(w.name)
-        self.tiers.events = events
-        if self.tiers.host is not None:
-            self.tiers.host.index.events = events.sink("host")
-        host = cfg.server.host if cfg.server.host not in ("", "0.0.0.0", "::") else socket.gethostname()
-        topic = cfg.kv_events.topic or default_topic(host, cfg.server.port, cfg.served_model_name)
-        publisher = KVEventPublisher(cfg.kv_events, topic, events)
-        publisher.start()
-        return publisher
+        node = build_node(self.config, self.loaded, self.max_model_len, NodeEvents(
+            self._emit_batch_threadsafe, self._released_threadsafe, self._migrated_threadsafe, self.on_transfer,
+            self.on_migration or (lambda outcome, downtime, num_pages: None), self._arm_prefix_retry,
+            self._placement_failed))
+        self.prefill_workers, self.decode_workers, self.transfers = node.prefill_workers, node.decode_workers, \
+            node.transfers
+        self.router, self.tiers, self.kv_events, self.lending = node.router, node.tiers, node.kv_events, node.lending
+        self.warnings = node.warnings
+        node.start()
 
     def warmup(self) -> None:
         """Before serving: FP8 KV scales for every FP8 pool, then on CUDA one prefill and decode per device
@@ -213,7 +119,7 @@ class Engine:
             ids = calibration_token_ids(self.tokenizer)
             calibrate_kv_scales(first.runner.model, first.pool, ids)
             for w in fp8_workers[1:]:
-                w.pool.k_scales, w.pool.v_scales = list(first.pool.k_scales), list(first.pool.v_scales)
+                w.pool.use_scales(first.pool.k_scales, first.pool.v_scales)
             log.info("FP8 KV scales from %d calibration tokens on %s in %.1fs: K %.3g to %.3g, V %.3g to %.3g",
                      len(ids), first.name, time.monotonic() - start, min(first.pool.k_scales),
                      max(first.pool.k_scales), min(first.pool.v_scales), max(first.pool.v_scales))
@@ -236,15 +142,15 @@ class Engine:
         limits = StepLimits(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
         slo = SloTarget(cfg.slo.ttft_s, cfg.slo.tpot_s, cfg.slo.ttft_per_token_s)
         cost = self.cost_model
-        placer = None
-        if cfg.devices.mode == "adaptive":
-            placer = self.router.placer = AdaptivePlacer(cost, limits, slo, [w.name for w in self.workers])
-        self.router.admission = SloAdmission(slo, cfg.slo.admission == "reject", cfg.slo.margin, limits, cost,
-                                             cfg.devices.local_prefill_threshold, placer)
+        placer = AdaptivePlacer(cost, limits, slo, [w.name for w in self.workers]) \
+            if cfg.devices.mode == "adaptive" else None
+        self.router.use_policy(SloAdmission(slo, cfg.slo.admission == "reject", cfg.slo.margin, limits, cost,
+                                            cfg.devices.local_prefill_threshold, placer), placer)
         if cfg.scheduler.prefill_order == "deadline":
             # Workers read the model as it stands (the router's thread refits it): a refit swaps whole lists.
             for w in self.workers:
-                w.scheduler.order = DeadlineOrder(w.name, slo, limits, lambda: self.profiler.model, time.monotonic)
+                w.scheduler.use_order(DeadlineOrder(w.name, slo, limits, lambda: self.profiler.model,
+                                                    time.monotonic))
 
     def cost_model(self):
         """The cost model as the profiler holds it, refitted from fresh step records at most once a second."""
@@ -424,16 +330,3 @@ class Engine:
     def num_pending(self) -> int:
         return self.router.num_pending if self.router else 0
 
-
-def build_runner(replica: LlamaModel, pool: KVPool, attention: str, cuda_graphs: bool,
-                 max_num_seqs: int, prompt_attention: str = "float32") -> ModelRunner:
-    """A device's step runner: the attention backend `attention` asks for (prompt_attention: see make_backend);
-    with FlashInfer, its norm, RoPE and SiLU kernels on the replica (set once, before any graph capture) and, if
-    `cuda_graphs`, decode graphs for batches up to max_num_seqs (captured at warm-up)."""
-    backend = make_backend(attention, pool, replica.cfg, replica.dtype, prompt_attention)
-    if not isinstance(backend, FlashInferAttention):
-        return ModelRunner(replica, backend)
-    if replica.dtype in FLASHINFER_OPS_DTYPES and not isinstance(replica.ops, FlashInferOps):
-        replica.use_kernels(FlashInferOps(replica.rope, replica.cfg.max_position_embeddings, pool.device))
-    graphs = DecodeGraphs(replica, backend, max_num_seqs) if cuda_graphs else None
-    return ModelRunner(replica, backend, graphs)

@@ -1,31 +1,37 @@
-"""KVTiers: puts the host and disk tiers under the device pools, and counts what they serve.
+"""KVTiers: the host and disk tiers under the device pools, and what they serve.
 
-Wires, for every device: its pool's evictions (or publications, with kv.host_write = "through") into the host
-tier, a loader thread that fills pages from other devices and tiers, and the router's prefix fetch. The disk
-tier starts after warm-up, when the FP8 scales its fingerprint names are known, and at a stop takes every page
-still cached on a device, so a restart finds it.
+host_tier() and tiered_pool() build the host tier and pools whose evictions (or publications, with kv.host_write
+= "through") go into it; the node's assembly (runtime/node.py) adds each device's loader thread, which fills pages
+from other devices and tiers, and the router's prefix fetch. The disk tier starts after warm-up, when the FP8
+scales its fingerprint names are known, and at a stop takes every page still cached on a device, so a restart
+finds it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from nodeserve.kv.disk import DiskTier, model_fingerprint
 from nodeserve.kv.host import STORE_AHEAD_WINDOW, HostTier
+from nodeserve.kv.manager import KVObservers
+from nodeserve.kv.pool import KVPool
 from nodeserve.runtime.kv_loader import KVLoader, LoadJob
 from nodeserve.runtime.prefix_fetch import PrefixFetch
 
 if TYPE_CHECKING:
+    import torch
+
     from nodeserve.config import Config, KVSection
-    from nodeserve.kv.events import KVEventLog
+    from nodeserve.device import Device
+    from nodeserve.kv.events import KVEventLog, KVEventSink
+    from nodeserve.model.config import ModelConfig
     from nodeserve.model.loader import LoadedModel
-    from nodeserve.runtime.router import Router
-    from nodeserve.runtime.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -98,73 +104,89 @@ def host_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def host_tier(kv: KVSection, pool_bytes: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+              events: KVEventSink | None = None) -> HostTier | None:
+    """The host tier below device pools of pool_bytes in all (kv.host_memory_gib), or None when it is off. Built
+    before the pools: they report their evictions (or publications) to it from the moment they exist."""
+    num_bytes = host_tier_bytes(kv.host_memory_gib, pool_bytes, host_ram_bytes())
+    if num_bytes <= 0:
+        return None
+    page_bytes = math.prod(page_shape) * dtype.itemsize
+    host = HostTier(max(1, num_bytes // page_bytes), page_shape, dtype, pin=pin, events=events)
+    log.info("KV host tier: %d pages (%.2f GiB%s), write-%s", host.num_slots, num_bytes / 2**30,
+             ", pinned" if pin else "", kv.host_write)
+    return host
+
+
+def tiered_pool(model: ModelConfig, num_pages: int, kv: KVSection, dtype: torch.dtype, device: torch.device,
+                host: HostTier | None, events: KVEventSink | None = None) -> KVPool:
+    """A device's pool whose cache reports to the host tier (its evictions, or with kv.host_write = "through" its
+    publications) and to the node's KV events."""
+    def on_publish(pages: list[int], hashes: list[bytes]) -> None:
+        host.store(pool, pages, hashes)
+
+    def on_evict(evicted: list) -> None:
+        host.store_evicted(pool, evicted)
+
+    through = kv.host_write == "through"
+    observers = KVObservers(on_evict if host is not None and not through else None,
+                            on_publish if host is not None and through else None, events)
+    pool = KVPool(model, num_pages, kv.page_size, dtype, device, kv.prefix_cache, observers)
+    return pool
+
+
 class KVTiers:
-    def __init__(self, workers: list[Worker], fetch: PrefixFetch, host: HostTier | None):
-        self.workers, self.fetch, self.host = workers, fetch, host
-        self.store_ahead: StoreAhead | None = None
+    """The tiers below the device pools, built by the node's assembly (runtime/node.py), and their counters."""
+
+    def __init__(self, devices: dict[str, Device], pools: dict[str, KVPool], wake: dict[str, Callable[[], None]],
+                 host: HostTier | None, kv: KVSection, events: KVEventLog | None = None):
+        """devices, pools: by device name; wake[name]() wakes that device's worker (a load it waits for is ready);
+        events: the node's KV events, which the disk tier reports to as well. Builds the router's prefix fetch,
+        each device's loader (runtime/kv_loader.py) and, for CPU pools with write-back, the store-ahead thread."""
+        self.pools, self.host, self.events = pools, host, events
+        self.fetch = PrefixFetch(pools, host)
+        self.loaders = {n: KVLoader(d, pools[n], self.fetch, wake[n], self.count) for n, d in devices.items()}
+        cpu_pools = [p for p in pools.values() if p.device.type == "cpu"]
+        self.store_ahead = StoreAhead(host, cpu_pools) if host is not None and kv.host_write != "through" \
+            and cpu_pools else None
         self.disk: DiskTier | None = None
-        self.events: KVEventLog | None = None  # the node's KV events, when on: the disk tier reports there too
-        self.disk_settings: tuple[str, float] = ("", 0.0)  # kv.disk_path, kv.disk_gib
+        self.disk_settings: tuple[str, float] = (kv.disk_path, kv.disk_gib)
         self.num_loaded_pages: Counter[str] = Counter()  # by source kind: device, host, disk
         self.load_seconds: Counter[str] = Counter()
 
-    @classmethod
-    def build(cls, kv: KVSection, workers: list[Worker], router: Router) -> KVTiers:
-        pools = [w.pool for w in workers]
-        pool_bytes = sum(p.data.numel() * p.data.element_size() for p in pools)
-        num_bytes = host_tier_bytes(kv.host_memory_gib, pool_bytes, host_ram_bytes())
-        host = None
-        if num_bytes > 0:
-            page_bytes = pools[0].data[:, 0].numel() * pools[0].data.element_size()
-            pin = any(p.device.type == "cuda" for p in pools)
-            host = HostTier(max(1, num_bytes // page_bytes), pools[0], pin=pin)
-            log.info("KV host tier: %d pages (%.2f GiB%s), write-%s", host.num_slots, num_bytes / 2**30,
-                     ", pinned" if pin else "", kv.host_write)
-            for w in workers:
-                if kv.host_write == "through":
-                    w.kv.on_publish = lambda pages, hashes, pool=w.pool: host.store(pool, pages, hashes)
-                else:
-                    w.kv.on_evict = lambda evicted, pool=w.pool: host.store_evicted(pool, evicted)
-        tiers = cls(workers, PrefixFetch(workers, host), host)
-        cpu_pools = [p for p in pools if p.device.type == "cpu"]
-        if host is not None and kv.host_write != "through" and cpu_pools:
-            tiers.store_ahead = StoreAhead(host, cpu_pools)
-            tiers.store_ahead.start()
-        router.fetch = tiers.fetch
-        for w in workers:
-            w.loader = KVLoader(w.device, w.pool, tiers.fetch, lambda w=w: w.send(None), tiers._count)
-            w.loader.start()
-        tiers.disk_settings = (kv.disk_path, kv.disk_gib)
-        return tiers
+    def start(self) -> None:
+        if self.store_ahead is not None:
+            self.store_ahead.start()
+        for loader in self.loaders.values():
+            loader.start()
 
     def start_disk(self, config: Config, loaded: LoadedModel) -> None:
         """Opens the disk tier (kv.disk_path, kv.disk_gib), if set: scans what earlier runs left there."""
         path, gib = self.disk_settings
         if not path or gib <= 0 or self.host is None:
             return
-        pool = self.workers[0].pool
+        pool = next(iter(self.pools.values()))
         scales = repr((pool.k_scales, pool.v_scales)) if pool.is_fp8 else ""
         fingerprint = model_fingerprint(loaded.path, loaded.config.architecture, str(loaded.model.dtype),
                                         str(pool.dtype), str(pool.page_size), config.quantization, scales)
-        self.disk = DiskTier(path, int(gib * 2**30), fingerprint, self.host.page_nbytes)
-        if self.events is not None:
-            self.disk.events = self.events.sink("disk")
+        self.disk = DiskTier(path, int(gib * 2**30), fingerprint, self.host.page_nbytes,
+                             events=self.events.sink("disk") if self.events is not None else None)
         self.disk.start()
-        self.host.disk = self.fetch.disk = self.disk
+        self.host.use_disk(self.disk)
+        self.fetch.use_disk(self.disk)
 
     def stop(self) -> None:
         if self.store_ahead is not None:
             self.store_ahead.stop()
-        for w in self.workers:
-            if w.loader is not None:
-                w.loader.stop()
+        for loader in self.loaders.values():
+            loader.stop()
         if self.disk is not None:
-            num = self.host.flush([w.pool for w in self.workers], STOP_FLUSH_S)
+            num = self.host.flush(list(self.pools.values()), STOP_FLUSH_S)
             self.disk.stop(STOP_FLUSH_S)
             log.info("KV disk tier: %d pages cached on the devices written at stop; %d files kept", num,
                      self.disk.num_files)
 
-    def _count(self, job: LoadJob, seconds: float) -> None:
+    def count(self, job: LoadJob, seconds: float) -> None:
         """A loader finished a job (from its thread)."""
         for run in job.load.runs:
             kind = run.source.split(":")[0]
@@ -172,7 +194,7 @@ class KVTiers:
             self.load_seconds[kind] += seconds
 
     def stats(self) -> list[TierStats]:
-        pools = [w.pool for w in self.workers]
+        pools = list(self.pools.values())
         page_bytes = pools[0].bytes_per_page_per_layer * len(pools[0].layers)
         fetched = self.num_loaded_pages["device"]
         out = [TierStats("device", sum(p.manager.num_usable for p in pools), sum(p.manager.num_used for p in pools),

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from nodeserve.core.load import Role
-from nodeserve.device.cpu import CPUDevice
 from nodeserve.kernels import native
 
 log = logging.getLogger(__name__)
@@ -39,41 +38,33 @@ class CoreLending:
     helpers: list[int] = field(default_factory=list)  # ns_helper pointers, one per device, pinned to its core
 
     @staticmethod
-    def build(devices: Sequence) -> CoreLending | None:
-        """Helpers for these devices' workers; None when there is nothing to lend (one device, a GPU among them,
-        or no native kernels). Call before the workers start."""
+    def build(device_names: Sequence[str]) -> CoreLending | None:
+        """Helpers for these devices, one pinned to each one's core; None when there is nothing to lend (one
+        device, a GPU among them, or no native kernels). Before the devices are built: they take hooks(i)."""
         kernels = native.load()
-        if len(devices) < 2 or not all(isinstance(d, CPUDevice) for d in devices) or kernels is None:
+        if len(device_names) < 2 or not all(n.startswith("cpu:") for n in device_names) or kernels is None:
             log.info("lend_idle_cores: nothing to lend (needs two or more CPU devices and the native kernels)")
             return None
         lending = CoreLending(kernels)
-        lib = kernels.lib
-        for d in devices:
-            h = lib.ns_helper_new(d.core)
+        for name in device_names:
+            h = kernels.lib.ns_helper_new(int(name[4:]))
             if not h:
                 lending.stop()
                 log.warning("lend_idle_cores: a helper thread could not start; cores are not lent")
                 return None
             lending.helpers.append(h)
-        for i, d in enumerate(devices):
-            borrowed, own = lending.helpers[lender_of(i, len(devices))], lending.helpers[i]
-            d.on_thread_start = lambda h=borrowed: lib.ns_helper_use(h)
-            d.on_lend = lambda idle, own=own, borrowed=borrowed: (lib.ns_helper_lend(own, int(idle)),
-                                                                  lib.ns_helper_want(borrowed, int(not idle)))
-        log.info("lend_idle_cores: %s", ", ".join(f"{d.name} borrows {devices[lender_of(i, len(devices))].name}'s "
-                                                  "core while it idles" for i, d in enumerate(devices)))
+        log.info("lend_idle_cores: %s", ", ".join(
+            f"{n} borrows {device_names[lender_of(i, len(device_names))]}'s core while it idles"
+            for i, n in enumerate(device_names)))
         return lending
 
-    def lend_between_steps(self, workers: Sequence, max_gap_s: float) -> None:
-        """Each decode worker whose core a prefill worker borrows lends it between its steps too (SlackLending).
-        workers: in the order of build's devices."""
-        for i, borrower in enumerate(workers):
-            w = workers[lender_of(i, len(workers))]
-            if w.role == Role.DECODE and borrower.role == Role.PREFILL:
-                w.slack_lending = SlackLending(lambda b=borrower: b.num_outstanding_prefill_tokens, max_gap_s)
-                log.info("lend_between_steps: %s lends its core to %s between steps while %s has %d or more "
-                         "prompt tokens queued (inter-token gaps up to %.0f ms)", w.name, borrower.name,
-                         borrower.name, MIN_BACKLOG_TOKENS, max_gap_s * 1000)
+    def hooks(self, i: int) -> tuple[Callable[[], None], Callable[[bool], None]]:
+        """Device i's (on_thread_start, on_lend) for its CPUDevice: its worker thread borrows the next device's
+        helper, and lends its own core's helper while it idles."""
+        lib = self.kernels.lib
+        borrowed, own = self.helpers[lender_of(i, len(self.helpers))], self.helpers[i]
+        return (lambda: lib.ns_helper_use(borrowed),
+                lambda idle: (lib.ns_helper_lend(own, int(idle)), lib.ns_helper_want(borrowed, int(not idle))))
 
     def num_jobs(self) -> list[int]:
         """Halves each helper has run (one per device, in build order)."""
@@ -84,6 +75,17 @@ class CoreLending:
         for h in self.helpers:
             self.kernels.lib.ns_helper_free(h)
         self.helpers = []
+
+
+def slack_lenders(roles: Sequence[tuple[str, Role]]) -> dict[str, str]:
+    """devices.lend_between_steps: each decode device whose core a prefill device borrows (lender_of) lends it
+    between its steps too. `roles`: (device, role) in the order lending was built; returns {lender: borrower}."""
+    pairs = {}
+    for i, (borrower, role) in enumerate(roles):
+        lender, lender_role = roles[lender_of(i, len(roles))]
+        if lender_role == Role.DECODE and role == Role.PREFILL:
+            pairs[lender] = borrower
+    return pairs
 
 
 @dataclass

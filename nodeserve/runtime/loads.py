@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from nodeserve.core.load import DeviceLoad
+from nodeserve.core.serving_unit import ServingUnit, StepRecords
 
 if TYPE_CHECKING:
     from nodeserve.core.request import Request
-    from nodeserve.runtime.worker import Worker
 
 @dataclass
 class NodeLoad:
@@ -38,7 +38,7 @@ class NodeLoad:
 PREFILL_WINDOW_S = 10.0  # a device's prefill share is measured over its steps of the last this many seconds
 
 
-def prefill_share(records, now: float, window: float = PREFILL_WINDOW_S) -> float:
+def prefill_share(records: StepRecords, now: float, window: float = PREFILL_WINDOW_S) -> float:
     """Share of the last `window` seconds spent in steps with prefill chunks, from a worker's step records."""
     busy = sum(r.end - max(r.start, now - window) for r in records.since(now - window) if r.num_prefill_tokens)
     return min(busy / window, 1.0)
@@ -49,7 +49,7 @@ def decode_rate(records, now: float, window: float = PREFILL_WINDOW_S) -> float:
     return sum(r.num_decodes for r in records.since(now - window)) / window
 
 
-def worker_load(w: Worker, now: float, seated: Sequence[Request], req: Request | None = None) -> DeviceLoad:
+def worker_load(w: ServingUnit, now: float, seated: Sequence[Request], req: Request | None = None) -> DeviceLoad:
     """A worker's live load; `seated`: the requests holding a decode seat there (placed there, or moving there);
     `req`: the request being placed, whose cached prefix there is counted. A decode row's context is its computed
     tokens, as the step records the cost model is fitted on count it (start_pos)."""
@@ -57,17 +57,17 @@ def worker_load(w: Worker, now: float, seated: Sequence[Request], req: Request |
     decoding = {s.req.request_id for s in running}
     incoming = [r for r in seated if r.request_id not in decoding and not r.finished]
     cached = len(w.kv.lookup(req.page_hashes, req.num_prompt_tokens)) * w.kv.page_size if req is not None else 0
-    dead = getattr(w, "failure", None) is not None  # nothing more is placed on a device taken for dead
+    dead = w.failure is not None  # nothing more is placed on a device taken for dead
     return DeviceLoad(w.name, w.role, w.num_outstanding_prefill_tokens, len(running),
                       sum(s.req.num_computed_tokens for s in running), 0 if dead else w.limits.max_num_seqs - len(seated),
                       prefill_share(w.records, now), 0 if dead else w.kv.num_free * w.kv.page_size,
                       len(incoming), sum(r.num_prompt_tokens for r in incoming), cached)
 
 
-def snapshot(workers: Iterable[Worker], seats: Iterable[tuple[Worker, Request]], now: float,
+def snapshot(workers: Iterable[ServingUnit], seats: Iterable[tuple[ServingUnit, Request]], now: float,
              req: Request | None = None) -> list[DeviceLoad]:
     """Every worker's load, in order; `seats`: (worker, request) for each decode seat held."""
-    seated: dict[Worker, list[Request]] = {}
+    seated: dict[ServingUnit, list[Request]] = {}
     for w, r in seats:
         seated.setdefault(w, []).append(r)
     return [worker_load(w, now, seated.get(w, []), req) for w in workers]

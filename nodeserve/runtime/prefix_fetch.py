@@ -9,7 +9,7 @@ other request is still computing is "in flight": core.prefix says whether to wai
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping
 
 from nodeserve.core.prefix import PrefixSources
 
@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from nodeserve.kv.disk import DiskTier
     from nodeserve.kv.host import HostTier
     from nodeserve.kv.pool import KVPool
-    from nodeserve.runtime.worker import Worker
 
 
 @dataclass
@@ -46,31 +45,38 @@ class PrefixLoad:
 
 
 class PrefixFetch:
-    def __init__(self, workers: Sequence[Worker], host: HostTier | None = None, disk: DiskTier | None = None):
-        self.workers, self.host, self.disk = list(workers), host, disk
+    def __init__(self, pools: Mapping[str, KVPool], host: HostTier | None = None, disk: DiskTier | None = None):
+        """pools: every device's pool, by device name."""
+        self.pools, self.host, self.disk = dict(pools), host, disk
 
-    def sources(self, req: Request, worker: Worker, start: int) -> PrefixSources:
-        """How far each source would extend the prefix `worker` holds (its first `start` pages), and how many
+    def use_disk(self, disk: DiskTier) -> None:
+        """The disk tier, once it is open (after warm-up)."""
+        self.disk = disk
+
+    def sources(self, req: Request, device: str, start: int) -> PrefixSources:
+        """How far each source would extend the prefix `device` holds (its first `start` pages), and how many
         pages past that other requests are computing now. Holds nothing."""
-        hashes, limit = req.page_hashes, loadable_pages(req, worker.kv.page_size)
+        hashes, limit = req.page_hashes, loadable_pages(req, self.pools[device].page_size)
         pos = start
-        other = max((len(w.kv.lookup(hashes[pos:limit])) for w in self.workers if w is not worker), default=0)
+        other = max((len(p.manager.lookup(hashes[pos:limit])) for name, p in self.pools.items() if name != device),
+                    default=0)
         pos += other
         host = len(self.host.index.lookup(hashes[pos:limit])) if self.host is not None else 0
         pos += host
         disk = self.disk.match(hashes[pos:limit]) if self.disk is not None else 0
         pos += disk
-        in_flight = max((w.kv.num_in_flight(hashes[pos:limit]) for w in self.workers), default=0)
+        in_flight = max((p.manager.num_in_flight(hashes[pos:limit]) for p in self.pools.values()), default=0)
         return PrefixSources(start, other, host, disk, in_flight)
 
-    def acquire(self, req: Request, worker: Worker, start: int) -> PrefixLoad | None:
-        """Holds the sources of the pages past `start` that `worker` lacks; None if there are none."""
-        hashes, limit = req.page_hashes, loadable_pages(req, worker.kv.page_size)
-        runs, pos = [], start
-        best = max((w for w in self.workers if w is not worker),
-                   key=lambda w: len(w.kv.lookup(hashes[pos:limit])), default=None)
-        if best is not None and (pages := best.kv.share_prefix(hashes[pos:limit])):
-            runs.append(LoadRun(pos, pages, best.pool, f"device:{best.name}"))
+    def acquire(self, req: Request, device: str, start: int) -> PrefixLoad | None:
+        """Holds the sources of the pages past `start` that `device` lacks; None if there are none."""
+        hashes, limit = req.page_hashes, loadable_pages(req, self.pools[device].page_size)
+        runs: list[LoadRun] = []
+        pos = start
+        best = max((name for name in self.pools if name != device),
+                   key=lambda name: len(self.pools[name].manager.lookup(hashes[pos:limit])), default=None)
+        if best is not None and (pages := self.pools[best].manager.share_prefix(hashes[pos:limit])):
+            runs.append(LoadRun(pos, pages, self.pools[best], f"device:{best}"))
             pos += len(pages)
         if self.host is not None and (slots := self.host.hold(hashes[pos:limit])):
             runs.append(LoadRun(pos, slots, None, "host"))

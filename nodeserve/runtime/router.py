@@ -25,13 +25,13 @@ from nodeserve.core.placer import Decision, Placer, Seated, StaticPlacer, plan_m
 from nodeserve.core.prefix import wait_for_prefix
 from nodeserve.core.request import Request
 from nodeserve.core.roles import RoleChange
+from nodeserve.core.serving_unit import ServingUnit
 from nodeserve.kv.manager import hash_pages
 from nodeserve.kv.reservation import Reservation, reserve_prompt, reserve_tokens
 from nodeserve.runtime.loads import snapshot
 
 if TYPE_CHECKING:
     from nodeserve.runtime.prefix_fetch import PrefixFetch
-    from nodeserve.runtime.worker import Worker
 
 __all__ = ["QueueFull", "Router", "TooLarge"]
 
@@ -41,13 +41,22 @@ MAX_ROLE_CHANGES = 10_000  # kept for /debug/steps (the timeline); older ones ar
 
 
 class Router:
-    def __init__(self, prefill_workers: list[Worker], decode_workers: list[Worker],
+    def __init__(self, prefill_workers: list[ServingUnit], decode_workers: list[ServingUnit],
                  local_prefill_threshold: int, max_waiting: int, max_queued_tokens: int,
                  placer: Placer | None = None, admission: SloAdmission | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        """Workers: anything with a worker's name, role, limits, kv, scheduler, records, prefill backlog,
-        add_prefill() and send(): the engine's threads, or the simulator's virtual devices (plan/simulate.py),
-        which run this same router on a virtual `clock`."""
+                 clock: Callable[[], float] = time.monotonic, fetch: PrefixFetch | None = None,
+                 on_migration: Callable[[str, float, int], None] = lambda outcome, downtime, num_pages: None,
+                 on_prefix_wait: Callable[[], None] = lambda: None,
+                 on_placement_failed: Callable[[Request], None] = lambda req: None):
+        """The devices are serving units (core/serving_unit.py): the engine's workers, or the simulator's virtual
+        devices (plan/simulate.py), which run this same router on a virtual `clock`.
+
+        fetch: where prompt pages a device lacks can be loaded from (other devices, the host and disk tiers); None:
+        each device's own prefix cache only. on_migration(outcome, downtime seconds, pages copied): a move ended
+        (metrics). on_prefix_wait(): a request was put off for a prefix another is computing; the engine arms a
+        retry, since those pages can also be freed unpublished (their request aborted) by a worker thread, with no
+        event reaching the router. on_placement_failed(req): its placement raised; the engine ends it with an
+        error event."""
         self.prefill_workers, self.decode_workers = prefill_workers, decode_workers
         self.workers = {w.name: w for w in prefill_workers + decode_workers}
         self.local_prefill_threshold, self.max_waiting = local_prefill_threshold, max_waiting
@@ -57,25 +66,27 @@ class Router:
         self.clock = clock
         self.pending: PendingQueue[Request] = PendingQueue()
         self.page_size = decode_workers[0].kv.page_size  # one page size on every device (kv.page_size)
-        self.placements: dict[str, Worker] = {}  # request id -> its decode worker, from placement to release
+        self.placements: dict[str, ServingUnit] = {}  # request id -> its decode worker, from placement to release
         self.placed: dict[str, Request] = {}     # request id -> the request, for the same time
-        self.moving: dict[str, Worker] = {}      # request id -> the worker it is moving to (a seat held there too)
-        self.num_seats_taken: Counter[Worker] = Counter()  # per worker: decode seats held, moves included
+        self.moving: dict[str, ServingUnit] = {}      # request id -> the worker it is moving to (a seat held there too)
+        self.num_seats_taken: Counter[ServingUnit] = Counter()  # per worker: decode seats held, moves included
         self.role_changes: deque[RoleChange] = deque(maxlen=MAX_ROLE_CHANGES)
         self.num_role_changes: Counter[str] = Counter()
         self.num_migrations: Counter[str] = Counter()  # by MigrationOutcome
         self.migration_downtimes: deque[float] = deque(maxlen=10_000)  # seconds, of moves that resumed
-        self.on_migration = lambda outcome, downtime, num_pages: None  # metrics hook
-        self.fetch: PrefixFetch | None = None  # prefixes from other devices and tiers (engine-set; None: own only)
+        self.on_migration, self.on_prefix_wait, self.on_placement_failed = on_migration, on_prefix_wait, \
+            on_placement_failed
+        self.fetch = fetch
         self.num_prefix_waits = 0  # placements put off for a prefix another request was computing
         self.num_prefix_queried_tokens = 0  # prompt tokens placed, and of them those any cache tier held
         self.num_prefix_hit_tokens = 0
         self.waiting_for_prefix = False  # some request was put off so at the last dispatch: retry as pages publish
-        # Called when a request is put off for a prefix: the engine arms a retry, since the pages it waits for can
-        # also be freed unpublished (their request aborted) by a worker thread, with no event reaching the router.
-        self.on_prefix_wait: Callable[[], None] = lambda: None
-        # Ends a request whose placement raised (the engine sends it an error event).
-        self.on_placement_failed: Callable[[Request], None] = lambda req: None
+
+    def use_policy(self, admission: SloAdmission | None, placer: Placer | None = None) -> None:
+        """The policy measured at start-up (the profile): SLO admission and, in adaptive mode, the placer."""
+        self.admission = admission
+        if placer is not None:
+            self.placer = placer
 
     @property
     def num_queued_tokens(self) -> int:
@@ -161,7 +172,7 @@ class Router:
                             "collision): it left the cache, and the request computes that part itself",
                             name, req.request_id)
         if self.fetch is not None:
-            sources = self.fetch.sources(req, prefill, len(prefill.kv.lookup(hashes, n)))
+            sources = self.fetch.sources(req, prefill.name, len(prefill.kv.lookup(hashes, n)))
             if wait_for_prefix(sources):
                 self.num_prefix_waits += 1
                 self.waiting_for_prefix = True
@@ -180,14 +191,14 @@ class Router:
             raise
         return True
 
-    def _send(self, req: Request, decode: Worker, prefill: Worker, reservation: Reservation) -> None:
+    def _send(self, req: Request, decode: ServingUnit, prefill: ServingUnit, reservation: Reservation) -> None:
         """Records the placement, holds what the prompt can load from elsewhere, and sends the prompt."""
         own = reservation.num_own_cached_tokens
         self.placements[req.request_id], self.placed[req.request_id] = decode, req
         self.num_seats_taken[decode] += 1
         # After the allocation, which may have evicted some of them: the load starts where the pool's own
         # prefix ends, and holds what is still there.
-        load = self.fetch.acquire(req, prefill, own // self.page_size) if self.fetch is not None else None
+        load = self.fetch.acquire(req, prefill.name, own // self.page_size) if self.fetch is not None else None
         req.cached_from = {"device": own} if own else {}
         for run in load.runs if load is not None else ():
             req.cached_from[run.source] = req.cached_from.get(run.source, 0) + len(run.src) * self.page_size
@@ -230,7 +241,7 @@ class Router:
             if moved:
                 log.info("adaptive: %d requests move from %s to decode elsewhere", moved, name)
 
-    def move_decodes(self, source: Worker) -> int:
+    def move_decodes(self, source: ServingUnit) -> int:
         """`source` was just dedicated to prefill: every request holding a decode seat there moves to an adaptive
         device with a seat and room for it (core.placer.plan_moves), live. Returns how many moves started."""
         seated = [Seated(rid, source.kv.pages_for(self.placed[rid].max_total_tokens) * self.page_size)
@@ -239,7 +250,7 @@ class Router:
         moves = plan_moves(seated, self.loads(self.clock()))
         return sum(self.migrate(self.placed[rid], self.workers[target]) for rid, target in moves)
 
-    def migrate(self, req: Request, target: Worker, live: bool = True) -> bool:
+    def migrate(self, req: Request, target: ServingUnit, live: bool = True) -> bool:
         """Starts moving a placed request's decode to `target`, whose pages for it are reserved now. Its source
         decides between two steps how it goes (on_migrated says). False if it cannot start."""
         source = self.placements.get(req.request_id)

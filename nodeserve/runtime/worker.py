@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 
@@ -65,19 +65,25 @@ class Worker:
                  eos_token_ids: frozenset[int], limits: WorkerLimits,
                  emit_batch: Callable[[list[tuple[Request, TokenEvent]]], None],
                  on_released: Callable[[list[Request]], None],
-                 on_migrated: Callable[[Request, MigrationOutcome, float, int], None] = lambda *args: None):
+                 on_migrated: Callable[[Request, MigrationOutcome, float, int], None] = lambda *args: None,
+                 inbox: queue.SimpleQueue | None = None, transfers: Mapping[str, KVTransfer] | None = None,
+                 loader: KVLoader | None = None, slack_lending: SlackLending | None = None):
         """emit_batch(events), on_released(requests whose decode pages are given back) and on_migrated(request,
-        outcome, downtime seconds, pages copied) of a move that ended are called from this worker's thread."""
+        outcome, downtime seconds, pages copied) of a move that ended are called from this worker's thread.
+
+        inbox: where send() puts messages, made before this worker when others (its transfers, its loader) must
+        reach it; transfers: by target device name, on a worker that prefills for others; loader: fills pages from
+        other devices and tiers (None: no tiers); slack_lending: a decode worker lending its core between steps."""
         self.device, self.role, self.runner, self.sampler = device, role, runner, sampler
         self.pool = runner.pool
         self.kv = runner.pool.manager  # this device's pages: the router reserves here, this worker frees
         self.limits = limits
         self.scheduler = Scheduler(self.kv, limits, eos_token_ids, free=self._give_back)
         self._emit_batch, self._on_released, self._on_migrated = emit_batch, on_released, on_migrated
-        self.transfers: dict[Worker, KVTransfer] = {}  # decode worker -> transfer, on workers that prefill for others
-        self.loader: KVLoader | None = None            # fills pages from other tiers (engine-set; None: no tiers)
+        self.transfers = dict(transfers or {})
+        self.loader, self.slack_lending = loader, slack_lending
         self._loads: dict[Seq, LoadJob] = {}           # requests here whose pages are being filled
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue = inbox if inbox is not None else queue.SimpleQueue()
         self._lock = threading.Lock()
         self.num_outstanding_prefill_tokens = 0        # router's load signal for prefill placement
         self.num_batch_failures = 0                    # batched forwards that raised (/metrics)
@@ -87,7 +93,6 @@ class Worker:
         self.records = RecordLog(StepRecord, MAX_STEP_RECORDS)
         self._last_turn = time.monotonic()             # for the watchdog: updated every loop turn
         self._step_start = 0.0                         # when the last step started
-        self.slack_lending: SlackLending | None = None  # decode role: lends its core between steps (engine-set)
         self.lent_seconds = 0.0                        # spent lent between steps (/metrics)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"worker {device.name}", daemon=True)
@@ -244,7 +249,7 @@ class Worker:
                 self._release_target(m.handoff)
                 self._on_migrated(req, MigrationOutcome.NO_CONVERGENCE, 0.0, m.handoff.num_copied_pages)
                 continue
-            h, transfer = m.handoff, self.transfers[m.handoff.target]
+            h, transfer = m.handoff, self.transfers[m.handoff.target.name]
             if step is MigrationStep.STOP:  # copy the rest, partial page included, and hand it off
                 self.scheduler.running.remove(seq)
                 seq.handoff, seq.migration = h, None
@@ -267,7 +272,7 @@ class Worker:
         first = h.num_sent_pages
         if end <= first:
             return
-        transfer = self.transfers[h.target]
+        transfer = self.transfers[h.target.name]
         pages = transfer.page_indices(seq.page_table[first:end], h.pages[first:end], (seq.req.request_id,))
         for layer in range(len(self.pool.layers)):
             transfer.copy_layer(layer, pages)
@@ -276,7 +281,7 @@ class Worker:
 
     def _release_target(self, h: Handoff) -> None:
         """Gives a move's pages on the target back, after every copy already queued into them."""
-        self.transfers[h.target].after_copies(lambda landed: h.target.send(FreePages(h.pages, landed)))
+        self.transfers[h.target.name].after_copies(lambda landed: h.target.send(FreePages(h.pages, landed)))
 
     # ---- steps ---------------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -409,7 +414,7 @@ class Worker:
         """Per-layer copy of the pages each remote-bound prefill chunk writes, started as soon as the layer is done."""
         if not plan.copies:
             return None
-        page_maps = [(self.transfers[c.target], self.transfers[c.target].page_indices(c.src, c.dst,
+        page_maps = [(self.transfers[c.target.name], self.transfers[c.target.name].page_indices(c.src, c.dst,
                                                                                          tuple(c.request_ids)))
                      for c in plan.copies]
 
@@ -442,7 +447,7 @@ class Worker:
         freed, and its target receives it (or, if it ended or a copy failed, frees its pages there)."""
         h, req = seq.handoff, seq.req
         src, seq.page_table = seq.page_table, []
-        self.transfers[h.target].finish(
+        self.transfers[h.target.name].finish(
             req.request_id, src, lambda landed, error: h.target.send(
                 Arrival(req, h.pages, h.num_cached_pages, landed, error, migrated_at, h.num_copied_pages)),
             h.num_copied_pages, h.num_cached_pages)

@@ -30,7 +30,7 @@ def test_host_slots_are_pinned_and_copies_are_byte_exact_both_ways(gguf_path):
 
     loaded = load_model(gguf_path, torch.bfloat16)
     pool = _pool(loaded, 32, "cuda:0")
-    host = HostTier(16, pool, pin=True)
+    host = HostTier.like(16, pool, pin=True)
     assert host.data.is_pinned()
     hashes = hash_pages(list(range(8 * 16)), 16)
     pages = pool.manager.allocate(8)

@@ -48,7 +48,7 @@ def _release_all(host: HostTier, pool: KVPool, slots: list[int], taken: list[int
 
 def test_a_page_evicted_from_a_pool_keeps_its_kv_in_the_host_tier():
     pool = _pool(4)
-    host = HostTier(16, pool)
+    host = HostTier.like(16, pool)
     pool.manager.on_evict = lambda evicted: host.store_evicted(pool, evicted)
     pages, hashes = _publish(pool, list(range(16)))        # 4 pages, cached
     before = pool.data[:, pages].clone()
@@ -65,7 +65,7 @@ def test_a_page_evicted_from_a_pool_keeps_its_kv_in_the_host_tier():
 
 def test_an_eviction_copies_at_most_its_byte_budget_keeping_the_most_recently_used_pages():
     pool = _pool(8)
-    host = HostTier(32, pool)
+    host = HostTier.like(32, pool)
     pool.manager.on_evict = lambda evicted: host.store_evicted(pool, evicted, max_bytes=3 * host.page_nbytes)
     _, old = _publish(pool, list(range(16)))          # 4 pages, freed first: least recently used
     _, new = _publish(pool, list(range(100, 116)))    # 4 more, freed after them
@@ -79,7 +79,7 @@ def test_an_eviction_copies_at_most_its_byte_budget_keeping_the_most_recently_us
 
 def test_a_slot_held_by_a_load_is_never_evicted_under_it():
     pool = _pool(8)
-    host = HostTier(4, pool)
+    host = HostTier.like(4, pool)
     _, first = _publish(pool, list(range(16)))
     host.store(pool, *zip(*pool.manager.cached_pages()))
     held = host.hold(first[:2])
@@ -103,14 +103,14 @@ def test_write_through_sees_every_published_page_once():
 
 def test_disk_pages_come_back_through_held_host_slots_and_a_bad_one_ends_the_run(tmp_path):
     pool = _pool(8)
-    host = HostTier(8, pool)
+    host = HostTier.like(8, pool)
     disk = DiskTier(str(tmp_path), 10 * host.page_nbytes, "ab" * 16, host.page_nbytes)
     disk.start()
     host.disk = disk
     pages, hashes = _publish(pool, list(range(16)))
     host.store(pool, pages, hashes)
     assert disk.flush(10)
-    fresh = HostTier(8, pool, disk=disk)  # a restart: nothing in host memory
+    fresh = HostTier.like(8, pool, disk=disk)  # a restart: nothing in host memory
     with open(f"{disk.dir}/{hashes[2].hex()}.kvp", "r+b") as f:  # a bad third page (garbage header)
         f.write(b"garbage")
     slots = fresh.read_from_disk(hashes)
@@ -163,7 +163,7 @@ def test_drop_cached_frees_every_unheld_cached_page_and_keeps_held_ones():
 
 def test_store_ahead_copies_the_next_pages_to_evict_so_their_eviction_copies_nothing():
     pool = _pool(8)
-    host = HostTier(32, pool)
+    host = HostTier.like(32, pool)
     pool.manager.on_evict = lambda evicted: host.store_evicted(pool, evicted)
     old_pages, old_hashes = _publish(pool, list(range(16)))         # 4 pages, least recently used
     new_pages, new_hashes = _publish(pool, list(range(100, 116)))   # 4 more, cached after them
@@ -180,7 +180,7 @@ def test_store_ahead_copies_the_next_pages_to_evict_so_their_eviction_copies_not
 
 def test_store_ahead_leaves_pages_someone_holds():
     pool = _pool(8)
-    host = HostTier(32, pool)
+    host = HostTier.like(32, pool)
     pages, hashes = _publish(pool, list(range(16)))
     held = pool.manager.share_prefix(hashes)                         # a request shares the prefix again
     assert host.store_ahead(pool) == 0
@@ -190,7 +190,7 @@ def test_store_ahead_leaves_pages_someone_holds():
 
 def test_pages_carry_their_tokens_into_the_host_tier_so_a_colliding_prompt_cannot_take_them():
     pool = _pool(8)
-    host = HostTier(32, pool)
+    host = HostTier.like(32, pool)
     pool.manager.on_evict = lambda evicted: host.store_evicted(pool, evicted)
     tokens = list(range(16))
     hashes = hash_pages(tokens, PAGE)

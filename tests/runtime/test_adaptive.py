@@ -27,7 +27,7 @@ def _install_placer(engine: Engine, long_from: int) -> AdaptivePlacer:
     tpot = (long_from - 0.5) * SECONDS_PER_PROMPT_TOKEN / LONG_PREFILL_TPOTS
     placer = AdaptivePlacer(lambda: cost, StepLimits(48, 64), SloTarget(1000.0, tpot), [w.name for w in engine.workers])
     placer.policy.window_s, placer.policy.hold_s, placer.policy.idle_s = 0.5, 0.0, 0.5
-    engine.router.placer = placer
+    engine.router.use_policy(engine.router.admission, placer)
     return placer
 
 

@@ -19,7 +19,7 @@ from nodeserve.core.sampling_params import SamplingParams
 
 
 class StubWorker:
-    """What the router reads and calls on a worker."""
+    """A serving unit (core/serving_unit.py): what the router reads and calls on a worker."""
 
     def __init__(self, name: str, num_pages: int, max_num_seqs: int = 64, role: Role = Role.DECODE):
         self.name, self.role = name, role
@@ -30,6 +30,7 @@ class StubWorker:
         self.send = self.sent.append
         self.limits = WorkerLimits(max_num_seqs, 1024, 8192)
         self.num_outstanding_prefill_tokens = 0
+        self.failure = None
         self.prefills: list[tuple[Request, list[int], Handoff | None]] = []
 
     def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None, load=None,

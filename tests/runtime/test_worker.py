@@ -135,8 +135,8 @@ def test_a_remote_prefill_copies_each_page_the_decode_device_lacks_once_and_neve
         def page_indices(self, src, dst, ids):
             copies.append((list(src), list(dst)))
 
-    target = object()
-    worker.transfers[target] = Transfer()
+    target = SimpleNamespace(name="cpu:9")
+    worker.transfers[target.name] = Transfer()
     req = Request("r", list(range(1, 121)), SamplingParams(max_tokens=4))  # 7 full pages of 16 and 8 tokens
     seq = Seq(req, list(range(8)), Handoff(target, list(range(100, 108)), num_cached_pages=6))
     chunks = []
@@ -189,7 +189,7 @@ def _migrating_worker():
     jobs, outcomes = [], []
     worker._on_migrated = lambda req, outcome, downtime, pages: outcomes.append((req.request_id, outcome))
     target = Target()
-    worker.transfers[target] = transfer = RecordingTransfer(jobs)
+    worker.transfers[target.name] = transfer = RecordingTransfer(jobs)
     return worker, runner, target, transfer, jobs, outcomes
 
 

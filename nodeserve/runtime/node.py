@@ -1,0 +1,223 @@
+"""The node's assembly: every object the engine runs, built in dependency order, each given what it needs in its
+constructor. Read top to bottom, build_node() is the node: what each device starts as (core/start.py), core lending,
+the devices and their model replicas, the KV event log, the host tier, the pools, the transfers between them, the
+prefix fetch and loaders, the workers, the router, the tiers and the event publisher.
+
+Nothing here is set on an object after it is built: where two objects need each other (a worker and the transfers
+that free its pages, or the loader that wakes it), the shared part (its inbox) is built first."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import queue
+import socket
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from nodeserve.attention import auto_fallback, make_backend
+from nodeserve.attention.flashinfer_backend import FlashInferAttention
+from nodeserve.config import Config
+from nodeserve.core.handoff import FreePages, MigrationOutcome
+from nodeserve.core.load import Role
+from nodeserve.core.placer import StaticPlacer
+from nodeserve.core.request import Request, TokenEvent
+from nodeserve.core.start import DeviceStart, start_plan
+from nodeserve.device import Device, make_device
+from nodeserve.kv.events import KVEventLog
+from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
+from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
+from nodeserve.model.llama import LlamaModel
+from nodeserve.model.loader import LoadedModel
+from nodeserve.runtime.cuda_graphs import DecodeGraphs
+from nodeserve.runtime.kv_events import KVEventPublisher, default_topic
+from nodeserve.runtime.kv_tiers import KVTiers, host_tier, tiered_pool
+from nodeserve.runtime.lending import LEND_GAP_SHARE, MIN_BACKLOG_TOKENS, CoreLending, SlackLending, slack_lenders
+from nodeserve.runtime.memory import check_fits, weight_bytes
+from nodeserve.runtime.model_runner import ModelRunner
+from nodeserve.runtime.router import Router
+from nodeserve.runtime.transfer import KVTransfer
+from nodeserve.runtime.worker import Worker
+from nodeserve.sampling.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeEvents:
+    """What the engine hears from the node: from worker threads, a batch of token events, requests whose decode
+    pages are back, a move that ended; from transfer threads, a handed-off request's copy; from the router (event
+    loop), a move's outcome, a request put off for a prefix, a placement that raised."""
+
+    emit_batch: Callable[[list[tuple[Request, TokenEvent]]], None]
+    released: Callable[[list[Request]], None]
+    migrated: Callable[[Request, MigrationOutcome, float, int], None]
+    on_transfer: Callable[[float, int, int], None] | None
+    on_migration: Callable[[str, float, int], None]
+    on_prefix_wait: Callable[[], None]
+    on_placement_failed: Callable[[Request], None]
+
+
+@dataclass
+class Node:
+    prefill_workers: list[Worker]
+    decode_workers: list[Worker]
+    transfers: list[KVTransfer]
+    router: Router
+    tiers: KVTiers | None
+    kv_events: KVEventPublisher | None
+    lending: CoreLending | None
+    warnings: list[str] = field(default_factory=list)  # said at start and shown in /health
+
+    @property
+    def workers(self) -> list[Worker]:
+        return self.prefill_workers + self.decode_workers
+
+    def start(self) -> None:
+        """Starts every thread: tiers' loaders, the event publisher, the transfers, then the workers."""
+        if self.tiers is not None:
+            self.tiers.start()
+        if self.kv_events is not None:
+            self.kv_events.start()
+        for t in self.transfers:
+            t.start()
+        for w in self.workers:
+            w.start()
+
+
+def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: NodeEvents) -> Node:
+    cfg, model = config, loaded.model
+    starts = start_plan(cfg, max_model_len)
+    names = [s.name for s in starts]
+    lending = CoreLending.build(names) if cfg.devices.lend_idle_cores else None
+    devices = {n: make_device(n, *(lending.hooks(i) if lending is not None else ())) for i, n in enumerate(names)}
+    replicas = model_replicas(model, devices.values(), cfg.kv.memory_gib)
+    kv_dtype = kv_cache_dtype(cfg.kv.dtype, model.dtype)
+    num_pages = {n: kv_pages(cfg, loaded, d, kv_dtype) for n, d in devices.items()}
+    event_log = KVEventLog(cfg.kv.page_size) if cfg.kv_events.enabled else None  # config: needs the prefix cache
+    sink = event_log.sink if event_log is not None else lambda name: None
+    host = None
+    if cfg.kv.prefix_cache:
+        pool_bytes = sum(n * KVPool.bytes_per_page(loaded.config, cfg.kv.page_size, kv_dtype) for n in num_pages.values())
+        page_shape = (loaded.config.num_layers, 2, cfg.kv.page_size, loaded.config.num_kv_heads, loaded.config.head_dim)
+        host = host_tier(cfg.kv, pool_bytes, page_shape, kv_dtype, any(d.torch_device.type == "cuda" for d in
+                                                                       devices.values()), sink("host"))
+    pools = {n: tiered_pool(loaded.config, num_pages[n], cfg.kv, kv_dtype, d.torch_device, host, sink(n))
+             for n, d in devices.items()}
+    warnings: list[str] = []
+    runners = {s.name: device_runner(cfg, s, devices[s.name], replicas[devices[s.name].torch_device],
+                                     pools[s.name], warnings) for s in starts}
+    inboxes: dict[str, queue.SimpleQueue] = {n: queue.SimpleQueue() for n in names}
+    transfers = kv_transfers(starts, devices, pools, inboxes, events.on_transfer)
+    wake = {n: (lambda inbox=inboxes[n]: inbox.put(None)) for n in names}
+    tiers = KVTiers(devices, pools, wake, host, cfg.kv, event_log) if cfg.kv.prefix_cache else None
+    borrowers = slack_lending(cfg, starts, lending)
+    workers: dict[str, Worker] = {}
+    for s in starts:  # prefill workers first: a decode worker lending its core reads its borrower's backlog
+        borrower = borrowers.get(s.name)
+        workers[s.name] = Worker(
+            devices[s.name], s.role, runners[s.name], Sampler(devices[s.name].torch_device,
+                                                               eos_token_ids=loaded.tokenizer.eos_token_ids),
+            loaded.tokenizer.eos_token_ids, s.limits, events.emit_batch, events.released, events.migrated,
+            inboxes[s.name], transfers.get(s.name), tiers.loaders[s.name] if tiers is not None else None,
+            SlackLending(lambda b=workers[borrower]: b.num_outstanding_prefill_tokens,
+                         LEND_GAP_SHARE * cfg.slo.tpot_s) if borrower is not None else None)
+    prefill = [workers[s.name] for s in starts if s.role is Role.PREFILL]
+    decode = [workers[s.name] for s in starts if s.role is not Role.PREFILL]
+    router = Router(prefill, decode, cfg.devices.local_prefill_threshold, cfg.server.max_waiting,
+                    cfg.server.max_queued_tokens,
+                    StaticPlacer(cfg.devices.local_prefill_threshold, cfg.devices.local_prefill_when_busy),
+                    fetch=tiers.fetch if tiers is not None else None, on_migration=events.on_migration, on_prefix_wait=events.on_prefix_wait,
+                    on_placement_failed=events.on_placement_failed)
+    publisher = None
+    if event_log is not None:
+        host_name = cfg.server.host if cfg.server.host not in ("", "0.0.0.0", "::") else socket.gethostname()
+        topic = cfg.kv_events.topic or default_topic(host_name, cfg.server.port, cfg.served_model_name)
+        publisher = KVEventPublisher(cfg.kv_events, topic, event_log)
+    return Node(prefill, decode, [t for ts in transfers.values() for t in ts.values()], router, tiers, publisher,
+                lending, warnings)
+
+
+def model_replicas(model: LlamaModel, devices, kv_memory_gib: float) -> dict[torch.device, LlamaModel]:
+    """The weights on each device: CPU devices share one set (read-only); each GPU gets its own replica, once it is
+    checked to fit beside its KV pool."""
+    replicas: dict[torch.device, LlamaModel] = {}
+    for d in devices:
+        if d.torch_device in replicas:
+            continue
+        if d.torch_device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(d.torch_device)
+            check_fits(d.name, free, weight_bytes(model), int(kv_memory_gib * 2**30))
+            replicas[d.torch_device] = copy.deepcopy(model).to(d.torch_device)
+        else:
+            replicas[d.torch_device] = model.to(d.torch_device)
+    return replicas
+
+
+def kv_pages(cfg: Config, loaded: LoadedModel, device: Device, kv_dtype: torch.dtype) -> int:
+    """A device's KV pool in pages: kv.memory_gib, or with 0 (CUDA only, config checks) what is free once the
+    weights are there."""
+    page_bytes = KVPool.bytes_per_page(loaded.config, cfg.kv.page_size, kv_dtype)
+    if cfg.kv.memory_gib == 0:
+        free, _ = torch.cuda.mem_get_info(device.torch_device)
+        return kv_pages_for_device(free, cfg.kv.memory_headroom, page_bytes)
+    return KVPool.num_pages_for_bytes(loaded.config, int(cfg.kv.memory_gib * 2**30), cfg.kv.page_size, kv_dtype)
+
+
+def device_runner(cfg: Config, start: DeviceStart, device: Device, replica: LlamaModel, pool: KVPool,
+                  warnings: list[str]) -> ModelRunner:
+    """A device's model runner, logged; a warning (once) where its attention backend falls back."""
+    runner = build_runner(replica, pool, cfg.devices.attention, cfg.devices.cuda_graphs and start.role is not
+                          Role.PREFILL, cfg.scheduler.max_num_seqs, cfg.prompt_attention)
+    log.info("%s: %s attention (prompts: %s), %d KV pages of %s%s", start.name, type(runner.backend).__name__,
+             runner.backend.prompt_kernel, pool.num_pages, pool.dtype,
+             ", CUDA graphs at warm-up" if runner.graphs is not None else "")
+    fallback = auto_fallback(cfg.devices.attention, device.torch_device, replica.dtype)
+    if fallback is not None and fallback not in warnings:
+        log.warning(fallback)
+        warnings.append(fallback)
+    return runner
+
+
+def build_runner(replica: LlamaModel, pool: KVPool, attention: str, cuda_graphs: bool,
+                 max_num_seqs: int, prompt_attention: str = "float32") -> ModelRunner:
+    """A device's step runner: the attention backend `attention` asks for (prompt_attention: see make_backend);
+    with FlashInfer, its norm, RoPE and SiLU kernels on the replica (set once, before any graph capture) and, if
+    `cuda_graphs`, decode graphs for batches up to max_num_seqs (captured at warm-up)."""
+    backend = make_backend(attention, pool, replica.cfg, replica.dtype, prompt_attention)
+    if not isinstance(backend, FlashInferAttention):
+        return ModelRunner(replica, backend)
+    if replica.dtype in FLASHINFER_OPS_DTYPES and not isinstance(replica.ops, FlashInferOps):
+        replica.use_kernels(FlashInferOps(replica.rope, replica.cfg.max_position_embeddings, pool.device))
+    graphs = DecodeGraphs(replica, backend, max_num_seqs) if cuda_graphs else None
+    return ModelRunner(replica, backend, graphs)
+
+
+def kv_transfers(starts: list[DeviceStart], devices: dict[str, Device], pools: dict[str, KVPool],
+                 inboxes: dict[str, queue.SimpleQueue],
+                 on_transfer: Callable[[float, int, int], None] | None) -> dict[str, dict[str, KVTransfer]]:
+    """{source: {target: transfer}}: prefill devices send to decode devices; decode devices to each other (a
+    request moved between them, and in adaptive mode any device prefilling for another). The source's pages go
+    back through its inbox once the copy has read them."""
+    targets = [s.name for s in starts if s.role is not Role.PREFILL]
+    out: dict[str, dict[str, KVTransfer]] = {}
+    for src in (s.name for s in starts):
+        for dst in (t for t in targets if t != src):
+            free = lambda pages, read, inbox=inboxes[src]: inbox.put(FreePages(pages, read))  # noqa: E731
+            out.setdefault(src, {})[dst] = KVTransfer(devices[src], pools[src], devices[dst], pools[dst], free,
+                                                      on_transfer)
+    return out
+
+
+def slack_lending(cfg: Config, starts: list[DeviceStart], lending: CoreLending | None) -> dict[str, str]:
+    """devices.lend_between_steps: {decode device: the prefill device it lends its core to between steps}."""
+    if lending is None or not cfg.devices.lend_between_steps:
+        return {}
+    pairs = slack_lenders([(s.name, s.role) for s in starts])
+    for lender, borrower in pairs.items():
+        log.info("lend_between_steps: %s lends its core to %s between steps while %s has %d or more prompt tokens "
+                 "queued (inter-token gaps up to %.0f ms)", lender, borrower, borrower, MIN_BACKLOG_TOKENS,
+                 LEND_GAP_SHARE * cfg.slo.tpot_s * 1000)
+    return pairs
