@@ -75,5 +75,4 @@ def calibrate_kv_scales(model: LlamaModel, pool: KVPool, token_ids: Sequence[int
     Pools that hand KV to each other need equal scales (the transfer copies bytes): the same ids through the same
     weights, dtype and kind of device give them (bit for bit on CPU, as tests/kv/test_fp8_kv.py checks)."""
     k_amax, v_amax = measure_kv_amax(model, token_ids, pool.device)
-    pool.k_scales = scales_from_amax(k_amax, margin)
-    pool.v_scales = scales_from_amax(v_amax, margin)
+    pool.use_scales(scales_from_amax(k_amax, margin), scales_from_amax(v_amax, margin))
