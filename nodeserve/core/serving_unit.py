@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from nodeserve.core.handoff import Handoff, Migrate
+from nodeserve.core.handoff import Arrival, FreePages, Handoff, Migrate
 from nodeserve.core.load import Role
 from nodeserve.core.request import Request
 from nodeserve.core.scheduler import PageLoad, Scheduler, WorkerLimits
@@ -67,5 +67,6 @@ class ServingUnit(Protocol):
         pages, whose KV then goes to handoff.target. The first num_own_pages were cached here; `load` fills the
         pages after them from other devices or tiers first."""
 
-    def send(self, msg: Migrate) -> None:
-        """Move a request decoding here to msg.handoff.target (pages reserved there)."""
+    def send(self, msg: Arrival | FreePages | Migrate | None) -> None:
+        """Migrate: move a request decoding here to msg.handoff.target (pages reserved there). The others are what a
+        unit sending this one KV tells it (core/handoff.py): a ServingUnit is a HandoffTarget too."""

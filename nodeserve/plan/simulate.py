@@ -326,7 +326,7 @@ class Simulation:
         sched = d.scheduler
         seq = next((s for s in [*sched.running, *sched.waiting] if s.req is req), None)
         if seq is None or seq.handoff is not None or seq.migration is not None or req.finished:
-            h.target.kv.free(h.pages)
+            self.devices[h.target.name].kv.free(h.pages)
             if not req.finished:
                 self._on_migrated(req, MigrationOutcome.NOT_RUNNING)
             return
@@ -350,7 +350,7 @@ class Simulation:
             h = m.handoff
             if step is MigrationStep.GIVE_UP:
                 seq.migration = None
-                h.target.kv.free(h.pages)
+                self.devices[h.target.name].kv.free(h.pages)
                 self._on_migrated(req, MigrationOutcome.NO_CONVERGENCE)
                 continue
             end = (-(-req.num_computed_tokens // PAGE_SIZE) if step is MigrationStep.STOP

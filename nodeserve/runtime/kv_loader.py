@@ -76,7 +76,10 @@ class KVLoader:
         return self._thread.ident is not None and not self._thread.is_alive() and not self._stopped
 
     def submit(self, seq: Seq) -> LoadJob:
-        """From the worker's thread: the request is not ready until the disk stage is done."""
+        """From the worker's thread: the request is not ready until the disk stage is done. seq.load is the
+        router's PrefixFetch's (the core sees it only as a PageLoad)."""
+        if not isinstance(seq.load, PrefixLoad):
+            raise TypeError(f"a load from this node's PrefixFetch, got {type(seq.load).__name__}")
         job = LoadJob(seq, seq.load, num_layers=len(self.pool.layers))
         seq.ready = False
         self._jobs.put(job)

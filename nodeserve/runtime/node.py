@@ -9,6 +9,7 @@ that free its pages, or the loader that wakes it), the shared part (its inbox) i
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import queue
 import socket
@@ -111,7 +112,7 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
                                      pools[s.name], warnings) for s in starts}
     inboxes: dict[str, queue.SimpleQueue] = {n: queue.SimpleQueue() for n in names}
     transfers = kv_transfers(starts, devices, pools, inboxes, events.on_transfer)
-    wake = {n: (lambda inbox=inboxes[n]: inbox.put(None)) for n in names}
+    wake: dict[str, Callable[[], None]] = {n: functools.partial(inboxes[n].put, None) for n in names}
     tiers = KVTiers(devices, pools, wake, host, cfg.kv, event_log) if cfg.kv.prefix_cache else None
     borrowers = slack_lending(cfg, starts, lending)
     workers: dict[str, Worker] = {}
@@ -122,8 +123,8 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
                                                                eos_token_ids=loaded.tokenizer.eos_token_ids),
             loaded.tokenizer.eos_token_ids, s.limits, events.emit_batch, events.released, events.migrated,
             inboxes[s.name], transfers.get(s.name), tiers.loaders[s.name] if tiers is not None else None,
-            SlackLending(lambda b=workers[borrower]: b.num_outstanding_prefill_tokens,
-                         LEND_GAP_SHARE * cfg.slo.tpot_s) if borrower is not None else None)
+            SlackLending(backlog_of(workers[borrower]), LEND_GAP_SHARE * cfg.slo.tpot_s)
+            if borrower is not None else None)
     prefill = [workers[s.name] for s in starts if s.role is Role.PREFILL]
     decode = [workers[s.name] for s in starts if s.role is not Role.PREFILL]
     router = Router(prefill, decode, cfg.devices.local_prefill_threshold, cfg.server.max_waiting,
@@ -138,6 +139,11 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
         publisher = KVEventPublisher(cfg.kv_events, topic, event_log)
     return Node(prefill, decode, [t for ts in transfers.values() for t in ts.values()], router, tiers, publisher,
                 lending, warnings)
+
+
+def backlog_of(worker: Worker) -> Callable[[], int]:
+    """A worker's queued prompt tokens, read by the core it borrows (SlackLending)."""
+    return lambda: worker.num_outstanding_prefill_tokens
 
 
 def model_replicas(model: LlamaModel, devices, kv_memory_gib: float) -> dict[torch.device, LlamaModel]:

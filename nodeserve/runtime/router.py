@@ -41,7 +41,7 @@ MAX_ROLE_CHANGES = 10_000  # kept for /debug/steps (the timeline); older ones ar
 
 
 class Router:
-    def __init__(self, prefill_workers: list[ServingUnit], decode_workers: list[ServingUnit],
+    def __init__(self, prefill_workers: Sequence[ServingUnit], decode_workers: Sequence[ServingUnit],
                  local_prefill_threshold: int, max_waiting: int, max_queued_tokens: int,
                  placer: Placer | None = None, admission: SloAdmission | None = None,
                  clock: Callable[[], float] = time.monotonic, fetch: PrefixFetch | None = None,
@@ -57,8 +57,8 @@ class Router:
         retry, since those pages can also be freed unpublished (their request aborted) by a worker thread, with no
         event reaching the router. on_placement_failed(req): its placement raised; the engine ends it with an
         error event."""
-        self.prefill_workers, self.decode_workers = prefill_workers, decode_workers
-        self.workers = {w.name: w for w in prefill_workers + decode_workers}
+        self.prefill_workers, self.decode_workers = list(prefill_workers), list(decode_workers)
+        self.workers = {w.name: w for w in [*prefill_workers, *decode_workers]}
         self.local_prefill_threshold, self.max_waiting = local_prefill_threshold, max_waiting
         self.max_queued_tokens = max_queued_tokens
         self.placer: Placer = placer or StaticPlacer(local_prefill_threshold)

@@ -27,7 +27,7 @@ from nodeserve.core.handoff import (Arrival, CopyPlan, FreePages, Handoff, Migra
                                     MigrationStep, Prefill, copy_plan, next_migration_step)
 from nodeserve.core.load import Role
 from nodeserve.core.request import Request, TokenEvent
-from nodeserve.core.scheduler import Batch, SamplingFailed, SamplingLimit, Scheduler, Seq, StepOutput, WorkerLimits
+from nodeserve.core.scheduler import Batch, PageLoad, SamplingFailed, SamplingLimit, Scheduler, Seq, StepOutput, WorkerLimits
 from nodeserve.device import Device
 from nodeserve.runtime.model_runner import ModelRunner
 from nodeserve.runtime.records import RecordLog
@@ -37,7 +37,6 @@ from nodeserve.sampling.sampler import Sampler
 if TYPE_CHECKING:
     from nodeserve.runtime.kv_loader import KVLoader, LoadJob
     from nodeserve.runtime.lending import SlackLending
-    from nodeserve.runtime.prefix_fetch import PrefixLoad
     from nodeserve.runtime.transfer import KVTransfer
 
 log = logging.getLogger(__name__)
@@ -125,7 +124,7 @@ class Worker:
         self._thread.join(timeout=10)
 
     def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None,
-                    load: PrefixLoad | None = None, num_own_pages: int = -1) -> None:
+                    load: PageLoad | None = None, num_own_pages: int = -1) -> None:
         """A request to prefill here on `pages` (taken by the router): its decode pages here, or, when it decodes
         elsewhere (handoff), its prompt's pages in this pool. The first num_own_pages were cached here; `load`
         fills pages after them from other devices or tiers."""
