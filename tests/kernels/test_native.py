@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import numpy as np
@@ -317,8 +318,12 @@ def test_build_is_cached_per_cpu_and_source(tmp_path, monkeypatch):
         assert first is not None and first.path.startswith(str(tmp_path))
         native.load.cache_clear()
         monkeypatch.setattr(native, "_cpu_flags", lambda: "flags : another cpu")
+        built = []  # the same source again: a copy of the first build stands for the compiler's (~8 s saved)
+        monkeypatch.setattr(native, "_compile", lambda cc, srcs, out: built.append(shutil.copy(first.path, out)))
         second = native.load()
-        assert second.path != first.path  # another CPU model gets its own build
+        assert second.path != first.path and built == [second.path]  # another CPU model gets its own build
+        native.load.cache_clear()
+        assert native.load().path == second.path and len(built) == 1  # and finds it again without building
     finally:
         native.load.cache_clear()
 
