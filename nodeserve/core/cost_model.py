@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -38,7 +38,7 @@ class LinearKernels:
     max_gemv_rows: int = 0
     rows_per_pass: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.max_gemv_rows < 0 or self.rows_per_pass < 1:
             raise ValueError(f"linear kernels need max_gemv_rows >= 0 and rows_per_pass >= 1, got {self}")
 
@@ -50,10 +50,10 @@ class StepShape:
     num_prefill_tokens: int = 0
     prefill_pairs: float = 0.0
     num_decodes: int = 0
-    decode_context: int = 0
+    decode_context: float = 0  # a count, fractional where a prediction spreads a device's total over its rows
 
     @staticmethod
-    def of(chunks: Iterable[tuple[int, int]] = (), decode_contexts: Iterable[int] = ()) -> StepShape:
+    def of(chunks: Iterable[tuple[int, int]] = (), decode_contexts: Iterable[float] = ()) -> StepShape:
         """chunks: (num_tokens, num_cached_tokens) per prefill chunk; decode_contexts: tokens each decode attends."""
         chunks, ctx = list(chunks), list(decode_contexts)
         return StepShape(sum(n for n, _ in chunks), sum(n * (s + n / 2) for n, s in chunks), len(ctx), sum(ctx))
@@ -110,11 +110,11 @@ class StepModel:
 
     coef: list[float] = field(default_factory=lambda: [0.0] * len(FEATURES))
     profile_samples: list[tuple[list[float], float]] = field(default_factory=list)   # (StepShape.row, seconds)
-    online_samples: deque = field(default_factory=lambda: deque(maxlen=MAX_ONLINE_SAMPLES))
+    online_samples: deque[tuple[list[float], float]] = field(default_factory=lambda: deque(maxlen=MAX_ONLINE_SAMPLES))
     rel_error: float | None = None  # RMS relative error of the fit over its samples
     kernels: LinearKernels = LinearKernels()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.coef = list(self.coef) + [0.0] * (len(FEATURES) - len(self.coef))  # a shorter list: the rest are 0
 
     @property
@@ -142,14 +142,14 @@ class StepModel:
         """Seconds one step of this shape takes; 0 for a step with nothing in it."""
         return 0.0 if shape.empty else max(self._dot(shape.features(self.kernels)), 0.0)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"coefficients": dict(zip(FEATURES, self.coef)), "rel_error": self.rel_error,
                 "linear_kernels": [self.kernels.max_gemv_rows, self.kernels.rows_per_pass],
                 "num_profile_samples": len(self.profile_samples), "num_online_samples": len(self.online_samples),
                 "samples": [[*r, s] for r, s in self.samples]}
 
     @classmethod
-    def from_dict(cls, d: dict) -> StepModel:
+    def from_dict(cls, d: dict[str, Any]) -> StepModel:
         saved = d["coefficients"]
         rows = [(list(map(float, r[:5])), float(r[-1])) for r in d.get("samples", [])]
         num_profile = int(d.get("num_profile_samples", len(rows)))
@@ -184,7 +184,7 @@ class CostModel:
         whole = self.transfer_time(src, dst, num_tokens)
         return max(whole / self.num_layers, whole - prefill_seconds)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"features": list(FEATURES), "kv_bytes_per_token": self.kv_bytes_per_token,
                 "num_layers": self.num_layers,
                 "devices": {name: m.as_dict() for name, m in self.devices.items()},
@@ -192,7 +192,7 @@ class CostModel:
                                    for (s, d), bw in self.copy_bandwidth.items()]}
 
     @classmethod
-    def from_dict(cls, d: dict) -> CostModel:
+    def from_dict(cls, d: dict[str, Any]) -> CostModel:
         """The inverse of as_dict (a saved /debug/profile answer). Raises ValueError on a malformed one."""
         try:
             return cls({name: StepModel.from_dict(m) for name, m in d["devices"].items()},

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Iterable, Protocol, Sequence
 
 from nodeserve.core.request import Request
 
@@ -141,7 +141,7 @@ class CopyPlan:
     # (handoff, num_sent_pages, pages copied) to commit per batch index, once that sequence's forward succeeded
     commits: dict[int, tuple[Handoff, int, int]]
 
-    def commit(self, which) -> None:
+    def commit(self, which: Iterable[int]) -> None:
         for i in which:
             if i in self.commits:
                 h, sent, copied = self.commits[i]
@@ -149,7 +149,7 @@ class CopyPlan:
                 h.num_copied_pages += copied
 
 
-def copy_plan(items, page_size: int) -> CopyPlan:
+def copy_plan(items: Iterable[tuple[int, str, Sequence[int], Handoff, int, int]], page_size: int) -> CopyPlan:
     """items: (batch index, request id, page table, handoff, num_computed_tokens, chunk tokens) of each chunk bound
     for another device. Sends from the first page not yet there whole (on the first chunk, that can be a page the
     source had cached and the target has not) to the last this chunk writes; none the target holds."""

@@ -60,7 +60,8 @@ class RolePolicy:
     hold_s: float = HOLD_S
     idle_s: float = IDLE_S
     prefill: set[str] = field(default_factory=set)  # the devices dedicated to prefill now
-    demand: deque = field(default_factory=deque)    # (admitted at, predicted prefill seconds) of long prompts
+    # (admitted at, predicted prefill seconds) of long prompts
+    demand: deque[tuple[float, float]] = field(default_factory=deque)
     fewer_since: float | None = None                # since when demand has asked for fewer devices
     last_long: float = -math.inf                    # when the last long prompt was admitted
     seat_hold_s: float = SEAT_HOLD_S                # the next seat hold (doubles while seats keep running out)
@@ -132,7 +133,7 @@ class RolePolicy:
         return self.give_back(now, loads, f"no decode seat on the other devices; no dedication for "
                                           f"{self.seat_hold_s:g} s")
 
-    def _set(self, now: float, device: str, role: str, reason: str) -> RoleChange:
+    def _set(self, now: float, device: str, role: Role, reason: str) -> RoleChange:
         (self.prefill.add if role == PREFILL else self.prefill.discard)(device)
         return RoleChange(now, device, role, reason)
 
@@ -144,7 +145,7 @@ class RolePolicy:
         device that is not a prefill one (a cross placement would buy nothing but a copy). A long one prefills on
         a prefill device and decodes on another when one is dedicated; otherwise (all devices asked to decode)
         anywhere the rule likes."""
-        def role(x: DeviceLoad) -> str:
+        def role(x: DeviceLoad) -> Role:
             if x.name in self.prefill:
                 return PREFILL
             if not long:

@@ -123,7 +123,8 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens - len(decodes)
         if decodes and self.limits.max_prefill_with_decodes:
             budget = min(budget, self.limits.max_prefill_with_decodes)
-        prefills, sizes = [], []
+        prefills: list[Seq] = []
+        sizes: list[int] = []
         for group in self.order(self.waiting, decodes) if self.order is not None else (self.waiting,):
             for seq in group:
                 if budget <= 0 or len(decodes) + len(prefills) >= self.limits.max_num_seqs:
@@ -161,6 +162,7 @@ class Scheduler:
             self._publish(seq)
             if outcome is None:
                 continue
+            assert outcome.token_id is not None, "a sampled outcome carries its token"
             req.output_ids.append(outcome.token_id)
             outcome.finish_reason = self._finish_reason(req)
             out.events.append((req, outcome))
