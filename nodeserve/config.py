@@ -60,7 +60,7 @@ class ServerSection:
     console_public: bool = False          # allow the console on a non-loopback host without an API key
     open_console: bool = False            # the console's live feed (/debug/events) answers without the API key
     max_tokens_limit: int = 1_000_000     # largest max_tokens a request may ask for
-    default_max_tokens: int = 2048        # chat requests that give no max_tokens get min(this, context - prompt)
+    default_max_tokens: int = 2048        # chat requests that give no max_tokens (rule: core resolve_max_tokens)
     max_n: int = 16
     max_stop: int = 16
     max_logprobs: int = 20

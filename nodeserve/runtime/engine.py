@@ -16,7 +16,7 @@ from nodeserve.core.load import SloTarget, StepLimits
 from nodeserve.core.placer import AdaptivePlacer
 from nodeserve.core.prefill_order import DeadlineOrder
 from nodeserve.core.request import Request, TokenEvent
-from nodeserve.core.sampling_params import SamplingParams
+from nodeserve.core.sampling_params import SamplingParams, resolve_max_tokens
 from nodeserve.kv.events import event_hash
 from nodeserve.model.loader import LoadedModel
 from nodeserve.runtime.kv_events import KVEventPublisher
@@ -180,20 +180,20 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    grammar: Any = None) -> RequestStream:
-        """Admits a request (grammar: its structured-output matcher, or None). Raises PromptTooLong, TooLarge (both
-        400) or QueueFull (503)."""
+                    grammar: Any = None, default_max_tokens: int | None = None) -> RequestStream:
+        """Admits a request (grammar: its structured-output matcher, or None; default_max_tokens: its route's, for
+        resolve_max_tokens). Raises PromptTooLong, TooLarge (both 400) or QueueFull (503)."""
         if not prompt_ids:
             raise PromptTooLong("the prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
-            raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                f"your request has {len(prompt_ids)} input tokens. Please reduce the length "
-                                "of the input.")
+            raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                                f"request has {len(prompt_ids)} input tokens. Please reduce the length of the input.")
         if any(t < 0 or t >= self.loaded.config.vocab_size for t in prompt_ids):
             raise PromptTooLong(f"the prompt has token ids outside the vocabulary [0, {self.loaded.config.vocab_size})")
-        # Generation stops with "length" at the context limit, or at what a decode pool can ever hold.
-        room = min(self.max_model_len, self.router.max_seq_tokens + 1) - len(prompt_ids)
-        params.max_tokens = max(1, min(params.max_tokens, room))
+        params = replace(params, max_tokens=resolve_max_tokens(
+            params.max_tokens, route_default=default_max_tokens, server_limit=self.config.server.max_tokens_limit,
+            context_len=self.max_model_len, max_kv_tokens=self.router.max_seq_tokens,
+            num_prompt_tokens=len(prompt_ids)))
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, grammar=grammar)
         stream = RequestStream(req)
         req.emit = stream.put

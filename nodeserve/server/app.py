@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import datetime
 import hmac
 import importlib.resources
@@ -11,7 +10,7 @@ import ipaddress
 import logging
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from aiohttp import web
@@ -19,6 +18,7 @@ from aiohttp.abc import AbstractAccessLogger
 
 from nodeserve import __version__
 from nodeserve.config import Config
+from nodeserve.core.sampling_params import COMPLETION_MAX_TOKENS
 from nodeserve.metrics import Metrics
 from nodeserve.runtime.engine import Engine, PromptTooLong, QueueFull, TooLarge
 from nodeserve.server import console
@@ -337,7 +337,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return prompts, echo
     prompts, echo_texts = await _off_loop(state, encode)
     jobs = [(pi, prompts[pi], echo_texts[pi]) for pi in range(len(prompts)) for _ in range(req.n)]
-    gens = _start(state, engine, [(ids, req.params) for _, ids, _ in jobs], seed_offsets=True,
+    gens = _start(state, engine, [(ids, req.params) for _, ids, _ in jobs], COMPLETION_MAX_TOKENS, seed_offsets=True,
                   want_logprobs=req.params.logprobs is not None, prompt_param="prompt")
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
     if req.stream:
@@ -381,11 +381,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return _encode_within_context(engine, text, "messages")
     prompt = await _off_loop(state, encode)
     compiled = await grammars.compile_async(spec) if spec is not None else None
-    if not req.max_tokens_given:
-        req.params.max_tokens = state.config.server.default_max_tokens
     make_grammar = (lambda: grammars.matcher(compiled)) if compiled is not None else None
-    gens = _start(state, engine, [(prompt, req.params)] * req.n, seed_offsets=True, want_logprobs=req.logprobs,
-                  make_grammar=make_grammar)
+    gens = _start(state, engine, [(prompt, req.params)] * req.n, state.config.server.default_max_tokens,
+                  seed_offsets=True, want_logprobs=req.logprobs, make_grammar=make_grammar)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
     if req.stream:
         streamers = [fmt.streamer() for _ in gens] if parse_calls else None
@@ -508,18 +506,20 @@ def _encode_within_context(engine: Engine, text: str, param: str) -> list[int]:
     return engine.tokenizer.encode(text)
 
 
-def _start(state: ServerState, engine: Engine, jobs: list[tuple[list[int], Any]], seed_offsets: bool,
-           want_logprobs: bool, prompt_param: str = "messages", make_grammar=None) -> list[Generation]:
-    """Admits every choice, or none: if one is refused, the ones already admitted are aborted. make_grammar():
-    a new grammar matcher per choice (structured output), or None."""
+def _start(state: ServerState, engine: Engine, jobs: list[tuple[list[int], Any]], default_max_tokens: int,
+           seed_offsets: bool, want_logprobs: bool, prompt_param: str = "messages",
+           make_grammar=None) -> list[Generation]:
+    """Admits every choice, or none: if one is refused, the ones already admitted are aborted. default_max_tokens:
+    the route's, for a request without one (the engine resolves it: resolve_max_tokens). make_grammar(): a new
+    grammar matcher per choice (structured output), or None."""
     gens: list[Generation] = []
     try:
         for i, (ids, params) in enumerate(jobs):
-            p = copy.deepcopy(params)
-            if seed_offsets and p.seed is not None:
-                p.seed += i  # n > 1 with a seed: distinct but reproducible choices
+            # n > 1 with a seed: distinct but reproducible choices
+            p = replace(params, seed=params.seed + i) if seed_offsets and params.seed is not None else params
             # grammar= only when there is one: an engine without structured output still serves the rest.
-            stream = engine.add_request(ids, p, grammar=make_grammar()) if make_grammar else engine.add_request(ids, p)
+            kw = {"grammar": make_grammar()} if make_grammar else {}
+            stream = engine.add_request(ids, p, default_max_tokens=default_max_tokens, **kw)
             gens.append(Generation(engine, engine.tokenizer, stream, p.stop, want_logprobs, state.metrics))
     except (PromptTooLong, TooLarge) as e:
         _abort_all(engine, gens)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nodeserve.core.sampling_params import SamplingParams
 
@@ -174,7 +174,7 @@ class Limits:
     max_n: int = 16
     max_stop: int = 16
     max_logprobs: int = 20
-    max_tokens: int = 1_000_000  # hard cap; the engine later checks prompt + max_tokens vs context
+    max_tokens: int = 1_000_000  # a larger max_tokens is a 400; below it resolve_max_tokens decides
     max_prompts: int = 64        # prompts in one completions batch
 
     def __post_init__(self):
@@ -191,12 +191,11 @@ class CompletionRequest:
 
     model: str | None                 # None: the served model
     prompts: list[str | list[int]]    # each prompt is text or token ids
-    params: SamplingParams            # max_tokens defaults to 16, as in OpenAI and vLLM
+    params: SamplingParams            # max_tokens as the client gave it (None: the engine resolves it)
     n: int
     stream: bool
     include_usage: bool
     echo: bool
-    max_tokens_given: bool = True     # completions always have a max_tokens (default 16)
 
 
 @dataclass
@@ -205,8 +204,7 @@ class ChatRequest:
 
     model: str | None                 # None: the served model
     messages: list[dict]              # roles checked; text parts joined so content is str (or None)
-    params: SamplingParams
-    max_tokens_given: bool            # False: max_tokens is a cap; the engine fills ctx - prompt
+    params: SamplingParams            # max_tokens as the client gave it (None: the engine resolves it)
     n: int
     stream: bool
     include_usage: bool
@@ -424,7 +422,7 @@ def _check_body(body: object) -> dict:
 
 
 def _parse_common(body: dict, limits: Limits) -> tuple[str | None, int, SamplingParams]:
-    """Fields both routes share. Returns (model, n, params); the caller sets max_tokens/logprobs."""
+    """Fields both routes share. Returns (model, n, params); the caller adds max_tokens and logprobs."""
     model = _get(body, "model", _as_str)
     n = _get(body, "n", _as_int, 1, limits.max_n, default=1)
     top_k = _get(body, "top_k", _as_int, -1, INT32_MAX, default=0)
@@ -499,9 +497,8 @@ def parse_completion_request(body: object, limits: Limits) -> CompletionRequest:
     model, n, params = _parse_common(body, limits)
     _reject_unsupported(body, ("response_format", "best_of", "suffix"))
     prompts = _parse_prompts(body.get("prompt"), limits)
-    max_tokens = _parse_max_tokens(body, "max_tokens", limits)
-    params.max_tokens = 16 if max_tokens is None else max_tokens
-    params.logprobs = _get(body, "logprobs", _as_int, 0, limits.max_logprobs)
+    params = replace(params, max_tokens=_parse_max_tokens(body, "max_tokens", limits),
+                     logprobs=_get(body, "logprobs", _as_int, 0, limits.max_logprobs))
     stream, include_usage = _parse_stream(body)
     echo = _get(body, "echo", _as_bool, default=False)
     return CompletionRequest(model=model, prompts=prompts, params=params, n=n, stream=stream,
@@ -578,15 +575,13 @@ def parse_chat_request(body: object, limits: Limits) -> ChatRequest:
     max_tokens = _parse_max_tokens(body, "max_tokens", limits)
     max_completion_tokens = _parse_max_tokens(body, "max_completion_tokens", limits)
     max_tokens = max_completion_tokens if max_completion_tokens is not None else max_tokens
-    params.max_tokens = limits.max_tokens if max_tokens is None else max_tokens
     logprobs = _get(body, "logprobs", _as_bool, default=False)
     top_logprobs = _get(body, "top_logprobs", _as_int, 0, limits.max_logprobs)
     if top_logprobs is not None and not logprobs:
         raise _bad("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
-    params.logprobs = (top_logprobs or 0) if logprobs else None
+    params = replace(params, max_tokens=max_tokens, logprobs=(top_logprobs or 0) if logprobs else None)
     stream, include_usage = _parse_stream(body)
-    return ChatRequest(model=model, messages=messages, params=params,
-                       max_tokens_given=max_tokens is not None, n=n, stream=stream,
+    return ChatRequest(model=model, messages=messages, params=params, n=n, stream=stream,
                        include_usage=include_usage, logprobs=logprobs, tools=tools, tool_choice=tool_choice,
                        parallel_tool_calls=_get(body, "parallel_tool_calls", _as_bool, default=True),
                        response_format=response_format,

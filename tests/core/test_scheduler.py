@@ -110,7 +110,7 @@ def test_a_request_ending_while_it_migrates_hands_its_target_pages_to_the_transf
 
 def test_aborts_and_failures_free_local_pages_and_hand_remote_ones_to_the_transfer():
     s = _scheduler()
-    local, remote = _local(s, 3), Seq(Request("x", [1, 2], SamplingParams()), [], Handoff("d", [5]))
+    local, remote = _local(s, 3), Seq(Request("x", [1, 2], SamplingParams(max_tokens=8)), [], Handoff("d", [5]))
     s.waiting.append(remote)
     local.req.aborted = True
     out = s.drop_aborted()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -15,12 +16,13 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nodeserve.config import config_from_dict
+from nodeserve.config import ServerSection, config_from_dict
 from nodeserve.runtime.engine import PromptTooLong, RequestStream
 from nodeserve.runtime.records import RecordLog
 from nodeserve.runtime.transfer import CopyRecord
 from nodeserve.runtime.worker import StepRecord
 from nodeserve.core.request import Request, TokenEvent
+from nodeserve.core.sampling_params import resolve_max_tokens
 from nodeserve.server import app as app_module
 from nodeserve.server.app import ServerState, create_app
 
@@ -39,6 +41,7 @@ class FakeEngine:
 
     def __init__(self, tokenizer, script: list[int] | None = None, max_model_len: int = 8192):
         self.tokenizer, self.script, self.max_model_len = tokenizer, script, max_model_len
+        self.max_tokens_limit = ServerSection().max_tokens_limit
         self.loaded = SimpleNamespace(config=SimpleNamespace(vocab_size=49152))
         self.router = object()
         self.workers, self.transfers = [], []
@@ -58,9 +61,13 @@ class FakeEngine:
     def role_changes(self, since: float = 0.0) -> list[list]:
         return [c for c in getattr(self, "changes", []) if c[0] >= since]
 
-    def add_request(self, prompt_ids, params) -> RequestStream:
+    def add_request(self, prompt_ids, params, default_max_tokens=None) -> RequestStream:
         if self.reject is not None:
             raise self.reject
+        # as Engine.add_request does, with a pool that holds the whole context
+        params = replace(params, max_tokens=resolve_max_tokens(
+            params.max_tokens, route_default=default_max_tokens, server_limit=self.max_tokens_limit,
+            context_len=self.max_model_len, max_kv_tokens=self.max_model_len, num_prompt_tokens=len(prompt_ids)))
         stream = RequestStream(Request(f"r{len(self.added)}", list(prompt_ids), params))
         self.added.append(stream)
         if self.script is not None:
@@ -302,6 +309,26 @@ def test_text_far_past_the_context_is_refused_from_a_prefix(tokenizer, path, fie
     state2 = make_state(FakeEngine(tok, script=[42], max_model_len=64))
     status, _ = run(state2, lambda client: _status(client, path, make("word " * 20)))
     assert status == 200 and len(tok.encoded_chars) == 1
+
+
+@pytest.mark.parametrize("path, body, max_tokens", [
+    ("/v1/completions", {"prompt": "Hello"}, 16),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 40}, 40),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}, 100),  # default_max_tokens
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 40}, 40),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 40,
+                              "max_completion_tokens": 50}, 50),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 500}, None),
+])
+def test_each_route_hands_its_default_max_tokens_to_the_engine(tokenizer, path, body, max_tokens):
+    """The routes pass the client's value and their default; the engine resolves them (resolve_max_tokens):
+    None here is the context (256) minus the prompt."""
+    engine = FakeEngine(tokenizer, script=[42], max_model_len=256)
+    state = make_state(engine, default_max_tokens=100)
+    status, _ = run(state, lambda client: _status(client, path, body))
+    [stream] = engine.added
+    assert status == 200
+    assert stream.request.params.max_tokens == (max_tokens or 256 - stream.request.num_prompt_tokens)
 
 
 async def _status(client, path, body):

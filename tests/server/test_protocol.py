@@ -29,8 +29,7 @@ def test_chat_defaults():
     assert req.model == "m"
     assert req.messages == USER
     assert (req.n, req.stream, req.include_usage, req.logprobs) == (1, False, False, False)
-    assert req.max_tokens_given is False
-    assert req.params.max_tokens == LIMITS.max_tokens  # just a cap; the engine fills ctx - prompt
+    assert req.params.max_tokens is None  # as given: the engine resolves it (resolve_max_tokens)
     p = req.params
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (1.0, 1.0, 0, 0.0, None)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
@@ -43,7 +42,7 @@ def test_chat_params_mapped():
                stop_token_ids=[2, 3], ignore_eos=True, logprobs=True, top_logprobs=5, stream=True,
                stream_options={"include_usage": True})
     p = req.params
-    assert req.max_tokens_given and p.max_tokens == 50
+    assert p.max_tokens == 50
     assert (req.n, req.stream, req.include_usage, req.logprobs) == (3, True, True, True)
     assert p.greedy and isinstance(p.temperature, float)
     assert (p.top_p, p.top_k, p.min_p, p.seed) == (0.9, 40, 0.05, -7)
@@ -93,7 +92,7 @@ def test_completion_prompt_forms(prompt, prompts):
 
 def test_completion_defaults():
     req = completion()
-    assert req.params.max_tokens == 16 and req.max_tokens_given
+    assert req.params.max_tokens is None  # as given: the engine resolves it (resolve_max_tokens)
     assert (req.n, req.stream, req.include_usage, req.echo) == (1, False, False, False)
     assert req.params.logprobs is None
 
@@ -390,7 +389,7 @@ def test_limits_are_configurable():
         parse_completion_request({"prompt": "a", "max_tokens": 101}, limits)
     with pytest.raises(APIError):
         parse_completion_request({"prompt": ["a", "b", "c"]}, limits)
-    assert parse_chat_request({"messages": USER}, limits).params.max_tokens == 100
+    assert parse_chat_request({"messages": USER, "max_tokens": 100}, limits).params.max_tokens == 100
     with pytest.raises(ValueError):
         Limits(max_n=0)
 
