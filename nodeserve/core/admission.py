@@ -53,7 +53,7 @@ class SloAdmission:
             loads = [replace(x, queued_prefill_tokens=x.queued_prefill_tokens + backlog_tokens // len(loads))
                      for x in loads]
         return choose_placement(self.cost(), self.limits, self.target, loads,
-                                req.num_prompt_tokens, req.params.max_tokens, self.local_prefill_threshold)
+                                req.num_prompt_tokens, req.max_tokens, self.local_prefill_threshold)
 
     def check(self, loads: Sequence[DeviceLoad], req: Request, backlog_tokens: int = 0) -> None:
         best = self.best(loads, req, backlog_tokens)

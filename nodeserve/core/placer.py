@@ -117,7 +117,7 @@ class AdaptivePlacer:
         changes = self.policy.update(now, loads)
         while True:
             pl = choose_placement(self.policy.cost, self.limits, self.slo, self.view(loads, req),
-                                  req.num_prompt_tokens, req.params.max_tokens)
+                                  req.num_prompt_tokens, req.max_tokens)
             if pl is not None:
                 return self._decision(pl.prefill, pl.decode, changes, pl)
             change = self.policy.free_a_seat(now, loads)  # no adaptive device has a seat for it

@@ -56,6 +56,13 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def max_tokens(self) -> int:
+        """Its output limit, as Engine.add_request resolved it (core/sampling_params.resolve_max_tokens)."""
+        if self.params.max_tokens is None:
+            raise ValueError(f"request {self.request_id}: max_tokens was never resolved (resolve_max_tokens)")
+        return self.params.max_tokens
+
+    @property
     def max_total_tokens(self) -> int:
         """Tokens whose KV may ever be needed: the last sampled token is never fed back."""
-        return len(self.prompt_ids) + self.params.max_tokens - 1
+        return len(self.prompt_ids) + self.max_tokens - 1

@@ -206,7 +206,7 @@ class Scheduler:
         tok, p = req.output_ids[-1], req.params
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.limits.max_model_len:
+        if len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.limits.max_model_len:
             return "length"
         return None
 

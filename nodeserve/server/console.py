@@ -327,7 +327,7 @@ class Snapshots:
         req = tr.req
         return {"id": req.request_id, "state": tr.state, "prefill": tr.prefill, "decode": tr.decode,
                 "prompt": req.num_prompt_tokens, "cached": req.num_cached_tokens, "from": dict(req.cached_from),
-                "out": tr.num_out, "max": req.params.max_tokens, "ttft": _r(self._ttft(req)),
+                "out": tr.num_out, "max": req.max_tokens, "ttft": _r(self._ttft(req)),
                 "predicted": _r(req.predicted_ttft), "tok_s": _r(self._tok_s(tr, now), 1),
                 "age": _r(now - req.arrival_time, 1)}
 
