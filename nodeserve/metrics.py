@@ -56,7 +56,7 @@ from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Metrics", "DeviceState", "FINISH_REASONS", "REJECT_REASONS"]
+__all__ = ["Metrics", "PoolStats", "FINISH_REASONS", "REJECT_REASONS"]
 
 PREFIX = "nodeserve:"
 VLLM = "vllm:"
@@ -84,20 +84,20 @@ _BYTES_BUCKETS = tuple(float(4096 * 4**i) for i in range(11))
 
 
 @dataclass
-class DeviceState:
-    """One worker's load as seen at scrape time. Engine.pool_stats()'s PoolStats has the same fields and
-    can be returned by the state source as it is (the collector only reads attributes)."""
+class PoolStats:
+    """One device's pool and load as seen at scrape time (Engine.pool_stats; /metrics, /debug/kv, the stats line)."""
 
     device: str
     role: str
-    num_running: int
-    num_waiting: int
     num_pages: int
     num_free: int
+    num_running: int
+    num_waiting: int
     num_prefix_queried_tokens: int = 0  # cumulative, per device: prompt tokens looked up in its prefix cache
     num_prefix_hit_tokens: int = 0      # ... and found there
     num_role_changes: int = 0           # cumulative: role changes (adaptive mode)
     num_batch_failures: int = 0         # cumulative: batched forwards that raised (each request then re-run alone)
+    num_evictions: int = 0              # cumulative: cached pages its pool evicted
     num_computed_prompt_tokens: int = 0  # cumulative: prompt tokens prefilled here (not taken from a cache)
     lent_seconds: float = 0.0           # cumulative: its core lent to another device between its steps
 
@@ -467,7 +467,7 @@ class Metrics:
 
     # ---- pulled ------------------------------------------------------------------------------------------
     def set_state_source(self, fn: Callable[[], Sequence[Any]], pending: Callable[[], int] | None = None) -> None:
-        """fn returns DeviceState-like objects (e.g. engine.pool_stats); pending, the number of requests in the
+        """fn returns PoolStats (engine.pool_stats); pending, the number of requests in the
         router's admission queue. Called from the scraping thread, so they should only read (a slightly torn
         read across workers is fine for gauges)."""
         self._state.source = fn

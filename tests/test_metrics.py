@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nodeserve.metrics import DeviceState, Metrics
+from nodeserve.metrics import Metrics, PoolStats
 
 MODEL = "smol"
 
@@ -96,7 +96,7 @@ def test_gauges_read_at_scrape_time():
     f = scrape(m)  # no source yet: the families exist, with no samples
     assert f["nodeserve:num_requests_running"] == [] and f["nodeserve:kv_cache_usage_perc"] == []
 
-    states = [DeviceState("cpu:0", "prefill", 1, 2, 100, 75), DeviceState("cpu:1", "decode", 3, 0, 200, 200)]
+    states = [PoolStats("cpu:0", "prefill", 100, 75, 1, 2), PoolStats("cpu:1", "decode", 200, 200, 3, 0)]
     m.set_state_source(lambda: states)
     f = scrape(m)
     assert value(f, "nodeserve:num_requests_running", "nodeserve:num_requests_running",
@@ -111,7 +111,7 @@ def test_gauges_read_at_scrape_time():
     assert value(f, "nodeserve:kv_cache_usage_perc", "nodeserve:kv_cache_usage_perc", device="cpu:1") == 0.0
 
     # Read again at the next scrape, not pushed.
-    states[1] = DeviceState("cpu:1", "decode", 0, 0, 200, 50, lent_seconds=1.5)
+    states[1] = PoolStats("cpu:1", "decode", 200, 50, 0, 0, lent_seconds=1.5)
     f = scrape(m)
     assert value(f, "nodeserve:kv_cache_usage_perc", "nodeserve:kv_cache_usage_perc", device="cpu:1") == 0.75
     assert value(f, "nodeserve:core_lent_between_steps_seconds", "nodeserve:core_lent_between_steps_seconds_total",
@@ -138,7 +138,7 @@ def test_gauges_read_at_scrape_time():
 def test_aiohttp_handler():
     m = Metrics(MODEL)
     fill(m)
-    m.set_state_source(lambda: [DeviceState("cuda:0", "colocated", 2, 1, 10, 4)])
+    m.set_state_source(lambda: [PoolStats("cuda:0", "colocated", 10, 4, 2, 1)])
 
     async def main():
         app = web.Application()

@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 from nodeserve.config import Config
@@ -16,6 +16,7 @@ from nodeserve.core.load import SloTarget, StepLimits
 from nodeserve.core.placer import AdaptivePlacer
 from nodeserve.core.prefill_order import DeadlineOrder
 from nodeserve.core.request import Request, TokenEvent
+from nodeserve.metrics import PoolStats
 from nodeserve.core.sampling_params import SamplingParams, resolve_max_tokens
 from nodeserve.kv.events import event_hash
 from nodeserve.model.loader import LoadedModel
@@ -39,23 +40,6 @@ __all__ = ["Engine", "RequestStream", "QueueFull", "TooLarge", "PromptTooLong"]
 
 class PromptTooLong(Exception):
     """The prompt does not fit in the model's context (400)."""
-
-
-@dataclass
-class PoolStats:
-    device: str
-    role: str
-    num_pages: int
-    num_free: int
-    num_running: int
-    num_waiting: int
-    num_prefix_queried_tokens: int
-    num_prefix_hit_tokens: int
-    num_role_changes: int
-    num_batch_failures: int
-    num_evictions: int
-    num_computed_prompt_tokens: int
-    lent_seconds: float  # its core lent between its steps (devices.lend_between_steps)
 
 
 PLACEMENT_FAILED = "placing the request on a device failed (the error is in the server log)"

@@ -22,7 +22,6 @@ from aiohttp import web
 from nodeserve.config import Config
 from nodeserve.runtime.engine import Engine
 from nodeserve.runtime.memory import allocator_in_use, heap_trim_loop
-from nodeserve.metrics import DeviceState
 from nodeserve.model.loader import load_model, parse_dtype
 from nodeserve.server.app import AccessLogger, ServerState, create_app, is_loopback
 from nodeserve.server.stats_line import StatsLine, stats_loop
@@ -117,24 +116,48 @@ def exposure_warning(config: Config) -> str | None:
 
 async def serve(config: Config, on_ready: Callable[[ServerState], None] | None = None) -> int:
     """Serves until SIGTERM/SIGINT, then drains. on_ready(state) runs once the engine is up (tests use it)."""
-    loop = asyncio.get_running_loop()
-    notifier = Notifier.from_env()
-    state = ServerState(config)
-    app = create_app(state)
+    notifier, state, start = Notifier.from_env(), ServerState(config), time.monotonic()
+    runner = await listen(config, state)  # /health answers 503 while the model loads
+    notifier.status(f"loading {config.model.path}")
+    stop = stop_on_signals(asyncio.get_running_loop(), state, config.server.drain_timeout)
+    engine = await start_engine(config, state, notifier, stop)
+    if engine is None:  # a signal during the load or the warm-up: no READY=1 after it
+        notifier.stopping()
+        await runner.cleanup()
+        return 0
+    go_ready(config, state, engine, notifier, time.monotonic() - start)
+    if on_ready is not None:
+        on_ready(state)
+    tasks = background_tasks(config, state, engine, notifier)
+    await stop.wait()
+    notifier.stopping()
+    await drain(engine, config.server.drain_timeout)
+    for task in tasks:
+        task.cancel()
+    await runner.cleanup()
+    engine.stop()
+    notifier.close()
+    log.info("stopped")
+    return 0
+
+
+async def listen(config: Config, state: ServerState) -> web.AppRunner:
+    """The HTTP server, listening: aiohttp's app on config.server's address."""
     # The drain happens before cleanup; aiohttp's own shutdown wait only covers handlers still writing.
     access_log = logging.getLogger("nodeserve.access") if config.server.access_log else None
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=access_log, access_log_class=AccessLogger,
-                           shutdown_timeout=5.0)
+    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=access_log,
+                           access_log_class=AccessLogger, shutdown_timeout=5.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port)
-    await site.start()  # /health answers 503 while the model loads
-    allocator = allocator_in_use()
+    await web.TCPSite(runner, config.server.host, config.server.port).start()
     log.info("listening on http://%s:%d, loading %s as %s; malloc: %s", config.server.host, config.server.port,
-             config.model.path, config.dtype, allocator)
+             config.model.path, config.dtype, allocator_in_use())
     if (warning := exposure_warning(config)) is not None:
         log.warning(warning)
-    notifier.status(f"loading {config.model.path}")
+    return runner
 
+
+def stop_on_signals(loop: asyncio.AbstractEventLoop, state: ServerState, drain_timeout: float) -> asyncio.Event:
+    """The event SIGTERM / SIGINT set (the server turns to draining); a second signal exits at once."""
     stop = asyncio.Event()
     signals = [0]
 
@@ -143,102 +166,100 @@ async def serve(config: Config, on_ready: Callable[[ServerState], None] | None =
         if signals[0] > 1:
             log.warning("second signal: exiting now")
             os._exit(1)
-        log.info("signal received: draining for up to %gs", config.server.drain_timeout)
+        log.info("signal received: draining for up to %gs", drain_timeout)
         state.status = "draining"
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    return stop
 
-    start = time.monotonic()
+
+async def start_engine(config: Config, state: ServerState, notifier: Notifier, stop: asyncio.Event) -> Engine | None:
+    """Loads the model, starts the engine and warms it up, each off the loop in a daemon thread; None if a signal
+    came first (the threads are left to die with the process: the cli ends it without waiting for them)."""
+    loop = asyncio.get_running_loop()
     keep_alive = asyncio.create_task(_extend_start_timeout(notifier))
-    load = in_daemon_thread(loop, lambda: load_model(config.model.path, parse_dtype(config.dtype),
-                                                     _Progress(notifier), config.quantization,
-                                                     config.model.prompt_activations), "load")
-    if not await _unless_stopped(load, stop):  # the load thread is left to die with the process
+    try:
+        load = in_daemon_thread(loop, lambda: load_model(config.model.path, parse_dtype(config.dtype),
+                                                         _Progress(notifier), config.quantization,
+                                                         config.model.prompt_activations), "load")
+        if not await _unless_stopped(load, stop):
+            return None
+        engine = Engine(config, load.result(), on_transfer=state.metrics.observe_transfer,
+                        on_migration=state.metrics.observe_migration)
+        engine.start(loop)
+        notifier.status("warming up")
+
+        # CUDA: FlashInfer JIT + decode graphs (minutes when cold); CPU: FP8 scales and the profile.
+        def warm_up() -> None:
+            engine.warmup()
+            # llguidance's view of the vocabulary: built on the first structured request otherwise, holding the GIL
+            # (and so the event loop) for ~0.3 s
+            state.chat_tools(engine)[1].ll_tokenizer()
+        warm = in_daemon_thread(loop, warm_up, "warmup")
+        if not await _unless_stopped(warm, stop):
+            engine.stop()
+            return None
+        warm.result()  # a warm-up that raised stops the start-up here
+        return engine
+    finally:
         keep_alive.cancel()
-        notifier.stopping()
-        await runner.cleanup()
-        return 0
-    loaded = load.result()
-    engine = Engine(config, loaded, on_transfer=state.metrics.observe_transfer,
-                    on_migration=state.metrics.observe_migration)
-    engine.start(loop)
-    notifier.status("warming up")
-    # CUDA: FlashInfer JIT + decode graphs (minutes when cold); CPU: FP8 scales at most. A signal meanwhile
-    # stops here: READY=1 must never follow a SIGTERM.
-    def warm_up() -> None:
-        engine.warmup()
-        # llguidance's view of the vocabulary: built on the first structured request otherwise, holding the GIL
-        # (and so the event loop) for ~0.3 s
-        state.chat_tools(engine)[1].ll_tokenizer()
-    warm = in_daemon_thread(loop, warm_up, "warmup")
-    if not await _unless_stopped(warm, stop):
-        keep_alive.cancel()
-        notifier.stopping()
-        await runner.cleanup()
-        engine.stop()
-        return 0
-    keep_alive.cancel()
-    warm.result()  # a warm-up that raised stops the start-up here
+
+
+def go_ready(config: Config, state: ServerState, engine: Engine, notifier: Notifier, seconds: float) -> None:
+    """Hands the engine to the routes and the metrics, then says ready: the log line and READY=1."""
     # Everything built so far (model, tokenizer, vocabularies: ~200k objects) lives as long as the process; frozen,
     # the collector's full passes skip it. Each took ~140 ms holding the GIL, so stalling the loop (loop_monitor.py).
     gc.collect()
     gc.freeze()
     state.engine = engine
-    state.metrics.set_state_source(lambda: [DeviceState(s.device, s.role, s.num_running, s.num_waiting,
-                                                        s.num_pages, s.num_free, s.num_prefix_queried_tokens,
-                                                        s.num_prefix_hit_tokens, s.num_role_changes,
-                                                        s.num_batch_failures, s.num_computed_prompt_tokens,
-                                                        s.lent_seconds)
-                                                        for s in engine.pool_stats()],
-                                   pending=lambda: engine.num_pending)
-    state.metrics.set_tier_source(engine.tier_stats)
-    grammars = state.chat_tools(engine)[1]
-    state.metrics.set_grammar_source(lambda: grammars.num_cached, lambda: grammars.num_cached_bytes)
-    state.metrics.set_node_source(engine.node_load)
-    if engine.kv_events is not None:
-        state.metrics.set_kv_events_source(engine.kv_events.stats)
+    wire_metrics(state, engine)
     state.status = "ready"
     roles = ", ".join(f"{w.name}={w.role}" for w in engine.workers)
     url = f"http://{config.server.host}:{config.server.port}"
     print(f"nodeserve ready on {url} model={state.model_name} dtype={config.dtype} mode={config.devices.mode} "
-          f"devices: {roles} (loaded in {time.monotonic() - start:.1f}s)", flush=True)
+          f"devices: {roles} (loaded in {seconds:.1f}s)", flush=True)
     notifier.ready(f"serving {state.model_name} on {url}")
-    if on_ready is not None:
-        on_ready(state)
-    stats = None
-    if config.server.stats_interval > 0:
-        stats = asyncio.create_task(stats_loop(StatsLine(state.metrics, engine), config.server.stats_interval))
-    # jemalloc purges on its own thread; glibc's arenas need malloc_trim
-    heap_trim = asyncio.create_task(heap_trim_loop()) if allocator == "glibc" else None
-    loop_monitor = asyncio.create_task(LoopMonitor(on_lag=state.metrics.event_loop_lag.observe,
-                                                   on_stall=state.metrics.observe_loop_stall,
-                                                   dump_after_s=STALL_DUMP_S if config.server.stall_dumps
-                                                   else None).run())
-    watchdog = None
-    interval = notifier.watchdog_interval()
-    if interval is not None:
-        watchdog = asyncio.create_task(watchdog_loop(notifier, interval, workers_healthy(engine.workers,
-                                                                                           WORKER_STALL_S)))
 
-    await stop.wait()
-    notifier.stopping()
-    deadline = time.monotonic() + config.server.drain_timeout
+
+def wire_metrics(state: ServerState, engine: Engine) -> None:
+    """The gauges /metrics reads at scrape time: pools, tiers, grammars, the node, KV events."""
+    metrics = state.metrics
+    metrics.set_state_source(engine.pool_stats, pending=lambda: engine.num_pending)
+    metrics.set_tier_source(engine.tier_stats)
+    grammars = state.chat_tools(engine)[1]
+    metrics.set_grammar_source(lambda: grammars.num_cached, lambda: grammars.num_cached_bytes)
+    metrics.set_node_source(engine.node_load)
+    if engine.kv_events is not None:
+        metrics.set_kv_events_source(engine.kv_events.stats)
+
+
+def background_tasks(config: Config, state: ServerState, engine: Engine, notifier: Notifier) -> list[asyncio.Task]:
+    """While serving: the stats line, glibc's heap trim, the event-loop monitor and the systemd watchdog."""
+    tasks = [asyncio.create_task(LoopMonitor(on_lag=state.metrics.event_loop_lag.observe,
+                                             on_stall=state.metrics.observe_loop_stall,
+                                             dump_after_s=STALL_DUMP_S if config.server.stall_dumps
+                                             else None).run())]
+    if config.server.stats_interval > 0:
+        tasks.append(asyncio.create_task(stats_loop(StatsLine(state.metrics, engine), config.server.stats_interval)))
+    if allocator_in_use() == "glibc":  # jemalloc purges on its own thread; glibc's arenas need malloc_trim
+        tasks.append(asyncio.create_task(heap_trim_loop()))
+    if (interval := notifier.watchdog_interval()) is not None:
+        tasks.append(asyncio.create_task(watchdog_loop(notifier, interval,
+                                                       workers_healthy(engine.workers, WORKER_STALL_S))))
+    return tasks
+
+
+async def drain(engine: Engine, timeout: float) -> None:
+    """Waits up to `timeout` for the requests in flight to finish, then ends the rest with an error event."""
+    deadline = time.monotonic() + timeout
     while engine.streams and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     if engine.streams:
         log.warning("drain timeout: ending %d requests", len(engine.streams))
         engine.fail_all("the server is shutting down")
         await asyncio.sleep(0.2)  # let their handlers write the final error event
-    for task in (stats, heap_trim, loop_monitor, watchdog):
-        if task is not None:
-            task.cancel()
-    await runner.cleanup()
-    engine.stop()
-    notifier.close()
-    log.info("stopped")
-    return 0
 
 
 def run(config: Config) -> int:
