@@ -35,6 +35,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import out_path  # noqa: E402
 import serve  # noqa: E402
 import stats as S  # noqa: E402
 import timeline  # noqa: E402
@@ -86,8 +87,8 @@ def main() -> int:
     ap.add_argument("--admission-requests", type=int, default=48, help="phase 2's requests per probe")
     ap.add_argument("--margin", type=float, default=0.25, help="phase 2's slo.margin")
     ap.add_argument("--append", action="store_true", help="keep the runs already in --out (other modes)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "adaptive", "adaptive.json"))
-    ap.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "results", "adaptive", "timeline.png"))
+    ap.add_argument("--out", default=out_path("adaptive", "adaptive.json"))
+    ap.add_argument("--plot", default=out_path("adaptive", "timeline.png"))
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the server is stopped (finally) on a kill too
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

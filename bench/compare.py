@@ -66,7 +66,7 @@ work holds a core it slows down 10-100x; on a machine shared with other work, pa
     python bench/compare.py --targets disaggregated,llama-server --llama-backend native,xllamacpp
     python bench/compare.py --targets disaggregated --nodeserve-kv-extra 'dtype = "float16"' --reuse RESULTS_JSON
 
-Writes into --out-dir (default bench/results/compare/): results.json (machine, date, command, llama-server
+Writes into --out-dir (default $NODESERVE_BENCH_DIR/compare, else ~/.cache/nodeserve/bench/compare: bench/outputs.py): results.json (machine, date, command, llama-server
 version, every phase's summary per target, calibration and probe records, the derived SLO), table.md (the
 tables and the issue's targets met / not met), latency_cdf.png (phase 3, targets overlaid),
 attainment_vs_rate.png and attainment_vs_scale.png (pass 2) and timeline_<target>.png (phase 3, nodeserve).
@@ -88,6 +88,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import load_json, out_path  # noqa: E402
 import llama_server as L  # noqa: E402  (bench/ is scripts, not a package)
 import serve  # noqa: E402
 import stats as S  # noqa: E402
@@ -776,8 +777,7 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated subset of {','.join(TARGETS)}")
     ap.add_argument("--quick", action="store_true", help="a ~10-minute smoke version of every phase")
-    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                      "compare"))
+    ap.add_argument("--out-dir", default=out_path("compare"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="nodeserve [model] dtype")
     ap.add_argument("--nodeserve-model-extra", default="", help="extra TOML lines for nodeserve's [model] table")
@@ -849,8 +849,7 @@ def main() -> int:
             results["llama_server_binary_version"] = f"unavailable: {e}"
     earlier = None
     if args.reuse:
-        with open(args.reuse) as f:
-            earlier = json.load(f)
+        earlier = load_json(args.reuse)
         for name, res in earlier["targets"].items():
             if name not in targets:
                 res["reused_from"] = earlier["command"]

@@ -44,6 +44,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import out_path  # noqa: E402
 from local_server import cpu_model, start_server  # noqa: E402  (bench/ is scripts, not a package)
 from soak import (leaked_pages, percentile, read_rss_kib, rss_report, scrape_counters, wait_idle,  # noqa: E402
                   warmup_seconds)
@@ -259,7 +260,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--host-memory-gib", type=float, default=None, help="kv.host_memory_gib (default: the "
                     "server's, twice the pools: that tier filling shows as RSS growth)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "hostile.json"))
+    ap.add_argument("--out", default=out_path("hostile.json"))
     args = ap.parse_args()
     results: dict = {"command": " ".join([os.path.basename(sys.executable)] + [shlex.quote(a) for a in sys.argv]),
                      "machine": {"cpu_model": cpu_model(), "logical_cpus": os.cpu_count(),

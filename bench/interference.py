@@ -24,6 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import out_path  # noqa: E402
 from local_server import cpu_model, start_server  # noqa: E402  (bench/ is scripts, not a package)
 
 import aiohttp
@@ -84,7 +85,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--long-tokens", type=int, default=2000)
     ap.add_argument("--long-every", type=float, default=4.0)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "interference.json"))
+    ap.add_argument("--out", default=out_path("interference.json"))
     args = ap.parse_args()
     results = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "machine": platform.processor()
                or platform.machine(), "cpu_model": cpu_model(), "date": time.strftime("%Y-%m-%d"),

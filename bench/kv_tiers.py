@@ -34,6 +34,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import out_path  # noqa: E402
 import llama_server as L  # noqa: E402
 import local_server  # noqa: E402
 import prefix as P  # noqa: E402
@@ -41,7 +42,7 @@ import serve  # noqa: E402
 import stats as S  # noqa: E402
 import workloads as W  # noqa: E402
 
-OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kv_tiers")
+OUT_DIR = out_path("kv_tiers")
 PAGE = 16            # tokens per KV page (kv.page_size's default)
 SMALL_GIB = 0.25     # pool per device for restart, cross and dedupe: room for their few requests
 RATIO, BIG_GIB = 6, 2.0   # chat: working set / one small pool (pages); the big pool per device

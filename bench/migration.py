@@ -29,9 +29,12 @@ from nodeserve.core.sampling_params import SamplingParams
 from nodeserve.model.loader import load_model, parse_dtype
 from nodeserve.runtime.engine import Engine
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is scripts, not a package
+from outputs import out_path  # noqa: E402
+
 MOVE_AFTER = 32   # tokens decoded on the source before the move
 MAX_TOKENS = 128
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "migration.json")
+OUT = out_path("migration.json")
 
 
 async def one_run(engine: Engine, prompt: list[int], mode: str) -> dict:

@@ -12,7 +12,7 @@ cost model from GET /debug/profile (the start-up profile, refined by the warm-up
     python bench/plan_check.py                                  # both modes, agent and bimodal, ~25 min
     python bench/plan_check.py --modes colocated --workloads agent --requests 12 --rate-factors 0.7,1.4
 
-Writes --out (default bench/results/plan_check.json). On a machine shared with other work the measurements are
+Writes --out (default $NODESERVE_BENCH_DIR/plan_check.json, else under ~/.cache/nodeserve/bench). On a machine shared with other work the measurements are
 contended; the load averages are recorded next to them.
 """
 
@@ -28,6 +28,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import out_path  # noqa: E402
 import serve  # noqa: E402
 import stats as S  # noqa: E402
 import workloads as W  # noqa: E402
@@ -74,7 +75,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-gib", type=float, default=0.35, help="KV pool per device (a shared machine may not have "
                     "room for two 2 GiB pools)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "plan_check.json"))
+    ap.add_argument("--out", default=out_path("plan_check.json"))
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the server is stopped (finally) on a kill too
     slo = SloTarget(args.slo_ttft, args.slo_tpot, args.slo_ttft_per_token)

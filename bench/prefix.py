@@ -23,13 +23,14 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import out_path  # noqa: E402
 import llama_server as L  # noqa: E402
 import local_server  # noqa: E402
 import serve  # noqa: E402
 import stats as S  # noqa: E402
 import workloads as W  # noqa: E402
 
-OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "prefix")
+OUT_DIR = out_path("prefix")
 SYSTEM_TOKENS = 1536
 CHAT = W.MultiTurnSpec(output=(16, 48))
 

@@ -32,7 +32,7 @@ bench/llama_server.py, with `cache_prompt: false`).
     python bench/quality.py --default-extra 'quantization = "int8"' --targets nodeserve-default \
         --reuse bench/results/quality/quality.json   # one target again; the reference and the rest from before
 
-Writes --out-dir (default bench/results/quality/): quality.json (command, machine, date, prompts and their
+Writes --out-dir (default $NODESERVE_BENCH_DIR/quality, else ~/.cache/nodeserve/bench/quality): quality.json (command, machine, date, prompts and their
 ids, the reference continuation, every target's outputs and per-position results) and table.md.
 """
 
@@ -50,6 +50,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import load_json, out_path  # noqa: E402
 import llama_server as L  # noqa: E402  (bench/ is scripts, not a package)
 import serve  # noqa: E402
 from local_server import start_server  # noqa: E402
@@ -270,8 +271,7 @@ def main() -> int:
     ap.add_argument("--reuse", default=None, metavar="QUALITY_JSON",
                     help="take the reference continuations and the targets not in --targets from this earlier "
                          "quality.json (same prompts and --max-tokens), instead of starting the reference again")
-    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                      "quality"))
+    ap.add_argument("--out-dir", default=out_path("quality"))
     args = ap.parse_args()
 
     known = {"nodeserve-default": Target("nodeserve-default", "nodeserve", "auto", args.default_extra,
@@ -295,8 +295,7 @@ def main() -> int:
     reference = Target("reference", "nodeserve", "float32", 'quantization = "none"')
     runs = [reference] + [known[n] for n in names]
     if args.reuse:
-        with open(args.reuse) as f:
-            earlier = json.load(f)
+        earlier = load_json(args.reuse)
         if [p["ids"] for p in earlier["prompts"]] != [p["ids"] for p in prompts] or \
                 earlier["args"]["max_tokens"] != args.max_tokens:
             ap.error(f"{args.reuse} was run on other prompts or another --max-tokens")

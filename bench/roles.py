@@ -23,12 +23,13 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import out_path  # noqa: E402
 from local_server import cpu_model, start_server  # noqa: E402  (bench/ is scripts, not a package)
 from timeline import fetch as fetch_steps  # noqa: E402
 
 import aiohttp  # noqa: E402
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "roles.json")
+OUT = out_path("roles.json")
 
 
 async def complete(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> None:

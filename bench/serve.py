@@ -39,6 +39,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import out_path  # noqa: E402
 import stats as S  # noqa: E402
 import workloads as W  # noqa: E402
 
@@ -340,8 +341,7 @@ def main() -> int:
     ap.add_argument("--max-probes", type=int, default=12)
     ap.add_argument("--request-timeout", type=float, default=900.0)
     ap.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "serve.json"))
+    ap.add_argument("--out", default=out_path("serve.json"))
     ap.add_argument("--plots", default=None, help="directory for PNG plots")
     args = ap.parse_args()
 

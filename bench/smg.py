@@ -38,11 +38,12 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import out_path  # noqa: E402
 import serve  # noqa: E402
 import stats as S  # noqa: E402
 import workloads as W  # noqa: E402
 
-OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "smg")
+OUT_DIR = out_path("smg")
 SMG = shutil.which("smg", path=os.path.dirname(sys.executable)) or shutil.which("smg")
 MODEL = "smollm2"
 # The recipe (deploy/smg/README.md): cache_aware, tuned. A match of the chat template's preamble alone (a third of a

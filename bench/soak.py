@@ -79,6 +79,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import out_path  # noqa: E402
 from local_server import MODES, cpu_model, start_server  # noqa: E402  (bench/ is scripts, not a package)
 
 
@@ -956,7 +957,7 @@ def main() -> int:
     ap.add_argument("--no-rss-verdict", action="store_true",
                     help="report RSS but leave it out of the verdict (a minutes-long run, e.g. CI's, still sees "
                          "lazy first-time allocations; the RSS criterion is for the hour)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "soak.json"))
+    ap.add_argument("--out", default=out_path("soak.json"))
     args = ap.parse_args()
     duration = args.duration if args.duration is not None else args.minutes * 60
     if duration <= 0:
