@@ -27,9 +27,10 @@ import heapq
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from nodeserve import goodput
+from nodeserve.config import DevicesSection
 from nodeserve.core.admission import TooLarge
 from nodeserve.core.cost_model import CostModel, StepShape
 from nodeserve.core.handoff import (Arrival, FreePages, Handoff, Migrate, Migration, MigrationOutcome, MigrationStep,
@@ -66,7 +67,7 @@ class Mode:
         return {"mode": "disaggregated", "prefill": by("prefill"), "decode": by("decode")}
 
     @classmethod
-    def of_section(cls, section) -> Mode:
+    def of_section(cls, section: DevicesSection) -> Mode:
         """The mode a [devices] section (config.DevicesSection) serves: devices_section's inverse."""
         if section.mode == "disaggregated":
             return cls(section.mode, {**{d: "prefill" for d in section.prefill},
@@ -194,7 +195,14 @@ class Simulation:
     def migration_downtimes(self) -> list[float]:
         return list(self.router.migration_downtimes) if self.router else []
 
-    def _at(self, t: float, fn, *args) -> None:
+    @property
+    def _router(self) -> Router:
+        """The router of the run in progress (run() builds it)."""
+        if self.router is None:
+            raise RuntimeError("the simulation is not running")
+        return self.router
+
+    def _at(self, t: float, fn: Callable[..., None], *args: object) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn, args))
 
     def run(self, requests: Sequence[SimRequest]) -> list[SimRequest]:
@@ -214,34 +222,35 @@ class Simulation:
                              [w for w in workers if w.role != Role.PREFILL], self.threshold,
                              max_waiting=len(requests) + 1, max_queued_tokens=1 << 62, placer=self.placer,
                              clock=lambda: self.now)
+        reqs = []
         for i, r in enumerate(requests):
-            r.request = Request(str(i), [1] * r.prompt_len,
-                                SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True),
-                                arrival_time=r.arrival)
-            self._sim[r.request.request_id] = r
-            self._at(r.arrival, self._admit, r)
+            req = r.request = Request(str(i), [1] * r.prompt_len,
+                                      SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True),
+                                      arrival_time=r.arrival)
+            reqs.append(req)
+            self._sim[req.request_id] = r
+            self._at(r.arrival, self._admit, r, req)
         while self._events:
             self.now, _, fn, args = heapq.heappop(self._events)
             fn(*args)
-        for r in requests:
-            req = r.request
+        for r, req in zip(requests, reqs):
             r.num_out, r.first_token = len(req.output_ids), req.prefill_end
         return list(requests)
 
-    def _admit(self, r: SimRequest) -> None:
+    def _admit(self, r: SimRequest, req: Request) -> None:
         try:
-            self.router.admit(r.request)
+            self._router.admit(req)
         except TooLarge:  # it can never fit a device's KV
             r.refused = True
 
     def _release(self, reqs: Sequence[Request]) -> None:
         """What the engine does when a worker reports requests released: Router.release each, then dispatch."""
         for req in reqs:
-            self.router.release(req)
-        self.router.dispatch()
+            self._router.release(req)
+        self._router.dispatch()
 
     def _on_migrated(self, req: Request, outcome: MigrationOutcome, downtime: float = 0.0) -> None:
-        self.router.on_migrated(req, outcome, downtime)
+        self._router.on_migrated(req, outcome, downtime)
 
     # ---- the workers (runtime/worker.py) -----------------------------------------------------------------
     def _turn(self, d: SimDevice) -> None:
@@ -259,7 +268,7 @@ class Simulation:
             d.busy = False
             return
         chunks, nd = batch.chunks, batch.num_decodes
-        prefill = ()
+        prefill: list[tuple[int, int]] = []
         if nd < len(chunks):
             for seq in batch.seqs[nd:]:
                 if seq.req.prefill_start is None:
@@ -275,7 +284,8 @@ class Simulation:
     def _step_done(self, d: SimDevice, batch: Batch, start: float, num_prefill_tokens: int) -> None:
         if num_prefill_tokens:  # prefill_share counts these only (the others add nothing to it)
             d.records.append(StepRecord(start, self.now, num_prefill_tokens))
-        outcomes = [TokenEvent(TOKEN) if c.want_logits else None for c in batch.chunks]
+        outcomes: list[TokenEvent | Exception | None] = [TokenEvent(TOKEN) if c.want_logits else None
+                                                         for c in batch.chunks]
         self._finish(d, d.scheduler.postprocess(batch, outcomes, self.now))
         d.busy = False
         self._turn(d)
@@ -292,9 +302,10 @@ class Simulation:
             if id(seq) in ended:  # ended while moving: nothing left to copy but what is in flight (not timed)
                 self._hand_off(d, seq, 0.0)
             else:  # prefilled here: the layers' copies ran with the prefill, the tail is left
-                self._hand_off(d, seq, self.cost.transfer_tail(d.name, seq.handoff.target.name,
-                                                               seq.req.num_prompt_tokens,
-                                                               self.now - seq.req.prefill_start))
+                h, started = seq.handoff, seq.req.prefill_start
+                assert h is not None and started is not None  # handed over: prefilled here, for a target
+                self._hand_off(d, seq, self.cost.transfer_tail(d.name, h.target.name, seq.req.num_prompt_tokens,
+                                                               self.now - started))
         for seq in out.migrations_ended:
             self._on_migrated(seq.req, MigrationOutcome.FINISHED)
         if out.released:
@@ -302,8 +313,10 @@ class Simulation:
 
     def _hand_off(self, d: SimDevice, seq: Seq, delay: float, migrated_at: float | None = None) -> None:
         """Worker._hand_off: after `delay` the KV is on the target, and its pages here are given back."""
+        h = seq.handoff
+        assert h is not None  # only a sequence bound for another device is handed off
         src, seq.page_table = seq.page_table, []
-        self._at(self.now + delay, self._receive, d, seq.handoff.target, seq.req, seq.handoff, src, migrated_at)
+        self._at(self.now + delay, self._receive, d, self.devices[h.target.name], seq.req, h, src, migrated_at)
 
     def _receive(self, source: SimDevice, d: SimDevice, req: Request, h: Handoff, src_pages: list[int],
                  migrated_at: float | None) -> None:
@@ -342,8 +355,8 @@ class Simulation:
         the last round (it keeps decoding here meanwhile), or, once next_migration_step says so, stops here; its
         last pages' copy is its downtime, then it decodes on the target."""
         d.migrating = [s for s in d.migrating if s.migration is not None and s in d.scheduler.running]
-        for seq in list(d.migrating):
-            m, req = seq.migration, seq.req
+        for seq, m in [(s, s.migration) for s in d.migrating if s.migration is not None]:
+            req = seq.req
             step = next_migration_step(m, req.num_computed_tokens, PAGE_SIZE)
             if step is MigrationStep.WAIT:
                 continue
@@ -375,12 +388,15 @@ class Simulation:
 
 def records(requests: Sequence[SimRequest]) -> list[dict]:
     """Per request what bench/serve.py records for a live one (goodput.slo_attainment reads these)."""
-    out = []
+    out: list[dict[str, Any]] = []
     for r in requests:
-        ok = r.first_token is not None and r.end is not None
-        ttft = r.first_token - r.arrival if ok else None
-        tpot = (r.end - r.first_token) / (r.num_out - 1) if ok and r.num_out > 1 else None
-        out.append({"ok": ok, "ttft": ttft, "tpot": tpot, "e2e": r.end - r.arrival if ok else None,
+        first, end = r.first_token, r.end
+        if first is None or end is None:
+            out.append({"ok": False, "ttft": None, "tpot": None, "e2e": None, "prompt_len": r.prompt_len,
+                        "n_out": r.num_out})
+            continue
+        tpot = (end - first) / (r.num_out - 1) if r.num_out > 1 else None
+        out.append({"ok": True, "ttft": first - r.arrival, "tpot": tpot, "e2e": end - r.arrival,
                     "prompt_len": r.prompt_len, "n_out": r.num_out})
     return out
 
@@ -396,7 +412,8 @@ def simulate(cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget, wo
     return records(sim.run(reqs))
 
 
-def attainment(cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget, workload, arrivals, **kw) -> float:
+def attainment(cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget, workload: Sequence[tuple[int, int]],
+               arrivals: Sequence[float], **kw: Any) -> float:
     recs = simulate(cost, mode, limits, slo, workload, arrivals, **kw)
     return goodput.slo_attainment(recs, slo.ttft_s, slo.tpot_s, slo.ttft_per_token_s)["attainment"]
 
@@ -404,7 +421,7 @@ def attainment(cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget, 
 def predict_goodput(cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget,
                     workload: Sequence[tuple[int, int]], seed: int = 0, target: float = goodput.DEFAULT_SLO_TARGET,
                     rate_min: float = 0.05, rate_max: float = 100.0, rel_tol: float = 0.02,
-                    **kw) -> goodput.GoodputResult:
+                    **kw: Any) -> goodput.GoodputResult:
     """goodput.goodput_search over Poisson rates, each probe one simulation of the whole workload with
     workloads.arrival_times("poisson", ..., seed): the same search bench/compare.py runs on a live server."""
     from nodeserve import workloads

@@ -13,13 +13,14 @@ messages (prompts, arrived KV, pages to free, requests to move elsewhere) are ha
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, cast
 
 import torch
 
@@ -35,6 +36,7 @@ from nodeserve.sampling.constrain import MASK_FILL_BUDGET_S
 from nodeserve.sampling.sampler import Sampler
 
 if TYPE_CHECKING:
+    from nodeserve.kv.pool import KVPool
     from nodeserve.runtime.kv_loader import KVLoader, LoadJob
     from nodeserve.runtime.lending import SlackLending
     from nodeserve.runtime.transfer import KVTransfer
@@ -74,8 +76,9 @@ class Worker:
         reach it; transfers: by target device name, on a worker that prefills for others; loader: fills pages from
         other devices and tiers (None: no tiers); slack_lending: a decode worker lending its core between steps."""
         self.device, self.role, self.runner, self.sampler = device, role, runner, sampler
-        self.pool = runner.pool
-        self.kv = runner.pool.manager  # this device's pages: the router reserves here, this worker frees
+        # runner.pool is attention's view of it (KVPoolLike); the runtime builds every runner over a KVPool (node.py)
+        self.pool = cast("KVPool", runner.pool)
+        self.kv = self.pool.manager  # this device's pages: the router reserves here, this worker frees
         self.limits = limits
         self.scheduler = Scheduler(self.kv, limits, eos_token_ids, free=self._give_back)
         self._emit_batch, self._on_released, self._on_migrated = emit_batch, on_released, on_migrated
@@ -162,6 +165,8 @@ class Worker:
 
     def _lend_between_steps(self) -> None:
         """Sleeps lent for as long as the decode batch's inter-token gap allows (runtime/lending.py)."""
+        if self.slack_lending is None:
+            return
         pause = self.slack_lending.pause(self._step_start, time.monotonic())
         if pause > 0:
             self.device.lend(True)
@@ -175,6 +180,8 @@ class Worker:
             while True:
                 if isinstance(msg, Prefill):
                     if msg.seq.load is not None:
+                        if self.loader is None:  # the router loads from other tiers only with the tiers on
+                            raise RuntimeError(f"{self.name}: a request to load from other tiers, and no loader")
                         self._loads[msg.seq] = self.loader.submit(msg.seq)
                     self.scheduler.waiting.append(msg.seq)
                 elif isinstance(msg, FreePages):
@@ -238,8 +245,8 @@ class Worker:
     def _advance_migrations(self) -> None:
         """Between two steps: each migrating request pre-copies the pages it filled since the last round, or, once
         few are left, stops here and moves (next_migration_step)."""
-        for seq in [s for s in self.scheduler.running if s.migration is not None]:
-            m, req = seq.migration, seq.req
+        for seq, m in [(s, s.migration) for s in self.scheduler.running if s.migration is not None]:
+            req = seq.req
             step = next_migration_step(m, req.num_computed_tokens, self.pool.page_size)
             if step is MigrationStep.WAIT:
                 continue
@@ -258,7 +265,10 @@ class Worker:
             m.num_rounds += 1
             m.round_done = False
             self._copy_pages(seq, h, req.num_computed_tokens // self.pool.page_size)  # full pages only
-            transfer.after_copies(lambda landed, m=m: self._round_done(m))
+            transfer.after_copies(functools.partial(self._round_done_after, m))
+
+    def _round_done_after(self, m: Migration, landed: object) -> None:
+        self._round_done(m)
 
     def _round_done(self, m: Migration) -> None:
         """From the copy thread: a round's copies are issued (on CPU: done); wake the loop for the next."""
@@ -352,7 +362,8 @@ class Worker:
         """One batched sampler call over the rows that have logits. If it raises, each row is sampled alone, so a
         request whose sampling fails (its parameters, its grammar) fails alone, as a failed forward does."""
         rows = [i for i, r in enumerate(results) if isinstance(r, torch.Tensor)]
-        outcomes: list[TokenEvent | Exception | None] = list(results)
+        # rows with logits get their sampled outcome below; the others keep their error or None
+        outcomes: list[TokenEvent | Exception | None] = [None if isinstance(r, torch.Tensor) else r for r in results]
         if not rows:
             return outcomes
         try:
@@ -399,14 +410,15 @@ class Worker:
         if out.events:
             self._emit_batch(out.events)
         for seq in out.migrations_ended:
-            self._on_migrated(seq.req, MigrationOutcome.FINISHED, 0.0, seq.handoff.num_copied_pages)
+            num_copied = seq.handoff.num_copied_pages if seq.handoff is not None else 0
+            self._on_migrated(seq.req, MigrationOutcome.FINISHED, 0.0, num_copied)
         if out.released:
             self._on_released(out.released)
 
-    def _copy_plan(self, batch: Batch, which) -> CopyPlan:
-        return copy_plan([(i, batch.seqs[i].req.request_id, batch.seqs[i].page_table, batch.seqs[i].handoff,
+    def _copy_plan(self, batch: Batch, which: Iterable[int]) -> CopyPlan:
+        return copy_plan([(i, batch.seqs[i].req.request_id, batch.seqs[i].page_table, h,
                            batch.seqs[i].req.num_computed_tokens, len(batch.chunks[i].token_ids))
-                          for i in which if i >= batch.num_decodes and batch.seqs[i].handoff is not None],
+                          for i in which if i >= batch.num_decodes and (h := batch.seqs[i].handoff) is not None],
                          self.pool.page_size)
 
     def _layer_hook(self, plan: CopyPlan) -> Callable[[int], None] | None:
@@ -429,22 +441,29 @@ class Worker:
         if not jobs:
             return None
 
+        loader = self.loader
+        if loader is None:  # jobs exist only where a loader made them
+            return None
+
         def before_layer(layer: int) -> None:
             for job in jobs:
-                self.loader.wait_layer(job, layer)
+                loader.wait_layer(job, layer)
 
         return before_layer
 
     def _wait_loads(self) -> None:
         """Before failing every request here: loads still writing into their pages end first."""
-        for job in self._loads.values():
-            self.loader.wait(job)
+        if self.loader is not None:
+            for job in self._loads.values():
+                self.loader.wait(job)
         self._loads.clear()
 
     def _hand_off(self, seq: Seq, migrated_at: float | None = None) -> None:
         """Queues the end of a request's transfer, after every copy already queued for it: its pages here are
         freed, and its target receives it (or, if it ended or a copy failed, frees its pages there)."""
         h, req = seq.handoff, seq.req
+        if h is None:
+            raise RuntimeError(f"request {req.request_id} has no handoff to finish")
         src, seq.page_table = seq.page_table, []
         self.transfers[h.target.name].finish(
             req.request_id, src, lambda landed, error: h.target.send(
