@@ -1,0 +1,90 @@
+"""How a tensor-parallel group splits a model: which KV heads, query heads and MLP columns each rank holds.
+
+Megatron's split, with the head rule vLLM and SGLang use, widened so that a degree which does not divide the head
+count still works (llama.cpp splits by ratio; vLLM and SGLang refuse):
+  - num_ranks <= num_kv_heads: each rank holds whole KV-head groups, contiguous, as evenly as the count allows
+    (3 KV heads on 2 ranks: [0, 1] and [2]); its query heads are those groups' heads.
+  - num_ranks > num_kv_heads: KV heads are replicated, and rank r holds head r * num_kv_heads // num_ranks (with a
+    degree that divides, r // (num_ranks / num_kv_heads): vLLM's and SGLang's owner rule, "NOT modulo"). The
+    ranks holding one KV head split its group's query heads between them, in rank order.
+  - MLP columns (gate/up rows, down columns) split evenly in units of `unit` (a quantization block: 32).
+A rank must hold at least one query head, so the degree is at most the number of query heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def even_split(n: int, parts: int) -> list[range]:
+    """[0, n) in `parts` contiguous ranges whose sizes differ by at most one, the larger first."""
+    size, extra = divmod(n, parts)
+    out, start = [], 0
+    for p in range(parts):
+        stop = start + size + (p < extra)
+        out.append(range(start, stop))
+        start = stop
+    return out
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """One rank's share of every layer: global head ids and intermediate columns, each a contiguous range."""
+
+    rank: int
+    kv_heads: range
+    q_heads: range
+    mlp: range
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    ranks: tuple[RankShard, ...]
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def kv_heads(self) -> tuple[range, ...]:
+        """Global KV heads per rank: what a pool of this group holds where (core/reshard.py plans from it)."""
+        return tuple(r.kv_heads for r in self.ranks)
+
+
+def tp_layout(num_heads: int, num_kv_heads: int, intermediate_size: int, num_ranks: int, unit: int = 1) -> TPLayout:
+    """Raises ValueError, naming the degrees that work, when `num_ranks` cannot split this model."""
+    if num_ranks < 1 or num_ranks > num_heads or intermediate_size % unit or intermediate_size // unit < num_ranks:
+        valid = valid_degrees(num_heads, num_kv_heads, intermediate_size, unit)
+        raise ValueError(f"a tensor-parallel degree of {num_ranks} cannot split {num_heads} query heads and "
+                         f"{intermediate_size} MLP columns (in units of {unit}); valid degrees up to 8: "
+                         f"{', '.join(map(str, valid)) or 'none'}")
+    group = num_heads // num_kv_heads  # query heads per KV head
+    if num_ranks <= num_kv_heads:
+        kv = even_split(num_kv_heads, num_ranks)
+        q = [range(r.start * group, r.stop * group) for r in kv]
+    else:
+        owner = [r * num_kv_heads // num_ranks for r in range(num_ranks)]
+        kv = [range(h, h + 1) for h in owner]
+        q = []
+        for r, h in enumerate(owner):
+            holders = [s for s in range(num_ranks) if owner[s] == h]
+            if len(holders) > group:
+                raise ValueError(f"a tensor-parallel degree of {num_ranks} gives KV head {h} {len(holders)} ranks "
+                                 f"but it has only {group} query heads; valid degrees up to 8: "
+                                 f"{', '.join(map(str, valid_degrees(num_heads, num_kv_heads, intermediate_size, unit)))}")
+            part = even_split(group, len(holders))[holders.index(r)]
+            q.append(range(h * group + part.start, h * group + part.stop))
+    mlp = [range(r.start * unit, r.stop * unit) for r in even_split(intermediate_size // unit, num_ranks)]
+    return TPLayout(num_heads, num_kv_heads, intermediate_size,
+                    tuple(RankShard(r, kv[r], q[r], mlp[r]) for r in range(num_ranks)))
+
+
+def valid_degrees(num_heads: int, num_kv_heads: int, intermediate_size: int, unit: int = 1,
+                  max_degree: int = 8) -> list[int]:
+    group = num_heads // num_kv_heads
+    return [n for n in range(1, max_degree + 1)
+            if n <= num_heads and not intermediate_size % unit and intermediate_size // unit >= n
+            and (n <= num_kv_heads or -(-n // num_kv_heads) <= group)]
