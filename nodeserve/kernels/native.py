@@ -64,6 +64,11 @@ _SIGNATURES = {
     "ns_helper_use": (None, [_ptr]),
     "ns_helper_jobs": (ctypes.c_long, [_ptr]),
     "ns_helper_free": (None, [_ptr]),
+    "ns_group_new": (_ptr, [_i64]),
+    "ns_group_free": (None, [_ptr]),
+    "ns_group_allreduce": (_int, [_ptr, _i64, _ptr, _i64]),
+    "ns_group_abort": (None, [_ptr]),
+    "ns_group_reset": (None, [_ptr]),
 }
 
 

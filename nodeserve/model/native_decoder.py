@@ -5,17 +5,23 @@ A batch-1 decode step through LlamaModel's modules is ~50 Python-level ops per l
 dispatch cost was about a third of the step (bench/README.md). This runs the same kernels in the same order
 with one call per layer, the way CUDA graphs replay a step on a GPU. LlamaModel.forward takes it for steps whose
 every row decodes one token over a float32 pool; prefill chunks and mixed steps take the module path.
+
+Under tensor parallelism each rank's decoder holds its shard of every layer and passes `comm` (its rank in a
+native group, device/collectives.py): the layer call all-reduces the o_proj and down_proj outputs in C.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from nodeserve.attention.base import AttentionBackend
 from nodeserve.kernels.native import NativeKernels
+
+if TYPE_CHECKING:
+    from nodeserve.device.collectives import RankComm
 
 _i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
 
@@ -29,7 +35,8 @@ class _Layer(ctypes.Structure):  # struct ns_layer
 
 class _Step(ctypes.Structure):  # struct ns_step
     _fields_ = [("num_rows", _i64), ("max_pages", _i64), ("page_size", _i64), ("positions", _p), ("slots", _p),
-                ("page_tables", _p), ("seq_lens", _p), ("cos_sin", _p), ("scale", _f32), ("kv_f16", _i64)]
+                ("page_tables", _p), ("seq_lens", _p), ("cos_sin", _p), ("scale", _f32), ("kv_f16", _i64),
+                ("group", _p), ("rank", _i64)]
 
 
 class NativeDecoder:
@@ -77,20 +84,26 @@ class NativeDecoder:
                 and max(meta.seq_lens_host) <= len(self.cos_sin_cache))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
-                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+                 on_layer_done: Callable[[int], None] | None = None, comm: RankComm | None = None) -> torch.Tensor:
         """x: [T, hidden] embeddings -> the residual stream after the last layer (before the final norm). Writes
-        K/V into the backend's pool layers, at the slots of the step it was prepared for."""
+        K/V into the backend's pool layers, at the slots of the step it was prepared for. comm: this rank of a
+        tensor-parallel group (`.handle`, the native group's pointer, and `.rank`), whose peers call this at the
+        same time on their shards; None alone."""
+        group, rank = (None, 0) if comm is None else (comm.handle, comm.rank)
+        if comm is not None and group is None and comm.num_ranks > 1:
+            # the reduce happens inside the C call, so only a native group can do it (not ThreadAllReduce)
+            raise ValueError("the native decoder needs a native all-reduce group (CPUAllReduce) to split a layer")
         meta, kv_layers = backend.meta, backend.pool.layers
         x = x.contiguous()
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         tables, seq_lens = meta.page_tables.contiguous(), meta.seq_lens.contiguous()
         step = _Step(x.shape[0], tables.shape[1], meta.page_size, positions.data_ptr(), slots.data_ptr(),
                      tables.data_ptr(), seq_lens.data_ptr(), self.cos_sin_cache.data_ptr(), self.scale,
-                     int(kv_layers[0].dtype == torch.float16))
+                     int(kv_layers[0].dtype == torch.float16), group, rank)
         step_ptr, x_ptr = ctypes.byref(step), x.data_ptr()
         for i, layer in enumerate(self.layers):
             if self._fn(ctypes.byref(layer), step_ptr, x_ptr, kv_layers[i].data_ptr()):
-                raise MemoryError("ns_decode_layer: out of memory")
+                raise RuntimeError("ns_decode_layer failed (out of memory, or a tensor-parallel peer failed)")
             if on_layer_done is not None:
                 on_layer_done(i)
         return x

@@ -484,3 +484,131 @@ def test_a_lent_core_takes_prefill_attention_tasks_and_the_result_is_the_same():
             assert kernels.prefill_attention(q, kv, table, 200, 0.125, out, bf16)
             return out
         _check_split_with_a_lent_core(call, call())
+
+
+# ---------- ns_decode_layer split over a tensor-parallel group (csrc/allreduce.c) ----------
+
+H, NH, KH, D, I = 64, 4, 2, 32, 128  # two ranks: 2 query heads, 1 KV head and 64 intermediate columns each
+PAGE, SEQ_LENS = 4, [5, 9]  # two rows, each decoding its last position
+
+
+def _random_layer():
+    """A Q8_0 layer's fused weights (GGUF blocks) and float32 norms and qkv bias, and a step's inputs."""
+    rng = np.random.default_rng(6)
+
+    def blocks(n, k):
+        return gguf_blocks((rng.standard_normal((n, k)) * 0.2).astype(np.float32), "Q8_0")
+
+    w = {"qkv": blocks((NH + 2 * KH) * D, H), "o": blocks(H, NH * D), "gate_up": blocks(2 * I, H),
+         "down": blocks(H, I)}
+    w["bias"] = torch.from_numpy(rng.standard_normal((NH + 2 * KH) * D).astype(np.float32))
+    w["input_norm"], w["post_norm"] = (torch.from_numpy(rng.uniform(0.5, 1.5, H).astype(np.float32))
+                                       for _ in range(2))
+    inv = 1.0 / 10000 ** (torch.arange(0, D, 2) / D)
+    angles = torch.arange(64)[:, None] * inv[None]
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1).contiguous()  # [positions, D]: cos | sin halves
+    pages = [-(-n // PAGE) for n in SEQ_LENS]
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5]])[:, :max(pages)].contiguous()
+    kv = torch.from_numpy(rng.standard_normal((6, 2, PAGE, KH, D)).astype(np.float32))  # the cached history
+    x = torch.from_numpy(rng.standard_normal((len(SEQ_LENS), H)).astype(np.float32))
+    positions = torch.tensor([n - 1 for n in SEQ_LENS])
+    slots = torch.tensor([int(tables[b, p // PAGE]) * PAGE + p % PAGE for b, p in enumerate(positions.tolist())])
+    return w, dict(cos_sin=cos_sin, tables=tables, kv=kv, x=x, positions=positions, slots=slots)
+
+
+def _shard(w, rank: int, num_ranks: int):
+    """Rank's Megatron shard: its query and KV heads' rows of qkv (and bias), its gate and up rows, and the
+    matching input columns of o and down (whole Q8_0 blocks: 34 bytes a 32 columns)."""
+    if num_ranks == 1:
+        return w
+    nh, kh, i = NH // num_ranks, KH // num_ranks, I // num_ranks
+    rows = torch.cat([torch.arange(rank * nh * D, (rank + 1) * nh * D),
+                      NH * D + torch.arange(rank * kh * D, (rank + 1) * kh * D),
+                      (NH + KH) * D + torch.arange(rank * kh * D, (rank + 1) * kh * D)])
+    gate_up = torch.cat([torch.arange(rank * i, (rank + 1) * i), I + torch.arange(rank * i, (rank + 1) * i)])
+
+    def columns(m, width):
+        return m[:, rank * width // 32 * 34:(rank + 1) * width // 32 * 34].contiguous()
+
+    return dict(w, qkv=w["qkv"][rows].contiguous(), bias=w["bias"][rows].contiguous(),
+                o=columns(w["o"], nh * D), gate_up=w["gate_up"][gate_up].contiguous(), down=columns(w["down"], i))
+
+
+def _decode_layer(w, s, x, kv, group=None, rank=0, num_ranks=1) -> int:
+    import ctypes
+
+    from nodeserve.model.native_decoder import _Layer, _Step
+
+    q8 = native.Q8_0
+    layer = _Layer(H, NH // num_ranks, KH // num_ranks, D, I // num_ranks, 1e-5, w["input_norm"].data_ptr(),
+                   w["post_norm"].data_ptr(), w["bias"].data_ptr(), w["qkv"].data_ptr(), w["o"].data_ptr(),
+                   w["gate_up"].data_ptr(), w["down"].data_ptr(), q8, q8, q8, q8)
+    seq_lens = torch.tensor(SEQ_LENS)
+    step = _Step(x.shape[0], s["tables"].shape[1], PAGE, s["positions"].data_ptr(), s["slots"].data_ptr(),
+                 s["tables"].data_ptr(), seq_lens.data_ptr(), s["cos_sin"].data_ptr(), D ** -0.5, 0, group, rank)
+    fn = kernels.lib.ns_decode_layer
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p] * 4  # as NativeDecoder sets them
+    return fn(ctypes.byref(layer), ctypes.byref(step), x.data_ptr(), kv.data_ptr())
+
+
+def _on_rank_threads(num_ranks: int, body) -> list:
+    import threading
+
+    out: list = [None] * num_ranks
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, body(r))) for r in range(num_ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def test_a_decode_layer_in_a_group_of_one_is_the_layer_alone(one_thread):
+    from nodeserve.device.collectives import CPUAllReduce
+
+    w, s = _random_layer()
+    group = CPUAllReduce(1, kernels)
+    outs = []
+    for handle in (None, group.handle):
+        x, kv = s["x"].clone(), s["kv"].clone()
+        assert _decode_layer(w, s, x, kv, handle) == 0
+        outs.append((x, kv))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[0][0], s["x"])  # the layer ran
+
+
+def test_a_decode_layer_split_over_two_ranks_is_the_whole_layer(one_thread):
+    """Megatron's split: each rank's attention over its heads and MLP over its columns, the o and down outputs
+    all-reduced inside the call; the residual stream equals the unsplit layer's to float rounding, the same bits
+    on both ranks, and each rank's pool holds its KV head of the whole layer's."""
+    from nodeserve.device.collectives import CPUAllReduce
+
+    w, s = _random_layer()
+    x, kv = s["x"].clone(), s["kv"].clone()
+    assert _decode_layer(w, s, x, kv) == 0
+    group = CPUAllReduce(2, kernels)
+    xs = [s["x"].clone() for _ in range(2)]
+    kvs = [s["kv"][:, :, :, r:r + 1].contiguous() for r in range(2)]
+    rcs = _on_rank_threads(2, lambda r: _decode_layer(_shard(w, r, 2), s, xs[r], kvs[r], group.handle, r, 2))
+    assert rcs == [0, 0]
+    assert torch.equal(xs[0], xs[1])
+    torch.testing.assert_close(xs[0], x, rtol=1e-5, atol=1e-5)
+    for r in range(2):
+        torch.testing.assert_close(kvs[r], kv[:, :, :, r:r + 1], rtol=1e-6, atol=1e-6)
+
+
+def test_a_decode_layer_whose_peer_never_comes_fails_once_the_group_is_aborted(one_thread):
+    import threading
+
+    from nodeserve.device.collectives import CPUAllReduce
+
+    w, s = _random_layer()
+    group = CPUAllReduce(2, kernels)
+    aborter = threading.Timer(0.2, group.abort)
+    aborter.start()
+    started = time.monotonic()
+    rcs = _on_rank_threads(1, lambda r: _decode_layer(_shard(w, 0, 2), s, s["x"].clone(),
+                                                      s["kv"][:, :, :, :1].contiguous(), group.handle, 0, 2))
+    aborter.join()
+    assert rcs == [-1] and time.monotonic() - started < 1.2

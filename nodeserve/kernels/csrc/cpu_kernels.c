@@ -744,17 +744,30 @@ struct ns_step {
     const float *cos_sin;
     float scale;
     int64_t kv_f16;  /* the pool's dtype: float32 (0) or float16 (1) */
+    void *group;     /* a tensor-parallel group (allreduce.c) whose ranks hold shards of the layer, or NULL */
+    int64_t rank;    /* this shard's rank in group */
 };
+
+int ns_group_allreduce(void *g, int64_t rank, float *buf, int64_t n);  /* allreduce.c */
+void ns_group_abort(void *g);
 
 /* x [T, hidden], the residual stream, in place: x += attn(norm(x)); x += mlp(norm(x)), for T rows that each
  * decode one token; kv is this layer's float32 pool [num_pages, 2, page_size, KH, D]. The same kernels, in the
  * same order, as the per-op path (LlamaModel.forward with NativeOps and the paged attention): one call per
- * layer instead of ~50 Python-level ops. Returns 0, or -1 when out of memory. */
+ * layer instead of ~50 Python-level ops.
+ *
+ * With S->group, L is this rank's shard (Megatron): its query / KV heads and its intermediate columns, with the
+ * matching input columns of o and down, so each of those two products is a partial sum that is all-reduced
+ * over the group before it joins the residual stream (which every rank holds whole). Returns 0, or -1 when out
+ * of memory or the all-reduce failed (the group was aborted: a peer failed). */
 int ns_decode_layer(const struct ns_layer *L, const struct ns_step *S, float *x, void *kv) {
     const int64_t T = S->num_rows, H = L->hidden, D = L->head_dim, NH = L->num_heads, KH = L->num_kv_heads;
     const int64_t q_size = NH * D, kv_size = KH * D, n_qkv = q_size + 2 * kv_size, I = L->intermediate;
     float *buf = malloc(sizeof(float) * (size_t)(T * (H + n_qkv + q_size + q_size + 2 * I + I + H)));
-    if (!buf) return -1;
+    if (!buf) {
+        if (S->group) ns_group_abort(S->group);  /* this rank never reaches the reduce: its peers must not wait */
+        return -1;
+    }
     float *h = buf, *qkv = h + T * H, *q = qkv + T * n_qkv, *attn = q + T * q_size, *gu = attn + T * q_size;
     float *act = gu + T * 2 * I, *y = act + T * I;
     int err = 0;
@@ -770,13 +783,18 @@ int ns_decode_layer(const struct ns_layer *L, const struct ns_step *S, float *x,
     err |= ns_paged_decode_attention(q, kv, S->block_tables, S->max_pages, S->seq_lens, attn, T, NH, KH, D,
                                      S->page_size, S->scale, (int)S->kv_f16);
     err |= ns_linear(L->o_type, L->o, attn, y, T, q_size, H, 0, H);
+    if (S->group && ns_group_allreduce(S->group, S->rank, y, T * H)) goto failed;
     ns_add_rms_norm(y, x, L->post_norm, T, H, L->eps);  /* x += o; y = norm(x) */
     err |= ns_linear(L->gate_up_type, L->gate_up, y, gu, T, H, 2 * I, 0, 2 * I);
     ns_silu_and_mul(gu, act, T, I);
     err |= ns_linear(L->down_type, L->down, act, y, T, I, H, 0, H);
+    if (S->group && ns_group_allreduce(S->group, S->rank, y, T * H)) goto failed;
     for (int64_t i = 0; i < T * H; i++) x[i] += y[i];
     free(buf);
     return err ? -1 : 0;
+failed:
+    free(buf);
+    return -1;
 }
 
 /* For the build check: which paths this binary takes. */

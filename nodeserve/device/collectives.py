@@ -1,0 +1,245 @@
+"""All-reduce between the ranks of a tensor-parallel device group (`cpu:0+cpu:1`): the sum after o_proj and after
+down_proj of each layer (Megatron).
+
+CPU ranks are threads of this process, so the reduce is over shared memory: CPUAllReduce runs the native one
+(kernels/csrc/allreduce.c, which the native decoder also calls inside its layer call); ThreadAllReduce is the same
+algorithm in torch for when the kernels cannot be built. Both add in rank order (rank 0 + rank 1 + ... in
+float32), so every rank holds bitwise the same sum and a rank's output does not depend on timing. Both can be
+aborted, so a rank whose forward raised does not leave its peers waiting forever. NCCLAllReduce is the GPU one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from nodeserve.kernels import native
+from nodeserve.kernels.native import NativeKernels
+
+log = logging.getLogger(__name__)
+
+_PEER_FAILED = "a tensor-parallel peer failed"
+_SIZES_DIFFER = "all-reduce: the ranks' tensors differ in size"
+
+
+class AllReduce(Protocol):
+    """Sum over the ranks of a CPU group, each rank calling from its own thread, all in lockstep (one call in flight
+    per group)."""
+
+    name: str
+    num_ranks: int
+
+    @property
+    def handle(self) -> int | None:
+        """The native group's pointer, for the native decoder to reduce inside its layer call; None if not native."""
+        ...
+
+    def __call__(self, rank: int, x: torch.Tensor) -> torch.Tensor:
+        """x (contiguous float32 on the CPU, the same shape on every rank) replaced in place by the sum over ranks;
+        returns x. Raises RuntimeError when the group is aborted."""
+        ...
+
+    def abort(self) -> None:
+        """Every rank waiting in a call, and every later call, raises until reset()."""
+        ...
+
+    def reset(self) -> None:
+        """Clears an abort; only once every rank has returned (the group's owner, between steps)."""
+        ...
+
+
+@dataclass(frozen=True)
+class RankComm:
+    """One rank's view of a group: what a rank's forward (and NativeDecoder's `comm`) is given."""
+
+    group: AllReduce
+    rank: int
+
+    @property
+    def handle(self) -> int | None:
+        return self.group.handle
+
+    @property
+    def num_ranks(self) -> int:
+        return self.group.num_ranks
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group(self.rank, x)
+
+
+def _check(rank: int, num_ranks: int, x: torch.Tensor) -> None:
+    # C reads raw pointers: a wrong dtype or a strided view would be summed as garbage, or past its end
+    if not 0 <= rank < num_ranks:
+        raise ValueError(f"rank {rank} is not in a group of {num_ranks}")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"all-reduce takes contiguous float32 CPU tensors, got {x.dtype} on {x.device}"
+                         f"{'' if x.is_contiguous() else ' (strided)'}")
+
+
+class CPUAllReduce:
+    """The native all-reduce (kernels/csrc/allreduce.c) over num_ranks threads. close() frees the group; no rank may
+    be in a call then."""
+
+    def __init__(self, num_ranks: int, kernels: NativeKernels):
+        self.name, self.num_ranks, self._lib = "native", num_ranks, kernels.lib
+        self._handle: int | None = kernels.lib.ns_group_new(num_ranks)
+        if self._handle is None:
+            raise MemoryError(f"ns_group_new({num_ranks}) failed")
+
+    @property
+    def handle(self) -> int | None:
+        return self._handle
+
+    def _live(self) -> int:
+        if self._handle is None:
+            raise RuntimeError("the all-reduce group is closed")
+        return self._handle
+
+    def __call__(self, rank: int, x: torch.Tensor) -> torch.Tensor:
+        _check(rank, self.num_ranks, x)
+        err = self._lib.ns_group_allreduce(self._live(), rank, x.data_ptr(), x.numel())
+        if err == -2:
+            raise ValueError(_SIZES_DIFFER)
+        if err:
+            raise RuntimeError(_PEER_FAILED)
+        return x
+
+    def abort(self) -> None:
+        self._lib.ns_group_abort(self._live())
+
+    def reset(self) -> None:
+        self._lib.ns_group_reset(self._live())
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._lib.ns_group_free(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class _Barrier:
+    """threading.Barrier with the native group's abort rule. threading.Barrier's abort can break a barrier the last
+    rank already passed (it returns while its peers raise); here a barrier completes for every rank or for none,
+    and the second barrier of a call ignores an abort, since every rank past the first is already summing."""
+
+    def __init__(self, parties: int):
+        self._cond = threading.Condition()
+        self._parties, self._count, self._generation, self.aborted = parties, 0, 0, False
+
+    def wait(self, honour_abort: bool) -> bool:
+        """True once every rank arrived; False when honour_abort and the group was aborted first."""
+        with self._cond:
+            if honour_abort and self.aborted:
+                return False
+            generation = self._generation
+            self._count += 1
+            if self._count == self._parties:
+                self._count, self._generation = 0, generation + 1
+                self._cond.notify_all()
+                return True
+            self._cond.wait_for(lambda: self._generation != generation or (honour_abort and self.aborted))
+            return self._generation != generation
+
+    def abort(self) -> None:
+        with self._cond:
+            self.aborted = True
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        with self._cond:
+            self.aborted, self._count = False, 0
+            self._generation += 1
+
+
+class ThreadAllReduce:
+    """The native algorithm in torch (publish, barrier, each rank sums its slice into every buffer, barrier), for
+    when the native kernels cannot be built: the same sums bit for bit, at Python's cost per call."""
+
+    handle = None
+
+    def __init__(self, num_ranks: int):
+        self.name, self.num_ranks = "thread", num_ranks
+        self._bufs: list[torch.Tensor | None] = [None] * num_ranks
+        self._barrier = _Barrier(num_ranks)
+
+    def __call__(self, rank: int, x: torch.Tensor) -> torch.Tensor:
+        _check(rank, self.num_ranks, x)
+        n = self.num_ranks
+        if n == 1:
+            if self._barrier.aborted:
+                raise RuntimeError(_PEER_FAILED)
+            return x
+        self._bufs[rank] = flat = x.view(-1)
+        if not self._barrier.wait(honour_abort=True):
+            raise RuntimeError(_PEER_FAILED)
+        bufs = [b for b in self._bufs if b is not None]
+        same = len(bufs) == n and all(b.numel() == flat.numel() for b in bufs)  # every rank sees the same answer
+        if same:
+            chunk = (-(-flat.numel() // n) + 15) // 16 * 16  # the native slices (64-byte aligned)
+            begin, end = min(rank * chunk, flat.numel()), min((rank + 1) * chunk, flat.numel())
+            if begin < end:
+                acc = bufs[0][begin:end].clone()
+                for b in bufs[1:]:
+                    acc += b[begin:end]
+                for b in bufs:
+                    b[begin:end] = acc
+        self._barrier.wait(honour_abort=False)
+        if not same:
+            raise ValueError(_SIZES_DIFFER)
+        return x
+
+    def abort(self) -> None:
+        self._barrier.abort()
+
+    def reset(self) -> None:
+        self._bufs = [None] * self.num_ranks
+        self._barrier.reset()
+
+
+class NCCLAllReduce:
+    """The GPU all-reduce: torch.cuda.nccl.all_reduce over one tensor per GPU, called from one thread (torch wraps
+    the per-GPU calls in an NCCL group and keeps one communicator per device set), eager, on each GPU's current
+    stream, in place. NCCL's summation order is its own (ring or tree), though every GPU gets the same values.
+
+    UNTESTED on GPUs: written against torch.cuda.nccl's signature; the test suite only imports it and checks its
+    argument checks (the machine it was written on has no GPU)."""
+
+    def __init__(self, devices: Sequence[torch.device | str | int]):
+        self.devices = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices]
+        if not self.devices or any(d.type != "cuda" or d.index is None for d in self.devices):
+            raise ValueError(f"NCCLAllReduce takes CUDA devices with indices, got {list(devices)}")
+        self.name, self.num_ranks = "nccl", len(self.devices)
+
+    def all_reduce(self, tensors: list[torch.Tensor]) -> None:
+        """tensors[i] (contiguous, on devices[i], all the same shape and dtype) replaced by the sum over i."""
+        if len(tensors) != self.num_ranks:
+            raise ValueError(f"all_reduce takes {self.num_ranks} tensors, one per GPU, got {len(tensors)}")
+        for t, d in zip(tensors, self.devices):
+            if t.device != d or not t.is_contiguous():
+                raise ValueError(f"all_reduce: a tensor on {t.device} (contiguous: {t.is_contiguous()}), want {d}")
+        from torch.cuda import nccl
+
+        nccl.all_reduce(tensors)  # outputs=None: in place
+
+
+def make_all_reduce(device_type: str, num_ranks: int) -> AllReduce:
+    """The CPU group's all-reduce: the native one where the kernels build, else the torch fallback. GPU groups reduce
+    all ranks' tensors from one thread instead, through NCCLAllReduce(devices)."""
+    if device_type != "cpu":
+        raise ValueError(f"make_all_reduce is for CPU groups; a {device_type} group takes NCCLAllReduce(devices)")
+    kernels = native.load()
+    group: AllReduce
+    if kernels is not None:
+        group = CPUAllReduce(num_ranks, kernels)
+        log.info("tensor-parallel all-reduce: native fixed-order sum over %d ranks", num_ranks)
+    else:
+        group = ThreadAllReduce(num_ranks)
+        log.info("tensor-parallel all-reduce: torch fixed-order sum over %d ranks (native kernels unavailable)",
+                 num_ranks)
+    return group
