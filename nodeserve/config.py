@@ -164,6 +164,11 @@ class Config:
         return self.devices.decode if self.devices.mode == "disaggregated" else self.devices.devices
 
     @property
+    def tp_degrees(self) -> frozenset[int]:
+        """The tensor-parallel degrees of the devices named ("cpu:0+cpu:1" is 2; a single device 1)."""
+        return frozenset(len(n.split("+")) for n in self.prefill_devices + self.decode_devices)
+
+    @property
     def dtype(self) -> str:
         """model.dtype with "auto" resolved for these devices."""
         from nodeserve.device import auto_dtype
@@ -329,7 +334,7 @@ def _validate_kv_events(cfg: Config) -> None:
 
 
 def validate(cfg: Config, check_devices: bool = True) -> None:
-    from nodeserve.device import parse_device_name, DeviceNameError, available_devices
+    from nodeserve.device import DeviceNameError, available_devices, group_ranks, parse_device_name
 
     m, s, d, kv, sch = cfg.model, cfg.server, cfg.devices, cfg.kv, cfg.scheduler
     if m.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -429,21 +434,28 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
         names = [("devices.devices", x) for x in d.devices]
     else:
         raise ConfigError(f"'devices.mode' must be \"disaggregated\", \"colocated\" or \"adaptive\", got {d.mode!r}")
-    seen = set()
+    seen: set[str] = set()
+    groups = []
     for key, name in names:
         try:
             parsed = parse_device_name(name)
         except DeviceNameError as e:
             raise ConfigError(f"'{key}': {e}") from None
-        if parsed in seen:
-            raise ConfigError(f"'{key}' lists '{name}' twice; each device appears once")
-        seen.add(parsed)
-        if check_devices:
-            have = available_devices()
-            if parsed not in have:
-                listed = ", ".join(have)
-                raise ConfigError(f"'{key}' lists '{name}', which this machine does not have "
-                                  f"(available: {listed}); remove it or pick one of those")
+        if "+" in parsed:
+            groups.append(parsed)
+        for rank in group_ranks(parsed):
+            if rank in seen:
+                raise ConfigError(f"'{key}' lists '{rank}' twice (in '{name}'); each device appears once, in one "
+                                  "group at most")
+            seen.add(rank)
+            # CPU devices past the core count share cores (with a warning at start), so any grouping can be tried
+            # on a small machine; a GPU that is not there cannot be.
+            if check_devices and rank.startswith("cuda:") and rank not in (have := available_devices()):
+                raise ConfigError(f"'{key}' lists '{rank}', which this machine does not have "
+                                  f"(available: {', '.join(have)}); remove it or pick one of those")
+    if groups and kv.dtype == "fp8_e4m3":
+        raise ConfigError(f"'kv.dtype' = \"fp8_e4m3\" is not supported with tensor-parallel groups ('{groups[0]}') "
+                          "yet: its scales are calibrated per pool; use \"auto\"")
     _validate_cuda_only(cfg, sorted(n for n in seen if n.startswith("cpu:")))
     if d.attention == "flashinfer" and m.dtype == "float32":  # decided here, before minutes of loading
         raise ConfigError(FLASHINFER_FLOAT32)

@@ -80,7 +80,7 @@ def gguf_path() -> str:
 def loaded_fp32(gguf_path):
     from nodeserve.model.loader import load_model
 
-    return load_model(gguf_path, torch.float32)
+    return load_model(gguf_path, torch.float32, tp_degrees=(2, 3))  # shards for the tensor-parallel tests too
 
 
 @pytest.fixture(scope="session")

@@ -104,10 +104,28 @@ def test_out_of_range_values(raw, key):
     assert f"'{key}'" in _error(raw, check_devices=False)
 
 
-def test_device_that_does_not_exist():
-    msg = _error({"devices": {"prefill": [DEV_A], "decode": [MISSING_CPU]}})
-    assert "'devices.decode'" in msg and MISSING_CPU in msg and "available" in msg
-    config_from_dict({"devices": {"prefill": [DEV_A], "decode": [MISSING_CPU]}}, check_devices=False)
+def test_a_gpu_that_does_not_exist_is_refused_and_a_cpu_past_the_core_count_shares_a_core():
+    missing_gpu = next(f"cuda:{n}" for n in range(99, 100000) if f"cuda:{n}" not in HAVE)
+    msg = _error({"devices": {"prefill": [DEV_A], "decode": [missing_gpu]}})
+    assert "'devices.decode'" in msg and missing_gpu in msg and "available" in msg
+    msg = _error({"devices": {"prefill": [DEV_A], "decode": [f"cpu:1+{missing_gpu}"]}})
+    assert "one kind" in msg
+    # CPU devices past the core count share cores (a warning at start), so any grouping runs on 2 cores.
+    config_from_dict({"devices": {"prefill": [DEV_A], "decode": [MISSING_CPU]}})
+
+
+def test_tensor_parallel_group_names():
+    cfg = config_from_dict({"devices": {"prefill": ["cpu:0"], "decode": ["cpu:1 + CPU:2"]}}, check_devices=False)
+    assert cfg.decode_devices == ("cpu:1 + CPU:2",)
+    msg = _error({"devices": {"prefill": ["cpu:0+cpu:1"], "decode": ["cpu:1+cpu:2"]}}, check_devices=False)
+    assert "'cpu:1'" in msg and "twice" in msg
+    msg = _error({"devices": {"mode": "colocated", "devices": ["cpu:0+cpu:0"]}}, check_devices=False)
+    assert "twice" in msg
+    msg = _error({"devices": {"mode": "colocated", "devices": ["cpu:0+"]}}, check_devices=False)
+    assert "'devices.devices'" in msg and "'+'" in msg
+    msg = _error({"devices": {"mode": "colocated", "devices": ["cpu:0+cpu:1"]}, "kv": {"dtype": "fp8_e4m3"}},
+                 check_devices=False)
+    assert "tensor-parallel" in msg
 
 
 def test_bad_device_name():

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 from typing import Callable
 
-from nodeserve.device.base import Device, DeviceNameError, available_devices, parse_device_name, upload
+from nodeserve.device.base import (Device, DeviceNameError, available_devices, group_ranks, parse_device_name,
+                                   upload)
 
 
 def make_device(name: str, on_thread_start: Callable[[], None] | None = None,
                 on_lend: Callable[[bool], None] | None = None) -> Device:
-    """The device `name` names; a CPU device with its core-lending hooks (CPUDevice), which a GPU has none of."""
+    """The device `name` names; a CPU device with its core-lending hooks (CPUDevice), which a GPU has none of; a
+    tensor-parallel group ("cpu:0+cpu:1") as one DeviceGroup of its ranks (which lend nothing)."""
     parsed = parse_device_name(name)
-    if parsed.startswith("cpu:"):
-        from nodeserve.device.cpu import CPUDevice
+    if "+" in parsed:
+        from nodeserve.device.group import DeviceGroup
 
-        return CPUDevice(int(parsed[4:]), on_thread_start, on_lend)
+        return DeviceGroup([make_device(r) for r in group_ranks(parsed)])
+    if parsed.startswith("cpu:"):
+        from nodeserve.device.cpu import CPUDevice, core_of
+
+        return CPUDevice(int(parsed[4:]), on_thread_start, on_lend, core=core_of(int(parsed[4:])))
     from nodeserve.device.cuda import CUDADevice
 
     return CUDADevice(int(parsed[5:]))
@@ -30,4 +36,5 @@ def auto_dtype(device_names: list[str] | tuple[str, ...]) -> str:
     return "bfloat16" if has_fast_bf16() else "float32"
 
 
-__all__ = ["auto_dtype", "Device", "DeviceNameError", "available_devices", "make_device", "parse_device_name", "upload"]
+__all__ = ["auto_dtype", "Device", "DeviceNameError", "available_devices", "group_ranks", "make_device", "parse_device_name",
+           "upload"]

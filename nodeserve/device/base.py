@@ -21,10 +21,25 @@ _NAME = re.compile(r"^(cpu|cuda):(\d+)$")
 
 
 def parse_device_name(name: str) -> str:
-    m = _NAME.match(name.strip().lower())
-    if not m:
-        raise DeviceNameError(f"'{name}' is not a device name; write cpu:N (a CPU core) or cuda:N (a GPU)")
-    return f"{m.group(1)}:{int(m.group(2))}"
+    """The canonical form of a device name: "cpu:N", "cuda:N", or a tensor-parallel group of them joined by "+"
+    ("cuda:0+cuda:1"), whose ranks are of one kind and distinct."""
+    ranks = []
+    for part in name.strip().lower().split("+"):
+        m = _NAME.match(part.strip())
+        if not m:
+            raise DeviceNameError(f"'{name}' is not a device name; write cpu:N (a CPU core), cuda:N (a GPU), or a "
+                                  "tensor-parallel group of them joined by '+' (cuda:0+cuda:1)")
+        ranks.append(f"{m.group(1)}:{int(m.group(2))}")
+    if len({r.split(":")[0] for r in ranks}) > 1:
+        raise DeviceNameError(f"'{name}' mixes CPU cores and GPUs; a tensor-parallel group is of one kind")
+    if len(set(ranks)) < len(ranks):
+        raise DeviceNameError(f"'{name}' names a device twice; each rank of a group is a different device")
+    return "+".join(ranks)
+
+
+def group_ranks(name: str) -> list[str]:
+    """The devices of a (canonical) device name: one for a single device, each rank's for a group."""
+    return name.split("+")
 
 
 def available_devices() -> list[str]:

@@ -47,13 +47,21 @@ def has_fast_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def core_of(index: int) -> int:
+    """The core device cpu:`index` runs on: that core, or for a name past the cores this process may use, one of
+    them in turn (the devices then share it; the node warns at start)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return index if index in cores else cores[index % len(cores)]
+
+
 class CPUDevice(Device):
-    def __init__(self, core: int, on_thread_start: Callable[[], None] | None = None,
-                 on_lend: Callable[[bool], None] | None = None):
-        """Core lending (runtime/lending.py): on_thread_start runs in the worker thread (it borrows a helper there);
-        on_lend is called with True / False as the worker idles / works. None: this core lends nothing."""
-        self.core = core
-        self.name = f"cpu:{core}"
+    def __init__(self, index: int, on_thread_start: Callable[[], None] | None = None,
+                 on_lend: Callable[[bool], None] | None = None, core: int | None = None):
+        """Device cpu:`index`, pinned to `core` (default: core `index`). Core lending (runtime/lending.py):
+        on_thread_start runs in the worker thread (it borrows a helper there); on_lend is called with True / False
+        as the worker idles / works. None: this core lends nothing."""
+        self.core = index if core is None else core
+        self.name = f"cpu:{index}"
         self.torch_device = torch.device("cpu")
         self.on_thread_start, self.on_lend = on_thread_start, on_lend
 

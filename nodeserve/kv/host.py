@@ -58,8 +58,9 @@ class HostTier:
     @classmethod
     def like(cls, num_slots: int, pool: KVPool, pin: bool = False, disk: DiskTier | None = None) -> HostTier:
         """A host tier for pages of `pool`'s shape and dtype."""
-        num_layers, _, two, page_size, heads, dim = pool.data.shape
-        return cls(num_slots, (num_layers, two, page_size, heads, dim), pool.dtype, pin, disk)
+        shard = pool.shards[0].data  # [L, pages, 2, P, H of the shard, D]; a host page holds every head
+        return cls(num_slots, (pool.num_layers, 2, pool.page_size, pool.num_kv_heads, shard.shape[-1]), pool.dtype,
+                   pin, disk)
 
     def use_disk(self, disk: DiskTier) -> None:
         """The disk tier below this one, once it is open (after warm-up: its fingerprint names the FP8 scales)."""
@@ -92,8 +93,11 @@ class HostTier:
             return 0
         new = new[:len(slots)]
         src = torch.tensor([p for p, _, _ in new], dtype=torch.int64, device=pool.device)
-        # [L, n, 2, P, H, D] -> [n, L, 2, P, H, D]; on a GPU one gather and one copy to pinned memory
-        self.data[slots] = pool.data.index_select(1, src).transpose(0, 1).to("cpu")
+        if len(pool.shards) == 1:
+            # [L, n, 2, P, H, D] -> [n, L, 2, P, H, D]; on a GPU one gather and one copy to pinned memory
+            self.data[slots] = pool.data.index_select(1, src).transpose(0, 1).to("cpu")
+        else:  # a group's page: every head, whatever the sharding (one hash, one whole page)
+            self.data[slots] = torch.stack([pool.read_layer(i, src) for i in range(pool.num_layers)], 1).to("cpu")
         self.index.publish(slots, [h for _, h, _ in new], page_tokens=[t for _, _, t in new])
         self.index.free(slots)
         with self._lock:
@@ -164,7 +168,7 @@ class HostTier:
         """Copies layer `layer` of host slots into a device pool's pages (slots on the host, pages on the pool's
         device; non-blocking from pinned memory on a GPU, on the calling thread's current stream)."""
         src = self.data[:, layer].index_select(0, slots)  # [n, 2, P, H, D]
-        pool.layers[layer].index_copy_(0, pages, src.to(pool.device, non_blocking=True))
+        pool.write_layer(layer, pages, src)
 
     def count_load(self, num_pages: int, seconds: float) -> None:
         with self._lock:

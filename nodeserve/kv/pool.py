@@ -3,6 +3,8 @@ and, for FP8 pools, the per-layer K and V scales."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from nodeserve.kv.manager import KVManager, KVObservers
@@ -26,8 +28,35 @@ def kv_pages_for_device(free_bytes: int, headroom_fraction: float, bytes_per_pag
     return max(1, usable // bytes_per_page)
 
 
+class KVShard:
+    """One rank's K/V: its KV heads of every page. layers[i] is [num_pages, 2, page_size, len(heads), head_dim], K at
+    [:, 0] and V at [:, 1]; `heads` are the global KV heads it holds (core/tensor_parallel.py). What an attention
+    backend reads and writes."""
+
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
+                 heads: range):
+        self.num_pages, self.page_size, self.dtype, self.device, self.heads = num_pages, page_size, dtype, device, heads
+        # One allocation for all layers; zero-filled so padding reads see finite values.
+        self.data = torch.zeros(cfg.num_layers, num_pages, 2, page_size, len(heads), cfg.head_dim, dtype=dtype,
+                                device=device)
+        self.layers = list(self.data.unbind(0))
+        self.k_scales = [1.0] * cfg.num_layers
+        self.v_scales = [1.0] * cfg.num_layers
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == torch.float8_e4m3fn
+
+    @property
+    def bytes_per_page_per_layer(self) -> int:
+        return self.layers[0][0].numel() * self.data.element_size()
+
+
 class KVPool:
-    """layers[i] is [num_pages, 2, page_size, num_kv_heads, head_dim]: K at [:, 0], V at [:, 1].
+    """A device's paged KV cache: one KVManager (one page-id space) over one KVShard per rank. A single device's
+    pool has one shard holding every head, and reads as that shard (data, layers); a tensor-parallel group's has one
+    per rank, each holding its share of every page's heads, and is read through `shards`, or whole pages through
+    read_layer / write_layer.
 
     FP8 pools store K of layer i as clamp(k / k_scales[i], +-448) in e4m3 and read it back as stored * k_scales[i]
     (V likewise with v_scales[i]). The scales are 1.0 until calibrated (runtime/kv_calibration.py); wide pools
@@ -35,12 +64,13 @@ class KVPool:
     """
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
-                 prefix_cache: bool = False, observers: KVObservers | None = None):
+                 prefix_cache: bool = False, observers: KVObservers | None = None,
+                 shards: Sequence[tuple[torch.device, range]] | None = None):
+        """shards: (device, global KV heads) per rank of a tensor-parallel group; None: one shard on `device`."""
         self.num_pages, self.page_size, self.dtype, self.device = num_pages, page_size, dtype, device
-        # One allocation for all layers; zero-filled so padding reads see finite values.
-        self.data = torch.zeros(cfg.num_layers, num_pages, 2, page_size, cfg.num_kv_heads, cfg.head_dim,
-                                dtype=dtype, device=device)
-        self.layers = list(self.data.unbind(0))
+        self.num_layers, self.num_kv_heads = cfg.num_layers, cfg.num_kv_heads
+        self.shards = [KVShard(cfg, num_pages, page_size, dtype, d, heads)
+                       for d, heads in (shards or [(device, range(cfg.num_kv_heads))])]
         self.k_scales = [1.0] * cfg.num_layers
         self.v_scales = [1.0] * cfg.num_layers
         self.manager = KVManager(num_pages, page_size, prefix_cache, observers)
@@ -48,9 +78,49 @@ class KVPool:
         # waits on it, so no earlier compute or copy still touches them (None on CPU, where streams are in order).
         self.freed_event = None
 
+    @property
+    def heads(self) -> tuple[range, ...]:
+        """Global KV heads per shard (core/reshard.py plans copies between two pools from these)."""
+        return tuple(s.heads for s in self.shards)
+
+    def _one_shard(self) -> KVShard:
+        if len(self.shards) != 1:
+            raise TypeError("a tensor-parallel pool keeps one shard per rank: read pool.shards, or whole pages "
+                            "with read_layer / write_layer")
+        return self.shards[0]
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._one_shard().data
+
+    @property
+    def layers(self) -> list[torch.Tensor]:
+        return self._one_shard().layers
+
+    def read_layer(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """Layer `layer` of `pages` with every head: [len(pages), 2, page_size, num_kv_heads, head_dim] on this
+        pool's device; each head from the first shard holding it."""
+        if len(self.shards) == 1:
+            return self.shards[0].layers[layer].index_select(0, pages)
+        parts, next_head = [], 0
+        for s in self.shards:
+            if s.heads.stop > next_head:  # a replicated head is read once
+                lo = next_head - s.heads.start
+                parts.append(s.layers[layer][:, :, :, lo:].index_select(0, pages.to(s.device)).to(self.device))
+                next_head = s.heads.stop
+        return torch.cat(parts, dim=3)
+
+    def write_layer(self, layer: int, pages: torch.Tensor, kv: torch.Tensor) -> None:
+        """The inverse of read_layer: kv [len(pages), 2, page_size, num_kv_heads, head_dim] into every shard's heads."""
+        for s in self.shards:
+            part = kv if len(self.shards) == 1 else kv[:, :, :, s.heads.start:s.heads.stop]
+            s.layers[layer].index_copy_(0, pages.to(s.device), part.to(s.device, non_blocking=True))
+
     def use_scales(self, k_scales: list[float], v_scales: list[float]) -> None:
         """FP8 KV: per-layer scales measured on another pool (every pool must read the raw bytes alike)."""
         self.k_scales, self.v_scales = list(k_scales), list(v_scales)
+        for s in self.shards:
+            s.k_scales, s.v_scales = self.k_scales, self.v_scales
 
     @property
     def is_fp8(self) -> bool:
@@ -58,7 +128,7 @@ class KVPool:
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one page across every layer, K and V."""
+        """Bytes of one page across every layer, K and V (all heads: a group's ranks split them)."""
         return cfg.kv_bytes_per_token * page_size * torch.tensor([], dtype=dtype).element_size()
 
     @staticmethod
@@ -67,4 +137,5 @@ class KVPool:
 
     @property
     def bytes_per_page_per_layer(self) -> int:
-        return self.layers[0][0].numel() * self.data.element_size()
+        """One page of one layer, every head (replicated heads once)."""
+        return self.page_size * 2 * self.num_kv_heads * self.shards[0].data.shape[-1] * self.shards[0].data.element_size()

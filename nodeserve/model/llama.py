@@ -7,7 +7,7 @@ passes down to the layers.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -17,6 +17,15 @@ from nodeserve.model import block_quant
 from nodeserve.model.config import ModelConfig
 from nodeserve.model.ops import Kernels, Rotary, TorchOps
 from nodeserve.model.rope import RotaryEmbedding
+
+
+class AllReduceFn(Protocol):
+    """One rank's all-reduce (runtime/tp_group.py): sums x over the group in place, the same on every rank."""
+
+    handle: int | None  # the native group the C decode layer reduces through; None: only this call does
+    rank: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -130,12 +139,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rotary, backend, ops, prompt_from: int | None = None):
+    def forward(self, x, rotary, backend, ops, prompt_from: int | None = None,
+                all_reduce: AllReduceFn | None = None):
         # x: [T, hidden], the residual stream; this layer owns it (add_and_norm may update it in place).
         # Rows from prompt_from on are prompt tokens, before them the step's decode rows (None: not said).
+        # all_reduce: on a tensor-parallel rank, o_proj's and down_proj's outputs are partial sums over its heads
+        # and columns; summed over the group, every rank holds the same residual stream again.
         attn = self.self_attn(self.input_layernorm(x, ops), rotary, backend, prompt_from)
+        if all_reduce is not None:
+            attn = all_reduce(attn)
         h, x = self.post_attention_layernorm.add_and_norm(attn, x, ops)  # x += attn; h = norm(x)
-        return x + self.mlp(h, ops, prompt_from)
+        mlp = self.mlp(h, ops, prompt_from)
+        return x + (mlp if all_reduce is None else all_reduce(mlp))
 
 
 class LlamaModel(nn.Module):
@@ -173,23 +188,27 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
                 on_layer_done: Callable[[int], None] | None = None,
-                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                before_layer: Callable[[int], None] | None = None,
+                all_reduce: AllReduceFn | None = None) -> torch.Tensor:
         """input_ids, positions: [T], the step `backend` was prepared for. Returns hidden states [T, hidden].
 
         on_layer_done(i) is called once layer i's K/V is in the pool, so a transfer can start copying it
         while later layers still compute; before_layer(i) before layer i runs, so KV being loaded into the
-        pool from another tier can land layer by layer while earlier layers compute.
+        pool from another tier can land layer by layer while earlier layers compute. all_reduce: this model is
+        one rank's shard of a tensor-parallel group (model/tensor_parallel.py; runtime/tp_group.py runs them).
         """
         ops = self.ops
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        if self.native_decoder is not None and before_layer is None and self.native_decoder.takes(x, backend):
-            return self.norm(self.native_decoder(x, positions, backend, on_layer_done), ops)
+        native_reduce = all_reduce is None or all_reduce.handle is not None  # the C layer reduces natively only
+        if self.native_decoder is not None and before_layer is None and native_reduce and \
+                self.native_decoder.takes(x, backend):
+            return self.norm(self.native_decoder(x, positions, backend, on_layer_done, all_reduce), ops)
         rotary = ops.rotary(positions, x.dtype)
         prompt_from = backend.meta.num_decodes if backend.meta is not None else None  # decodes come first
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
-            x = layer(x, rotary, backend, ops, prompt_from)
+            x = layer(x, rotary, backend, ops, prompt_from, all_reduce)
             if on_layer_done is not None:
                 on_layer_done(i)
         return self.norm(x, ops)

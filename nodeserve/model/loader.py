@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Collection
 
 import torch
 
@@ -15,6 +15,7 @@ from nodeserve.model.config import LoadError, ModelConfig
 from nodeserve.model.llama import LlamaModel
 from nodeserve.model.native_decoder import NativeDecoder
 from nodeserve.model.native_ops import NativeOps
+from nodeserve.model.tensor_parallel import shard_models
 from nodeserve.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class LoadedModel:
     model: LlamaModel      # on the CPU; workers move replicas to their devices
     tokenizer: Tokenizer
     path: str
+    # {degree: each rank's shard}, for the tensor-parallel degrees load_model was asked for
+    shards: dict[int, list[LlamaModel]] = field(default_factory=dict)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -70,8 +73,10 @@ def resolve_path(path: str) -> str:
 
 def load_model(path: str, dtype: torch.dtype = torch.float32,
                progress: Callable[[int, int], None] | None = None, quantization: str = "none",
-               prompt_activations: str = "int16") -> LoadedModel:
+               prompt_activations: str = "int16", tp_degrees: Collection[int] = ()) -> LoadedModel:
     """Loads weights and tokenizer onto the CPU. Raises LoadError with a one-line message on any problem.
+    tp_degrees: also each rank's shard for these tensor-parallel degrees (model/tensor_parallel.py), cut from the
+    checkpoint's tensors before anything is fused or repacked, then built exactly as the whole model is.
 
     quantization (model/quant.py, model/block_quant.py): "none" keeps dense Linear layers in `dtype`; "auto"
     keeps a GGUF file's Q4_0/Q4_1/Q8_0 matrices in their blocks (an HF checkpoint stays dense); "int8" / "int4"
@@ -81,7 +86,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     (block_quant.use_prompt_activations); elsewhere they change nothing, and say so. "auto": bf16 where it
     applies, int16 (the kernels' own) elsewhere, silently.
     """
-    from nodeserve.model.quant import quantize_linears, supported
+    from nodeserve.model.quant import supported
 
     from nodeserve.model.gguf_loader import load_gguf
     from nodeserve.model.hf_loader import load_hf
@@ -131,7 +136,6 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
             raise LoadError(f"{resolved}: tensor '{name}' has shape {tuple(tensor.shape)}, the config implies "
                             f"{tuple(expected[name].shape)}")
     blocks = {name: w for name, w in state.items() if isinstance(w, block_quant.QuantizedWeight)}
-    num_prompt = 0  # projections whose prompt rows take prompt_activations (not int16)
     model.load_state_dict({n: w for n, w in state.items() if n not in blocks}, assign=True, strict=not blocks)
     for name, weight in blocks.items():
         module_name = name.removesuffix(".weight")
@@ -140,29 +144,47 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
                             else block_quant.QuantLinear(weight, bias))
     if cfg.tie_word_embeddings and not blocks.keys() & {"lm_head.weight", "embed_tokens.weight"}:
         model.lm_head.weight = model.embed_tokens.weight
+    shards = {n: shard_models(model, n) for n in sorted(set(tp_degrees) - {1})}
+    for n, ranks in shards.items():
+        log.info("tensor parallel %d: ranks hold %s query heads, %s KV heads, %s MLP columns", n,
+                 [r.cfg.num_heads for r in ranks], [r.cfg.num_kv_heads for r in ranks],
+                 [r.cfg.intermediate_size for r in ranks])
+        for shard in ranks:
+            _build(shard, quantization, prompt_activations, bool(blocks), quiet=True)
+    _build(model, quantization, prompt_activations, bool(blocks))
+    model.eval()
+    return LoadedModel(cfg, model, tokenizer, resolved, shards)
+
+
+def _build(model: LlamaModel, quantization: str, prompt_activations: str, has_blocks: bool,
+           quiet: bool = False) -> None:
+    """A loaded (or sharded) model made ready to serve: projections fused, blocks repacked for this CPU, native
+    kernels and the one-call decode layer where they apply. quiet: a shard's (the whole model says it once)."""
+    cfg = model.cfg
     model.fuse()
     if quantization in block_quant.BLOCK_FORMATS:
         _quantize_dense_linears(model, block_quant.BLOCK_FORMATS[quantization])
-    if blocks or quantization in block_quant.BLOCK_FORMATS:
+    num_prompt = 0  # projections whose prompt rows take prompt_activations (not int16)
+    if has_blocks or quantization in block_quant.BLOCK_FORMATS:
         block_quant.repack(model)
         if prompt_activations != "int16":
             kind = "bf16" if prompt_activations == "auto" else prompt_activations
             num_prompt = block_quant.use_prompt_activations(model, kind)
-            if num_prompt:  # the operator sees which kernels prompts take (auto picks silently)
+            if num_prompt and not quiet:  # the operator sees which kernels prompts take (auto picks silently)
                 log.info("prompt rows of %d projections take %s activations", num_prompt, kind)
         ops = NativeOps(native.load(), model.rope, cfg.max_position_embeddings)
         model.use_kernels(ops)
         if NativeDecoder.usable(model):
             model.native_decoder = NativeDecoder(model, native.load(), ops.cos_sin_cache)
     elif quantization == "fp16":
+        from nodeserve.model.quant import quantize_linears
+
         quantize_linears(model, quantization)
-    if prompt_activations not in ("auto", "int16") and not num_prompt:
+    if prompt_activations not in ("auto", "int16") and not num_prompt and not quiet:
         where = "Q4_0/Q4_1 weights in the AVX-512 VNNI kernels" if prompt_activations == "int8" else \
             "block-quantized weights in the AVX-512 VNNI kernels on a CPU with AVX512-BF16"
         log.warning("model.prompt_activations = \"%s\" applies to %s, and this model or CPU has none: prompt rows "
                     "are computed as before", prompt_activations, where)
-    model.eval()
-    return LoadedModel(cfg, model, tokenizer, resolved)
 
 
 def _quantize_dense_linears(model: torch.nn.Module, qtype: int) -> None:

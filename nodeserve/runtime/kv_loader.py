@@ -80,7 +80,7 @@ class KVLoader:
         router's PrefixFetch's (the core sees it only as a PageLoad)."""
         if not isinstance(seq.load, PrefixLoad):
             raise TypeError(f"a load from this node's PrefixFetch, got {type(seq.load).__name__}")
-        job = LoadJob(seq, seq.load, num_layers=len(self.pool.layers))
+        job = LoadJob(seq, seq.load, num_layers=self.pool.num_layers)
         seq.ready = False
         self._jobs.put(job)
         return job
@@ -163,8 +163,7 @@ class KVLoader:
                 if run.pool is None:
                     self.fetch.host.copy_layer(layer, src, self.pool, dst)
                 else:
-                    staged = run.pool.layers[layer].index_select(0, src).to(self.pool.device, non_blocking=True)
-                    self.pool.layers[layer].index_copy_(0, dst, staged)
+                    self.pool.write_layer(layer, dst, run.pool.read_layer(layer, src))
             event = self.device.record_event()
             with job.done:
                 job.layer_events.append(event)

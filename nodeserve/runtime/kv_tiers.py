@@ -15,7 +15,7 @@ import os
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from nodeserve.kv.disk import DiskTier, model_fingerprint
 from nodeserve.kv.host import STORE_AHEAD_WINDOW, HostTier
@@ -119,9 +119,10 @@ def host_tier(kv: KVSection, pool_bytes: int, page_shape: tuple[int, ...], dtype
 
 
 def tiered_pool(model: ModelConfig, num_pages: int, kv: KVSection, dtype: torch.dtype, device: torch.device,
-                host: HostTier | None, events: KVEventSink | None = None) -> KVPool:
+                host: HostTier | None, events: KVEventSink | None = None,
+                shards: Sequence[tuple[torch.device, range]] | None = None) -> KVPool:
     """A device's pool whose cache reports to the host tier (its evictions, or with kv.host_write = "through" its
-    publications) and to the node's KV events."""
+    publications) and to the node's KV events; shards: a tensor-parallel group's (KVPool)."""
     def on_publish(pages: list[int], hashes: list[bytes]) -> None:
         host.store(pool, pages, hashes)
 
@@ -131,7 +132,7 @@ def tiered_pool(model: ModelConfig, num_pages: int, kv: KVSection, dtype: torch.
     through = kv.host_write == "through"
     observers = KVObservers(on_evict if host is not None and not through else None,
                             on_publish if host is not None and through else None, events)
-    pool = KVPool(model, num_pages, kv.page_size, dtype, device, kv.prefix_cache, observers)
+    pool = KVPool(model, num_pages, kv.page_size, dtype, device, kv.prefix_cache, observers, shards)
     return pool
 
 

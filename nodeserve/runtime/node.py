@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from nodeserve.attention import auto_fallback, make_backend
+from nodeserve.attention.group import GroupAttention
 from nodeserve.attention.flashinfer_backend import FlashInferAttention
 from nodeserve.config import Config
 from nodeserve.core.handoff import FreePages, MigrationOutcome
@@ -27,6 +28,9 @@ from nodeserve.core.placer import StaticPlacer
 from nodeserve.core.request import Request, TokenEvent
 from nodeserve.core.start import DeviceStart, start_plan
 from nodeserve.device import Device, make_device
+from nodeserve.device.collectives import make_all_reduce
+from nodeserve.device.cpu import CPUDevice
+from nodeserve.device.group import DeviceGroup
 from nodeserve.kv.events import KVEventLog
 from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
 from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
@@ -39,6 +43,7 @@ from nodeserve.runtime.lending import LEND_GAP_SHARE, MIN_BACKLOG_TOKENS, CoreLe
 from nodeserve.runtime.memory import check_fits, weight_bytes
 from nodeserve.runtime.model_runner import ModelRunner
 from nodeserve.runtime.router import Router
+from nodeserve.runtime.tp_group import TPGroupModel
 from nodeserve.runtime.transfer import KVTransfer
 from nodeserve.runtime.worker import Worker
 from nodeserve.sampling.sampler import Sampler
@@ -92,9 +97,13 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
     cfg, model = config, loaded.model
     starts = start_plan(cfg, max_model_len)
     names = [s.name for s in starts]
-    lending = CoreLending.build(names) if cfg.devices.lend_idle_cores else None
+    warnings: list[str] = []
+    lending = core_lending(cfg, names)
     devices = {n: make_device(n, *(lending.hooks(i) if lending is not None else ())) for i, n in enumerate(names)}
-    replicas = model_replicas(model, devices.values(), cfg.kv.memory_gib)
+    warn_shared_cores(devices.values(), warnings)
+    singles = [d for d in devices.values() if not isinstance(d, DeviceGroup)]
+    replicas = model_replicas(model, singles, cfg.kv.memory_gib)
+    groups = {n: group_model(loaded, d, cfg.kv.memory_gib) for n, d in devices.items() if isinstance(d, DeviceGroup)}
     kv_dtype = kv_cache_dtype(cfg.kv.dtype, model.dtype)
     num_pages = {n: kv_pages(cfg, loaded, d, kv_dtype) for n, d in devices.items()}
     event_log = KVEventLog(cfg.kv.page_size) if cfg.kv_events.enabled else None  # config: needs the prefix cache
@@ -105,11 +114,12 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
         page_shape = (loaded.config.num_layers, 2, cfg.kv.page_size, loaded.config.num_kv_heads, loaded.config.head_dim)
         host = host_tier(cfg.kv, pool_bytes, page_shape, kv_dtype, any(d.torch_device.type == "cuda" for d in
                                                                        devices.values()), sink("host"))
-    pools = {n: tiered_pool(loaded.config, num_pages[n], cfg.kv, kv_dtype, d.torch_device, host, sink(n))
+    pools = {n: tiered_pool(loaded.config, num_pages[n], cfg.kv, kv_dtype, d.torch_device, host, sink(n),
+                            groups[n].kv_shards() if n in groups else None)
              for n, d in devices.items()}
-    warnings: list[str] = []
-    runners = {s.name: device_runner(cfg, s, devices[s.name], replicas[devices[s.name].torch_device],
-                                     pools[s.name], warnings) for s in starts}
+    runners = {s.name: device_runner(cfg, s, devices[s.name], groups.get(s.name) or
+                                     replicas[devices[s.name].torch_device], pools[s.name], warnings)
+               for s in starts}
     inboxes: dict[str, queue.SimpleQueue] = {n: queue.SimpleQueue() for n in names}
     transfers = kv_transfers(starts, devices, pools, inboxes, events.on_transfer)
     wake: dict[str, Callable[[], None]] = {n: functools.partial(inboxes[n].put, None) for n in names}
@@ -139,6 +149,49 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
         publisher = KVEventPublisher(cfg.kv_events, topic, event_log)
     return Node(prefill, decode, [t for ts in transfers.values() for t in ts.values()], router, tiers, publisher,
                 lending, warnings)
+
+
+def core_lending(cfg: Config, names: list[str]) -> CoreLending | None:
+    """devices.lend_idle_cores: helpers on every core; off beside tensor-parallel groups, whose ranks' cores are
+    busy every step of their group (lending is per device, and a group's ranks are not devices of their own)."""
+    if not cfg.devices.lend_idle_cores:
+        return None
+    if any("+" in n for n in names):
+        log.info("lend_idle_cores: off, as this node has tensor-parallel groups")
+        return None
+    return CoreLending.build(names)
+
+
+def warn_shared_cores(devices, warnings: list[str]) -> None:
+    """CPU devices named past the cores this process may use run on one of them (device/cpu.core_of): said once
+    at start and in /health, since two devices on one core each run at half speed."""
+    cores: dict[int, list[str]] = {}
+    for d in devices:
+        for r in d.ranks if isinstance(d, DeviceGroup) else [d]:
+            if isinstance(r, CPUDevice):
+                cores.setdefault(r.core, []).append(r.name)
+    for core, sharing in sorted(cores.items()):
+        if len(sharing) > 1:
+            warning = f"{' and '.join(sharing)} share core {core} (this machine has fewer cores than the devices named)"
+            log.warning(warning)
+            warnings.append(warning)
+
+
+def group_model(loaded: LoadedModel, group: DeviceGroup, kv_memory_gib: float) -> TPGroupModel:
+    """A tensor-parallel group's shards (cut at load, model/tensor_parallel.py) on its ranks, joined by the all-reduce
+    for their kind of device: on CPU the ranks share the shards' weights with every group of that degree; each GPU
+    gets its own shard, once it is checked to fit beside its share of the KV pool."""
+    shards = loaded.shards[group.num_ranks]
+    placed = []
+    for rank, shard in zip(group.ranks, shards):
+        if rank.torch_device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(rank.torch_device)
+            check_fits(rank.name, free, weight_bytes(shard), int(kv_memory_gib * 2**30) // group.num_ranks)
+            shard = copy.deepcopy(shard).to(rank.torch_device)
+        placed.append(shard)
+    all_reduce = make_all_reduce(group.torch_device.type, group.num_ranks)
+    log.info("%s: tensor parallel over %d ranks, all-reduce: %s", group.name, group.num_ranks, all_reduce.name)
+    return TPGroupModel(loaded.config, placed, group.ranks, all_reduce)
 
 
 def backlog_of(worker: Worker) -> Callable[[], int]:
@@ -172,7 +225,7 @@ def kv_pages(cfg: Config, loaded: LoadedModel, device: Device, kv_dtype: torch.d
     return KVPool.num_pages_for_bytes(loaded.config, int(cfg.kv.memory_gib * 2**30), cfg.kv.page_size, kv_dtype)
 
 
-def device_runner(cfg: Config, start: DeviceStart, device: Device, replica: LlamaModel, pool: KVPool,
+def device_runner(cfg: Config, start: DeviceStart, device: Device, replica: LlamaModel | TPGroupModel, pool: KVPool,
                   warnings: list[str]) -> ModelRunner:
     """A device's model runner, logged; a warning (once) where its attention backend falls back."""
     runner = build_runner(replica, pool, cfg.devices.attention, cfg.devices.cuda_graphs and start.role is not
@@ -187,11 +240,16 @@ def device_runner(cfg: Config, start: DeviceStart, device: Device, replica: Llam
     return runner
 
 
-def build_runner(replica: LlamaModel, pool: KVPool, attention: str, cuda_graphs: bool,
+def build_runner(replica: LlamaModel | TPGroupModel, pool: KVPool, attention: str, cuda_graphs: bool,
                  max_num_seqs: int, prompt_attention: str = "float32") -> ModelRunner:
     """A device's step runner: the attention backend `attention` asks for (prompt_attention: see make_backend);
     with FlashInfer, its norm, RoPE and SiLU kernels on the replica (set once, before any graph capture) and, if
-    `cuda_graphs`, decode graphs for batches up to max_num_seqs (captured at warm-up)."""
+    `cuda_graphs`, decode graphs for batches up to max_num_seqs (captured at warm-up). A tensor-parallel group:
+    one backend per rank over its shard of the pool, no graphs yet."""
+    if isinstance(replica, TPGroupModel):
+        return ModelRunner(replica, GroupAttention(pool, [
+            make_backend(attention, shard_pool, shard.cfg, shard.dtype, prompt_attention)
+            for shard, shard_pool in zip(replica.shards, pool.shards)]))
     backend = make_backend(attention, pool, replica.cfg, replica.dtype, prompt_attention)
     if not isinstance(backend, FlashInferAttention):
         return ModelRunner(replica, backend)

@@ -101,7 +101,7 @@ class Profiler:
     def __init__(self, workers: Sequence[Worker]):
         self.workers = list(workers)
         pool = self.workers[0].pool
-        num_layers = len(pool.layers)
+        num_layers = pool.num_layers
         self.model = CostModel({w.name: StepModel(kernels=LinearKernels(*gemv_rows(w.runner.model)))
                                 for w in self.workers}, {},
                                pool.bytes_per_page_per_layer * num_layers // pool.page_size, num_layers)

@@ -29,6 +29,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from nodeserve.core.reshard import reshard_plan, whole_pages
 from nodeserve.device import Device
 from nodeserve.kv.pool import KVPool
 from nodeserve.runtime.records import RecordLog
@@ -57,6 +58,11 @@ class CopyRecord(NamedTuple):
     start: float
     end: float
     num_bytes: int
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An index tensor on the device of the rank it indexes (a group's ranks are on several GPUs)."""
+    return t if t.device == device else t.to(device, non_blocking=True)
 
 
 def peer_access(src: torch.device, dst: torch.device) -> bool | None:
@@ -114,6 +120,10 @@ class KVTransfer:
         self.dst_device, self.dst_pool = dst_device, dst_pool
         self.name = f"kv {src_device.name}->{dst_device.name}"
         self.free_src_pages = free_src_pages
+        # Which heads of which source rank go to which destination rank (core/reshard.py); one whole-page copy per
+        # rank when both sides hold heads alike.
+        self.plan = reshard_plan(src_pool.heads, dst_pool.heads)
+        self.whole_pages = whole_pages(self.plan, src_pool.heads, dst_pool.heads)
         self.on_transfer = on_transfer
         self.max_direct_runs = MAX_DIRECT_RUNS
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -201,20 +211,32 @@ class KVTransfer:
         self.records.append(CopyRecord(start, end, nbytes))
 
     def _copy_pages(self, layer: int, pages: PageMap) -> int:
-        """Issues one layer's copy on the transfer's streams; returns the bytes moved."""
-        src, dst = _as_bytes(self.src_pool.layers[layer]), _as_bytes(self.dst_pool.layers[layer])
-        if pages.runs is not None:
-            for s, d, n in pages.runs:
-                dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
-            return sum(n for _, _, n in pages.runs) * src[0].numel() * src.element_size()
-        # The index tensors were made on the prefill worker's thread, on other streams: without record_stream a
-        # block freed there could be reused while these copies still read it, scattering KV into the wrong pages.
-        # `staged` is allocated and used on the transfer's own streams only, so stream-ordered reuse covers it.
-        self.src_device.record_stream(pages.src)
-        self.dst_device.record_stream(pages.dst)
-        staged = src.index_select(0, pages.src).to(dst.device, non_blocking=True)
-        dst.index_copy_(0, pages.dst, staged)
-        return staged.numel() * staged.element_size()
+        """Issues one layer's copy on the transfer's streams, one part per HeadCopy of the reshard plan (between
+        single devices or groups of one layout: whole pages, rank to rank); returns the bytes moved."""
+        if pages.src is not None:
+            # The index tensors were made on the prefill worker's thread, on other streams: without record_stream
+            # a block freed there could be reused while these copies still read it, scattering KV into the wrong
+            # pages. `staged` is allocated and used on the transfer's own streams only, so stream-ordered reuse
+            # covers it.
+            self.src_device.record_stream(pages.src)
+            self.dst_device.record_stream(pages.dst)
+        nbytes = 0
+        for c in self.plan:
+            src = _as_bytes(self.src_pool.shards[c.src_rank].layers[layer])  # [pages, 2, P, heads of rank, D]
+            dst = _as_bytes(self.dst_pool.shards[c.dst_rank].layers[layer])
+            if not self.whole_pages:
+                src = src[:, :, :, c.src_head:c.src_head + c.num_heads]
+                dst = dst[:, :, :, c.dst_head:c.dst_head + c.num_heads]
+            if pages.runs is not None:
+                for s, d, n in pages.runs:
+                    dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+                nbytes += sum(n for _, _, n in pages.runs) * src[0].numel() * src.element_size()
+                continue
+            assert pages.src is not None and pages.dst is not None  # PageMap: runs, or both index tensors
+            staged = src.index_select(0, _on(pages.src, src.device)).to(dst.device, non_blocking=True)
+            dst.index_copy_(0, _on(pages.dst, dst.device), staged)
+            nbytes += staged.numel() * staged.element_size()
+        return nbytes
 
     def _finish(self, job: _Finish) -> None:
         read = self.src_device.record_event()     # on the source stream, after every copy reading the pages
@@ -225,7 +247,7 @@ class KVTransfer:
         if error is None and self.on_transfer is not None:
             # Time from the last prefill step to the handoff: the part of the copy the layer-by-layer overlap did
             # not hide on CPU. On CUDA it is the host side only (no sync here).
-            page_bytes = self.src_pool.bytes_per_page_per_layer * len(self.src_pool.layers)
+            page_bytes = self.src_pool.bytes_per_page_per_layer * self.src_pool.num_layers
             self.on_transfer(time.monotonic() - job.queued_at, job.num_copied_pages * page_bytes,
                              job.num_cached_pages * page_bytes)
         job.on_done(landed, error)

@@ -283,7 +283,7 @@ class Worker:
             return
         transfer = self.transfers[h.target.name]
         pages = transfer.page_indices(seq.page_table[first:end], h.pages[first:end], (seq.req.request_id,))
-        for layer in range(len(self.pool.layers)):
+        for layer in range(self.pool.num_layers):
             transfer.copy_layer(layer, pages)
         h.num_sent_pages = end
         h.num_copied_pages += end - first

@@ -183,7 +183,8 @@ async def start_engine(config: Config, state: ServerState, notifier: Notifier, s
     try:
         load = in_daemon_thread(loop, lambda: load_model(config.model.path, parse_dtype(config.dtype),
                                                          _Progress(notifier), config.quantization,
-                                                         config.model.prompt_activations), "load")
+                                                         config.model.prompt_activations, config.tp_degrees),
+                                "load")
         if not await _unless_stopped(load, stop):
             return None
         engine = Engine(config, load.result(), on_transfer=state.metrics.observe_transfer,

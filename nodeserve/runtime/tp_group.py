@@ -1,0 +1,130 @@
+"""A tensor-parallel group's shards run as one model, so a ModelRunner (and everything above it) sees one device.
+
+Rank 0 runs on the calling thread (the group's worker); rank r > 0 on a thread of its own, set up by its device
+(on CPU: pinned to its core, one intra-op thread). Each step every rank runs its shard over its share of the KV
+pool (attention/group.py), and they meet twice per layer at the group's all-reduce (device/collectives.py). Every
+rank then holds the same residual stream, so rank 0's hidden states are the group's, and rank 0 computes the
+logits (the lm_head is replicated: with a 49k-token vocabulary, one rank's GEMV over the sampled rows is cheap
+beside a gather). A rank that raises aborts the all-reduce, so the others return instead of waiting forever; the
+step fails (its requests fail, as on a single device) and the group serves the next one.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from nodeserve.attention.group import GroupAttention
+from nodeserve.device import Device
+from nodeserve.device.collectives import AllReduce, RankComm
+from nodeserve.model.config import ModelConfig
+from nodeserve.model.llama import LlamaModel
+from nodeserve.model.tensor_parallel import layout_for
+
+
+class _RankThread:
+    """Runs one rank's part of each step, in order; set up once by its device."""
+
+    def __init__(self, device: Device, name: str):
+        self.device = device
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def result(self) -> BaseException | None:
+        return self._results.get()
+
+    def _run(self) -> None:
+        self.device.init_worker_thread()
+        while True:
+            job = self._jobs.get()
+            try:
+                job()
+                self._results.put(None)
+            except BaseException as e:  # handed to rank 0, which fails the step
+                self._results.put(e)
+
+
+class TPGroupModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, shards: Sequence[LlamaModel], devices: Sequence[Device],
+                 all_reduce: AllReduce):
+        """cfg: the whole model's; shards[r] runs on devices[r]; all_reduce joins them (one slot per rank)."""
+        super().__init__()
+        self.cfg = cfg
+        self.shards = nn.ModuleList(shards)
+        self.devices = list(devices)
+        self.all_reduce = all_reduce
+        self.reduces = [RankComm(all_reduce, r) for r in range(len(shards))]
+        self._barrier_tokens = [torch.zeros(1, device=d.torch_device) for d in self.devices]
+        self._threads: list[_RankThread] = []  # started by the first step, from the worker's thread
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.shards)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shards[0].dtype
+
+    def kv_shards(self) -> list[tuple[torch.device, range]]:
+        """(device, global KV heads) of each rank: the group's pool holds its heads of every page there."""
+        return [(d.torch_device, layout_for(self.cfg, self.num_ranks).ranks[r].kv_heads)
+                for r, d in enumerate(self.devices)]
+
+    def _barrier(self, rank: int) -> None:
+        self.reduces[rank](self._barrier_tokens[rank])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: GroupAttention,
+                on_layer_done: Callable[[int], None] | None = None,
+                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """LlamaModel.forward for the group: [T] ids and positions -> rank 0's hidden states [T, hidden]. The hooks
+        run on rank 0; on_layer_done(i) comes after layer i's second all-reduce, so every rank's K/V of layer i is
+        written by then; before_layer(i) is followed by a barrier, so no rank reads layer i before it loaded."""
+        if not self._threads:
+            self._threads = [_RankThread(d, f"tp {d.name}") for d in self.devices[1:]]
+
+        def hooks(rank: int) -> Callable[[int], None] | None:
+            if before_layer is None:
+                return None
+            if rank == 0:
+                return lambda i: (before_layer(i), self._barrier(0))[0]
+            return lambda i: self._barrier(rank)
+
+        def run(rank: int) -> torch.Tensor:
+            device = self.devices[rank].torch_device
+            backend.prepare_rank(rank)
+            return self.shards[rank](input_ids.to(device), positions.to(device), backend.ranks[rank],
+                                     on_layer_done if rank == 0 else None, hooks(rank), self.reduces[rank])
+
+        for rank, t in enumerate(self._threads, start=1):
+            t.submit(lambda rank=rank: run(rank))
+        error: BaseException | None = None
+        hidden = None
+        try:
+            hidden = run(0)
+        except BaseException as e:
+            error = e
+            self.all_reduce.abort()  # the other ranks stop at their next all-reduce
+        peer_errors = [e for e in (t.result() for t in self._threads) if e is not None]
+        if error is not None or peer_errors:
+            self.all_reduce.reset()
+            # A rank's own error says what went wrong; the others only saw the abort.
+            raise (peer_errors[0] if peer_errors and _is_abort(error) else error or peer_errors[0])
+        assert hidden is not None
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.shards[0].compute_logits(hidden)
+
+
+def _is_abort(error: BaseException | None) -> bool:
+    return error is None or "tensor-parallel peer failed" in str(error)
