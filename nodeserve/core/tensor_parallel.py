@@ -8,6 +8,8 @@ count still works (llama.cpp splits by ratio; vLLM and SGLang refuse):
     degree that divides, r // (num_ranks / num_kv_heads): vLLM's and SGLang's owner rule, "NOT modulo"). The
     ranks holding one KV head split its group's query heads between them, in rank order.
   - MLP columns (gate/up rows, down columns) split evenly in units of `unit` (a quantization block: 32).
+  - The vocabulary (lm_head rows) splits evenly: a CPU group computes the logits vocab-parallel, each rank its
+    slice, written into one shared tensor (no gather needed in one address space).
 A rank must hold at least one query head, so the degree is at most the number of query heads.
 """
 
@@ -35,6 +37,7 @@ class RankShard:
     kv_heads: range
     q_heads: range
     mlp: range
+    vocab: range = range(0)
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,8 @@ class TPLayout:
         return tuple(r.kv_heads for r in self.ranks)
 
 
-def tp_layout(num_heads: int, num_kv_heads: int, intermediate_size: int, num_ranks: int, unit: int = 1) -> TPLayout:
+def tp_layout(num_heads: int, num_kv_heads: int, intermediate_size: int, num_ranks: int, unit: int = 1,
+              vocab_size: int = 0) -> TPLayout:
     """Raises ValueError, naming the degrees that work, when `num_ranks` cannot split this model."""
     if num_ranks < 1 or num_ranks > num_heads or intermediate_size % unit or intermediate_size // unit < num_ranks:
         valid = valid_degrees(num_heads, num_kv_heads, intermediate_size, unit)
@@ -78,8 +82,9 @@ def tp_layout(num_heads: int, num_kv_heads: int, intermediate_size: int, num_ran
             part = even_split(group, len(holders))[holders.index(r)]
             q.append(range(h * group + part.start, h * group + part.stop))
     mlp = [range(r.start * unit, r.stop * unit) for r in even_split(intermediate_size // unit, num_ranks)]
+    vocab = even_split(vocab_size, num_ranks)
     return TPLayout(num_heads, num_kv_heads, intermediate_size,
-                    tuple(RankShard(r, kv[r], q[r], mlp[r]) for r in range(num_ranks)))
+                    tuple(RankShard(r, kv[r], q[r], mlp[r], vocab[r]) for r in range(num_ranks)))
 
 
 def valid_degrees(num_heads: int, num_kv_heads: int, intermediate_size: int, unit: int = 1,

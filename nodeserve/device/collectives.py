@@ -23,6 +23,7 @@ from nodeserve.kernels.native import NativeKernels
 log = logging.getLogger(__name__)
 
 _PEER_FAILED = "a tensor-parallel peer failed"
+SPINS_BEFORE_SLEEP = 256
 _SIZES_DIFFER = "all-reduce: the ranks' tensors differ in size"
 
 
@@ -84,11 +85,13 @@ class CPUAllReduce:
     """The native all-reduce (kernels/csrc/allreduce.c) over num_ranks threads. close() frees the group; no rank may
     be in a call then."""
 
-    def __init__(self, num_ranks: int, kernels: NativeKernels):
+    def __init__(self, num_ranks: int, kernels: NativeKernels, spins: int = SPINS_BEFORE_SLEEP):
+        """spins: pause iterations a waiting rank spins before it sleeps on a futex (allreduce.c)."""
         self.name, self.num_ranks, self._lib = "native", num_ranks, kernels.lib
         self._handle: int | None = kernels.lib.ns_group_new(num_ranks)
         if self._handle is None:
             raise MemoryError(f"ns_group_new({num_ranks}) failed")
+        kernels.lib.ns_group_spins(self._handle, spins)
 
     @property
     def handle(self) -> int | None:

@@ -58,6 +58,7 @@ class NativeDecoder:
                 attn.qkv_proj.weight.data_ptr(), attn.o_proj.weight.data_ptr(), mlp.gate_up_proj.weight.data_ptr(),
                 mlp.down_proj.weight.data_ptr(), attn.qkv_proj.qtype, attn.o_proj.qtype, mlp.gate_up_proj.qtype,
                 mlp.down_proj.qtype))
+        self._layer_array = (_Layer * len(self.layers))(*self.layers)
         self._model = model  # keeps the weights the structs point into alive
 
     @staticmethod
@@ -101,9 +102,24 @@ class NativeDecoder:
                      tables.data_ptr(), seq_lens.data_ptr(), self.cos_sin_cache.data_ptr(), self.scale,
                      int(kv_layers[0].dtype == torch.float16), group, rank)
         step_ptr, x_ptr = ctypes.byref(step), x.data_ptr()
+        if on_layer_done is None and _one_allocation(kv_layers):  # the whole step in one call (ns_decode_layers)
+            layer_bytes = kv_layers[1].data_ptr() - kv_layers[0].data_ptr() if len(kv_layers) > 1 else 0
+            if self.kernels.lib.ns_decode_layers(self._layer_array, len(self.layers), step_ptr, x_ptr,
+                                                 kv_layers[0].data_ptr(), layer_bytes):
+                raise RuntimeError("ns_decode_layer failed (out of memory, or a tensor-parallel peer failed)")
+            return x
         for i, layer in enumerate(self.layers):
             if self._fn(ctypes.byref(layer), step_ptr, x_ptr, kv_layers[i].data_ptr()):
                 raise RuntimeError("ns_decode_layer failed (out of memory, or a tensor-parallel peer failed)")
             if on_layer_done is not None:
                 on_layer_done(i)
         return x
+
+
+def _one_allocation(kv_layers) -> bool:
+    """Whether the layers' K/V lie at one stride in one allocation (a KVShard's data.unbind(0)), as the one-call
+    step addresses them."""
+    if len(kv_layers) < 2:
+        return True
+    stride = kv_layers[1].data_ptr() - kv_layers[0].data_ptr()
+    return stride > 0 and all(t.data_ptr() == kv_layers[0].data_ptr() + i * stride for i, t in enumerate(kv_layers))

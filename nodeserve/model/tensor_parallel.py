@@ -4,9 +4,10 @@ columns each rank holds.
   q/k/v, gate/up   column-parallel: the rank's rows (its query and KV heads; its MLP columns)
   o_proj, down     row-parallel: the rank's input columns; their outputs are partial sums, all-reduced by the
                    group (LlamaModel.forward's all_reduce), one all-reduce each per layer
-  norms, embedding, lm_head   replicated, and shared (the same tensors) with the full model: on CPU they cost no
-                   memory, and every rank holds the same residual stream after each all-reduce. Rank 0 computes
-                   the logits (runtime/tp_group.py).
+  norms, embedding replicated, and shared (the same tensors) with the full model: on CPU they cost no memory,
+                   and every rank holds the same residual stream after each all-reduce
+  lm_head          replicated (the whole model's, shared) and vocab-parallel: `lm_head_part` holds the rank's
+                   vocabulary rows; a CPU group computes each slice on its rank (runtime/tp_group.py)
 
 Sharded before fuse() and repack(), from the checkpoint's own tensors: GGUF blocks split on block boundaries
 (rows anywhere; columns at multiples of 32), so a shard's weights are the file's bytes, never requantized.
@@ -31,7 +32,7 @@ def layout_for(cfg: ModelConfig, num_ranks: int) -> TPLayout:
     block never straddles two ranks). Raises LoadError naming the valid degrees."""
     unit = native.BLOCK_SIZE if cfg.intermediate_size % native.BLOCK_SIZE == 0 else 1
     try:
-        return tp_layout(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, num_ranks, unit)
+        return tp_layout(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, num_ranks, unit, cfg.vocab_size)
     except ValueError as e:
         raise LoadError(str(e)) from None
 
@@ -43,6 +44,8 @@ def shard_model(model: LlamaModel, shard: RankShard) -> LlamaModel:
                        intermediate_size=len(shard.mlp))
     out = LlamaModel(rank_cfg)
     out.embed_tokens, out.norm, out.lm_head, out.rope = model.embed_tokens, model.norm, model.lm_head, model.rope
+    # its own copy: repack() keys matrices by data pointer, and rank 0's rows start where the whole table does
+    out.lm_head_part = _rows(model.lm_head, shard.vocab, copy=True)
     q = range(shard.q_heads.start * d, shard.q_heads.stop * d)
     kv = range(shard.kv_heads.start * d, shard.kv_heads.stop * d)
     for full, part in zip(model.layers, out.layers):
@@ -56,14 +59,15 @@ def shard_model(model: LlamaModel, shard: RankShard) -> LlamaModel:
     return out
 
 
-def _rows(linear: nn.Module, rows: range) -> nn.Module:
-    """Output features `rows` of a projection (a view of its weight: no copy)."""
+def _rows(linear: nn.Module, rows: range, copy: bool = False) -> nn.Module:
+    """Output features `rows` of a projection (a view of its weight unless `copy`, for block-quantized ones)."""
     bias = None if linear.bias is None else linear.bias.detach()[rows.start:rows.stop]
     if isinstance(linear, block_quant.QuantLinear):
         w = linear.quantized
+        data = w.data[rows.start:rows.stop]
         return block_quant.QuantLinear(block_quant.QuantizedWeight(
-            w.qtype, w.data[rows.start:rows.stop], (len(rows), w.shape[1])), bias)
-    return _dense(linear.weight.detach()[rows.start:rows.stop], bias)
+            w.qtype, data.clone() if copy else data, (len(rows), w.shape[1])), bias)
+    return _dense(linear.weight.detach()[rows.start:rows.stop], bias)  # dense: never repacked, a view will do
 
 
 def _columns(linear: nn.Module, cols: range) -> nn.Module:

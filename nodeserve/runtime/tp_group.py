@@ -47,7 +47,8 @@ class _RankThread:
         while True:
             job = self._jobs.get()
             try:
-                job()
+                with torch.inference_mode():  # thread-local: the worker's mode does not reach this thread
+                    job()
                 self._results.put(None)
             except BaseException as e:  # handed to rank 0, which fails the step
                 self._results.put(e)
@@ -123,7 +124,34 @@ class TPGroupModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.shards[0].compute_logits(hidden)
+        """[N, hidden] -> [N, vocab] float32. A CPU group: vocab-parallel, each rank writing its slice of one
+        tensor (no gather in one address space); a GPU group: rank 0's whole lm_head."""
+        if any(d.torch_device.type != "cpu" for d in self.devices):
+            return self.shards[0].compute_logits(hidden)
+        logits = torch.empty(hidden.shape[0], self.cfg.vocab_size, dtype=torch.float32)
+
+        def part(rank: int) -> None:
+            head = self.shards[rank].lm_head_part
+            start = self.cfg.vocab_size - sum(s.lm_head_part.out_features for s in self.shards[rank:])
+            logits[:, start:start + head.out_features] = head(hidden)
+
+        self._on_every_rank(part)
+        return logits
+
+    def _on_every_rank(self, fn: Callable[[int], None]) -> None:
+        """fn(rank) on each rank's thread (rank 0: this one); raises the first error once all are done."""
+        if not self._threads:
+            self._threads = [_RankThread(d, f"tp {d.name}") for d in self.devices[1:]]
+        for rank, t in enumerate(self._threads, start=1):
+            t.submit(lambda rank=rank: fn(rank))
+        error = None
+        try:
+            fn(0)
+        except BaseException as e:
+            error = e
+        errors = [e for e in (t.result() for t in self._threads) if e is not None]
+        if error is not None or errors:
+            raise error or errors[0]
 
 
 def _is_abort(error: BaseException | None) -> bool:

@@ -18,8 +18,12 @@
  * Plain C11 (no AVX-512 assumed): the sum loop is left to the compiler's vectoriser.
  */
 #define _GNU_SOURCE
+#include <limits.h>
+#include <linux/futex.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +39,10 @@
  * for each other, short enough that ranks sharing a core hand it over quickly (measured, 4 ranks on 2 cores, 576
  * floats: 11 us a call at 128 spins, 54 us at 1024; 2 ranks on 2 cores: 0.34 us either way). */
 #define SPINS_BEFORE_YIELD 256
+/* Then sleep on a futex: on machines whose cores share a physical core or are time-sliced by a hypervisor (the
+ * 2-vCPU Zen 4 here: a pause loop on one vCPU halved a decode step on the other, 7 -> 14 ms), a rank that spins or
+ * yields while waiting takes the issue slots the rank it waits for needs. Set per group (ns_group_spins): 0 sleeps
+ * at once. */
 #define SLICE_ALIGN 16            /* floats: slices start on 64-byte lines, so no two ranks write one line */
 #define SUM_BLOCK 256             /* floats summed in a stack buffer before being written back to every rank */
 
@@ -45,6 +53,9 @@
 
 struct ns_group {
     _Alignas(64) _Atomic uint64_t word;
+    _Atomic uint32_t wakes;     /* bumped (then FUTEX_WAKE) at each completion and abort: what sleepers wait on */
+    _Atomic uint32_t sleepers;  /* ranks in FUTEX_WAIT or about to be: the waker skips the syscall when none */
+    long spins;                 /* pause iterations before sleeping */
     _Alignas(64) int64_t num_ranks;
     float **bufs;  /* [num_ranks] published before the first barrier, read after it */
     int64_t *lens;
@@ -64,6 +75,9 @@ void *ns_group_new(int64_t num_ranks) {
         return NULL;
     }
     atomic_init(&g->word, 0);
+    atomic_init(&g->wakes, 0);
+    atomic_init(&g->sleepers, 0);
+    g->spins = SPINS_BEFORE_YIELD;
     return g;
 }
 
@@ -77,6 +91,12 @@ void ns_group_free(void *p) {
 
 /* Arrive and wait for every rank. 0 once all arrived; -1 when honour_abort and the group is (or gets) aborted
  * before the last arrival, in which case it completes for no rank. */
+static void wake_all(struct ns_group *g) {
+    atomic_fetch_add_explicit(&g->wakes, 1, memory_order_seq_cst);
+    if (atomic_load_explicit(&g->sleepers, memory_order_seq_cst))
+        syscall(SYS_futex, &g->wakes, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
 static int barrier(struct ns_group *g, int honour_abort) {
     uint64_t w = atomic_load_explicit(&g->word, memory_order_relaxed), next;
     do {  /* arrive: count up, or, the last one, zero the count and start the next generation */
@@ -85,13 +105,29 @@ static int barrier(struct ns_group *g, int honour_abort) {
     } while (!atomic_compare_exchange_weak_explicit(&g->word, &w, next, memory_order_acq_rel,
                                                     memory_order_relaxed));
     const uint64_t gen = w & ~(COUNT_MASK | ABORT_BIT);
+    if ((next & ~(COUNT_MASK | ABORT_BIT)) != gen) {  /* the last arrival: release the others */
+        wake_all(g);
+        return 0;
+    }
     for (long spins = 0;; spins++) {
-        w = atomic_load_explicit(&g->word, memory_order_acquire);
+        /* read before the check: a completion the check misses bumps it after, so FUTEX_WAIT returns */
+        const uint32_t wakes = atomic_load_explicit(&g->wakes, memory_order_seq_cst);
+        w = atomic_load_explicit(&g->word, memory_order_seq_cst);
         if ((w & ~(COUNT_MASK | ABORT_BIT)) != gen) return 0;
         if (honour_abort && (w & ABORT_BIT)) return -1;  /* the last arrival now never comes: see above */
-        if (spins < SPINS_BEFORE_YIELD) CPU_RELAX();
-        else sched_yield();
+        if (spins < g->spins) {
+            CPU_RELAX();
+            continue;
+        }
+        atomic_fetch_add_explicit(&g->sleepers, 1, memory_order_seq_cst);
+        syscall(SYS_futex, &g->wakes, FUTEX_WAIT_PRIVATE, wakes, NULL, NULL, 0);
+        atomic_fetch_sub_explicit(&g->sleepers, 1, memory_order_seq_cst);
     }
+}
+
+/* Pause iterations a waiting rank spins before it sleeps (0: sleep at once). */
+void ns_group_spins(void *p, int64_t spins) {
+    ((struct ns_group *)p)->spins = (long)spins;
 }
 
 /* out[i] = bufs[0][i] + bufs[1][i] + ... for i in [begin, end), written back into every rank's buffer. */
@@ -131,6 +167,7 @@ int ns_group_allreduce(void *p, int64_t rank, float *buf, int64_t n) {
 /* Every rank waiting in ns_group_allreduce, and every later call, returns -1 (until ns_group_reset). */
 void ns_group_abort(void *p) {
     atomic_fetch_or(&((struct ns_group *)p)->word, ABORT_BIT);
+    wake_all(p);
 }
 
 /* Clears an abort and the arrivals it left counted. Only once every rank has returned. */

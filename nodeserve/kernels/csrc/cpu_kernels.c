@@ -797,5 +797,15 @@ failed:
     return -1;
 }
 
+/* Every layer of a decode step in one call: layer i's K/V at kv + i * kv_layer_bytes (one pool allocation). One
+   call per step instead of one per layer: on a tensor-parallel rank, each return to Python is a wait for the GIL,
+   which the other ranks then wait for at the next all-reduce. */
+int ns_decode_layers(const struct ns_layer *layers, int64_t num_layers, const struct ns_step *S, float *x, char *kv,
+                     int64_t kv_layer_bytes) {
+    for (int64_t i = 0; i < num_layers; i++)
+        if (ns_decode_layer(&layers[i], S, x, kv + i * kv_layer_bytes)) return -1;
+    return 0;
+}
+
 /* For the build check: which paths this binary takes. */
 int ns_isa(void) { return NS_AVX2 ? 2 : 0; }
