@@ -29,9 +29,9 @@ GROUPINGS = {
 }
 
 
-def _config(devices: dict, **kv):
+def _config(devices: dict, memory_gib: float = 0.25, **kv):
     return config_from_dict({"model": {"dtype": "float32"}, "devices": devices,
-                             "kv": {"memory_gib": 0.25, "page_size": 16, **kv},
+                             "kv": {"memory_gib": memory_gib, "page_size": 16, **kv},
                              "scheduler": {"max_num_batched_tokens": 48}})
 
 
@@ -95,3 +95,76 @@ def test_greedy_matches_transformers_streamed_and_concurrent(grouping, loaded_fp
     async def body(engine):
         return await asyncio.gather(*(_tokens(engine.add_request(ids, _greedy())) for ids in prompt_ids))
     assert _run(_config(GROUPINGS[grouping]), loaded_fp32, body) == hf_greedy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grouping", ["tp1 -> tp2", "tp2 -> tp1"])
+def test_random_aborts_leave_no_page_held_on_any_rank(grouping, loaded_fp32, prompt_ids):
+    """One page-id space per group: the manager's count covers every rank's share of each page."""
+    long_prompt = (prompt_ids[6] * 40)[:400]
+
+    async def body(engine):
+        streams = [engine.add_request(long_prompt if i % 2 else prompt_ids[i % 8], _greedy(120 if i < 8 else 16))
+                   for i in range(10)]
+        for s in streams[:3]:
+            engine.abort(s)  # pending or mid-prefill
+        n = 0
+        async for _ in streams[4]:
+            n += 1
+            if n == 3:
+                break
+        for s in streams[3:8]:
+            engine.abort(s)  # mid-transfer or decoding
+        return [len(t) for t in await asyncio.gather(*(_tokens(s) for s in streams[8:]))]
+    assert _run(_config(GROUPINGS[grouping]), loaded_fp32, body) == [16, 16]
+
+
+def test_prefix_cache_across_groups_of_different_degree(loaded_fp32, prompt_ids):
+    """Conditional mode over a TP 2 prefill group and a TP 1 decode device: a short suffix prefills on the decode
+    device, a longer one on the group, which fetches the page only the decode device holds (a reshard from one
+    rank to two). The tokens equal those of the same run without the cache."""
+    from tests.runtime.test_prefix_cache import _conversation
+
+    base = (prompt_ids[6] * 4)[:60]
+    first = base + prompt_ids[4]
+    prompts = [base, first, base + prompt_ids[5], first + prompt_ids[7]]
+    devices = {"mode": "disaggregated", "prefill": ["cpu:0+cpu:1"], "decode": ["cpu:2"],
+               "local_prefill_threshold": 30, "local_prefill_when_busy": 0}
+    on, cached_on = _run(_config(devices), loaded_fp32, lambda e: _conversation(e, prompts))
+    off, _ = _run(_config(devices, prefix_cache=False), loaded_fp32, lambda e: _conversation(e, prompts))
+    assert on == off
+    fetched = sum(n for source, n in cached_on[4].items() if source.startswith("device:"))
+    assert cached_on[:4] == [0, 48, 48, 64] and fetched == 16
+
+
+def test_host_tier_keeps_whole_pages_whatever_the_sharding(loaded_fp32):
+    """Pages evicted from a TP 2 group's small pool go to the host tier as whole pages (every head) and come back
+    into the group: same tokens as without the tier, and the follow-up's prefix comes from the host."""
+    from tests.runtime.test_kv_tiers import _evict_and_return, _long_prompt
+
+    tok = loaded_fp32.tokenizer
+    a, b, c = (_long_prompt(tok, s, 200) for s in (1, 2, 3))
+    convo = (a, b, c, a + tok.encode(" And then what happened next?"))
+    pool_gib = 16 * 737_280 / 2**30  # 16 float32 pages
+    devices = {"mode": "colocated", "devices": ["cpu:0+cpu:1"]}
+    off, _, _ = _run(_config(devices, memory_gib=pool_gib), loaded_fp32, lambda e: _evict_and_return(e, convo))
+    on, cached, sources = _run(_config(devices, memory_gib=pool_gib, host_memory_gib=0.05), loaded_fp32,
+                               lambda e: _evict_and_return(e, convo))
+    assert on == off and cached >= 176 and sources.get("host", 0) > 0, sources
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_a_request_moves_between_groups_of_different_degree(loaded_fp32, prompt_ids, live):
+    """Live migration from a TP 1 device to a TP 2 group (or back): the KV is resharded round by round, the tokens
+    equal a run that never moved, and every page on both sides comes back."""
+    from tests.runtime.test_migration import _run_moving
+
+    prompt = (prompt_ids[0] * 20)[:150]
+
+    async def body(engine):
+        base = await _run_moving(engine, prompt, 24, None, live)
+        moved = await _run_moving(engine, prompt, 24, 8, live)
+        return base, moved, dict(engine.router.num_migrations)
+    devices = {"mode": "colocated", "devices": ["cpu:0", "cpu:1+cpu:2"]}
+    base, moved, outcomes = _run(_config(devices, prefix_cache=False), loaded_fp32, body)
+    assert base[0] == moved[0] and len(base[0]) == 24 and outcomes == {"moved": 1}
