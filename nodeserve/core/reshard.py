@@ -1,7 +1,7 @@
 """Moving a request's KV between two device groups whose tensor-parallel degrees differ (prefill TP 1 -> decode
 TP 2, decode TP < prefill TP, ...): which heads of which source rank's pool each destination rank's pool gets.
 
-Each rank's pool holds only its own KV heads (core/tensor_parallel.py decides which), in global head order, so a
+Each rank's pool holds only its own KV heads (model/tp_layout.py decides which), in global head order, so a
 copy is a run of heads from one source rank to one destination rank, the same for every page and layer moved.
 The plan is pure data; the runtime applies it per layer and frees a source rank's pages once its `readers` are done.
 """
@@ -33,7 +33,7 @@ def reshard_plan(src: Sequence[range], dst: Sequence[range]) -> tuple[HeadCopy, 
     the destination's own index when it holds the head (identical layouts then copy rank to rank); otherwise, in
     destination order, the holder the fewest destination ranks read from so far (those same-index reads counted
     first), the lowest rank on a tie. The destination ranks sharing a head then read it from different replicas
-    (with core/tensor_parallel's layouts, the numbers of readers of a head's holders differ by at most one).
+    (with model/tp_layout's layouts, the numbers of readers of a head's holders differ by at most one).
 
     Consecutive heads read from one source rank are one HeadCopy; copies are ordered by destination rank, then
     destination head. Raises ValueError when the two sides do not hold the same heads (different models).

@@ -30,7 +30,7 @@ def kv_pages_for_device(free_bytes: int, headroom_fraction: float, bytes_per_pag
 
 class KVShard:
     """One rank's K/V: its KV heads of every page. layers[i] is [num_pages, 2, page_size, len(heads), head_dim], K at
-    [:, 0] and V at [:, 1]; `heads` are the global KV heads it holds (core/tensor_parallel.py). What an attention
+    [:, 0] and V at [:, 1]; `heads` are the global KV heads it holds (model/tp_layout.py). What an attention
     backend reads and writes."""
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,

@@ -1,4 +1,4 @@
-"""A tensor-parallel rank's shard of a LlamaModel, Megatron style; core/tensor_parallel.py says which heads and
+"""A tensor-parallel rank's shard of a LlamaModel, Megatron style; model/tp_layout.py says which heads and
 columns each rank holds.
 
   q/k/v, gate/up   column-parallel: the rank's rows (its query and KV heads; its MLP columns)
@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from nodeserve.core.tensor_parallel import RankShard, TPLayout, tp_layout, valid_degrees
+from nodeserve.model.tp_layout import RankShard, TPLayout, tp_layout, valid_degrees
 from nodeserve.kernels import native
 from nodeserve.model import block_quant
 from nodeserve.model.config import LoadError, ModelConfig

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from nodeserve.attention import auto_fallback, make_backend
-from nodeserve.attention.group import GroupAttention
+
 from nodeserve.attention.flashinfer_backend import FlashInferAttention
 from nodeserve.config import Config
 from nodeserve.core.handoff import FreePages, MigrationOutcome
@@ -43,7 +43,7 @@ from nodeserve.runtime.lending import LEND_GAP_SHARE, MIN_BACKLOG_TOKENS, CoreLe
 from nodeserve.runtime.memory import check_fits, weight_bytes
 from nodeserve.runtime.model_runner import ModelRunner
 from nodeserve.runtime.router import Router
-from nodeserve.runtime.tp_group import TPGroupModel
+from nodeserve.runtime.tp_group import GroupAttention, TPGroupModel
 from nodeserve.runtime.transfer import KVTransfer
 from nodeserve.runtime.worker import Worker
 from nodeserve.sampling.sampler import Sampler

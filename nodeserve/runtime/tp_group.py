@@ -2,28 +2,58 @@
 
 Rank 0 runs on the calling thread (the group's worker); rank r > 0 on a thread of its own, set up by its device
 (on CPU: pinned to its core, one intra-op thread). Each step every rank runs its shard over its share of the KV
-pool (attention/group.py), and they meet twice per layer at the group's all-reduce (device/collectives.py). Every
-rank then holds the same residual stream, so rank 0's hidden states are the group's, and rank 0 computes the
-logits (the lm_head is replicated: with a 49k-token vocabulary, one rank's GEMV over the sampled rows is cheap
-beside a gather). A rank that raises aborts the all-reduce, so the others return instead of waiting forever; the
-step fails (its requests fail, as on a single device) and the group serves the next one.
+pool (GroupAttention: one backend per rank), and they meet twice per layer at the group's all-reduce
+(device/collectives.py). Every rank then holds the same residual stream, so rank 0's hidden states are the
+group's. The logits: on CPU vocab-parallel, each rank its slice of one tensor; on GPUs rank 0's whole lm_head. A
+rank that raises aborts the all-reduce, so the others return instead of waiting forever; the step fails (its
+requests fail, as on a single device) and the group serves the next one.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from nodeserve.attention.group import GroupAttention
+from nodeserve.attention.base import AttentionBackend, AttentionMetadata
 from nodeserve.device import Device
 from nodeserve.device.collectives import AllReduce, RankComm
+from nodeserve.kv.pool import KVPool
 from nodeserve.model.config import ModelConfig
 from nodeserve.model.llama import LlamaModel
 from nodeserve.model.tensor_parallel import layout_for
+
+
+class GroupAttention:
+    """A group's attention: one backend per rank over its shard of the group's pool. prepare(meta) keeps the step;
+    each rank prepares its own backend in its own thread, with the step's tensors on its device. Layers attend per
+    rank (ranks[r].forward), never through the group."""
+
+    def __init__(self, pool: KVPool, ranks: Sequence[AttentionBackend]):
+        self.pool, self.ranks = pool, list(ranks)
+        self.meta: AttentionMetadata | None = None
+        self.prompt_kernel = self.ranks[0].prompt_kernel
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+
+    def prepare_rank(self, rank: int) -> None:
+        """Rank `rank`'s backend prepared for the kept step, from that rank's thread."""
+        if self.meta is None:
+            raise RuntimeError("attention forward() before prepare(): prepare(meta) once per step comes first")
+        device = self.pool.shards[rank].device
+        meta = self.meta
+        if meta.slot_mapping.device != device:  # a group of GPUs: each rank reads the step from its own memory
+            meta = replace(meta, slot_mapping=meta.slot_mapping.to(device), page_tables=meta.page_tables.to(device),
+                           seq_lens=meta.seq_lens.to(device))
+        self.ranks[rank].prepare(meta)
+
+    def forward(self, layer_id, q, k, v):
+        raise TypeError("a tensor-parallel group attends per rank: use ranks[r].forward")
 
 
 class _RankThread:

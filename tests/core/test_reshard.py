@@ -10,7 +10,7 @@ from typing import Sequence
 import pytest
 
 from nodeserve.core.reshard import HeadCopy, readers, reshard_plan, whole_pages
-from nodeserve.core.tensor_parallel import tp_layout
+from nodeserve.model.tp_layout import tp_layout
 
 DEGREES = range(1, 9)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nodeserve.attention.torch_ref import TorchAttention
-from nodeserve.attention.group import GroupAttention
+
 from nodeserve.config import config_from_dict
 from nodeserve.core.sampling_params import SamplingParams
 from nodeserve.device import make_device
@@ -18,7 +18,7 @@ from nodeserve.device.collectives import make_all_reduce
 from nodeserve.kv.pool import KVPool, pages_for
 from nodeserve.runtime.engine import Engine
 from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
-from nodeserve.runtime.tp_group import TPGroupModel
+from nodeserve.runtime.tp_group import GroupAttention, TPGroupModel
 
 GROUPINGS = {
     "colocated tp2": {"mode": "colocated", "devices": ["cpu:0+cpu:1"]},
