@@ -23,7 +23,12 @@ from nodeserve.kernels.native import NativeKernels
 log = logging.getLogger(__name__)
 
 _PEER_FAILED = "a tensor-parallel peer failed"
-SPINS_BEFORE_SLEEP = 256
+# A waiting rank spins (~100 us of pause on Zen 4) before it sleeps on a futex: a rank waits for its peer at every
+# reduce for about their difference in work, and a futex wake costs tens of us in a VM. On the 2-vCPU Zen 4 a
+# SmolLM2 Q4_1 decode step on cpu:0+cpu:1 took 4.8 ms at 4096 spins, 5.1 ms spinning only, 15.8 ms at 0 and 256
+# (sleeping at almost every reduce); one core alone 6.0-7.0 ms. Ranks that share a core spin SHARED_CORE_SPINS.
+SPINS_BEFORE_SLEEP = 4096
+SHARED_CORE_SPINS = 64
 _SIZES_DIFFER = "all-reduce: the ranks' tensors differ in size"
 
 
@@ -231,15 +236,16 @@ class NCCLAllReduce:
         nccl.all_reduce(tensors)  # outputs=None: in place
 
 
-def make_all_reduce(device_type: str, num_ranks: int) -> AllReduce:
+def make_all_reduce(device_type: str, num_ranks: int, shares_cores: bool = False) -> AllReduce:
     """The CPU group's all-reduce: the native one where the kernels build, else the torch fallback. GPU groups reduce
-    all ranks' tensors from one thread instead, through NCCLAllReduce(devices)."""
+    all ranks' tensors from one thread instead, through NCCLAllReduce(devices). shares_cores: a rank shares its core
+    with another device's thread, so waiting ranks sleep soon rather than spin through the core's time."""
     if device_type != "cpu":
         raise ValueError(f"make_all_reduce is for CPU groups; a {device_type} group takes NCCLAllReduce(devices)")
     kernels = native.load()
     group: AllReduce
     if kernels is not None:
-        group = CPUAllReduce(num_ranks, kernels)
+        group = CPUAllReduce(num_ranks, kernels, SHARED_CORE_SPINS if shares_cores else SPINS_BEFORE_SLEEP)
         log.info("tensor-parallel all-reduce: native fixed-order sum over %d ranks", num_ranks)
     else:
         group = ThreadAllReduce(num_ranks)

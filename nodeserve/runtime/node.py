@@ -100,10 +100,11 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
     warnings: list[str] = []
     lending = core_lending(cfg, names)
     devices = {n: make_device(n, *(lending.hooks(i) if lending is not None else ())) for i, n in enumerate(names)}
-    warn_shared_cores(devices.values(), warnings)
+    shared = shared_cores(devices.values(), warnings)
     singles = [d for d in devices.values() if not isinstance(d, DeviceGroup)]
     replicas = model_replicas(model, singles, cfg.kv.memory_gib)
-    groups = {n: group_model(loaded, d, cfg.kv.memory_gib) for n, d in devices.items() if isinstance(d, DeviceGroup)}
+    groups = {n: group_model(loaded, d, cfg.kv.memory_gib, shared) for n, d in devices.items()
+              if isinstance(d, DeviceGroup)}
     kv_dtype = kv_cache_dtype(cfg.kv.dtype, model.dtype)
     num_pages = {n: kv_pages(cfg, loaded, d, kv_dtype) for n, d in devices.items()}
     event_log = KVEventLog(cfg.kv.page_size) if cfg.kv_events.enabled else None  # config: needs the prefix cache
@@ -162,9 +163,9 @@ def core_lending(cfg: Config, names: list[str]) -> CoreLending | None:
     return CoreLending.build(names)
 
 
-def warn_shared_cores(devices, warnings: list[str]) -> None:
-    """CPU devices named past the cores this process may use run on one of them (device/cpu.core_of): said once
-    at start and in /health, since two devices on one core each run at half speed."""
+def shared_cores(devices, warnings: list[str]) -> set[int]:
+    """Cores that two CPU devices (or ranks) run on: those named past the cores this process may use share one
+    (device/cpu.core_of). Said once at start and in /health, since two devices on one core each run at half speed."""
     cores: dict[int, list[str]] = {}
     for d in devices:
         for r in d.ranks if isinstance(d, DeviceGroup) else [d]:
@@ -175,9 +176,10 @@ def warn_shared_cores(devices, warnings: list[str]) -> None:
             warning = f"{' and '.join(sharing)} share core {core} (this machine has fewer cores than the devices named)"
             log.warning(warning)
             warnings.append(warning)
+    return {core for core, sharing in cores.items() if len(sharing) > 1}
 
 
-def group_model(loaded: LoadedModel, group: DeviceGroup, kv_memory_gib: float) -> TPGroupModel:
+def group_model(loaded: LoadedModel, group: DeviceGroup, kv_memory_gib: float, shared: set[int]) -> TPGroupModel:
     """A tensor-parallel group's shards (cut at load, model/tensor_parallel.py) on its ranks, joined by the all-reduce
     for their kind of device: on CPU the ranks share the shards' weights with every group of that degree; each GPU
     gets its own shard, once it is checked to fit beside its share of the KV pool."""
@@ -189,7 +191,8 @@ def group_model(loaded: LoadedModel, group: DeviceGroup, kv_memory_gib: float) -
             check_fits(rank.name, free, weight_bytes(shard), int(kv_memory_gib * 2**30) // group.num_ranks)
             shard = copy.deepcopy(shard).to(rank.torch_device)
         placed.append(shard)
-    all_reduce = make_all_reduce(group.torch_device.type, group.num_ranks)
+    all_reduce = make_all_reduce(group.torch_device.type, group.num_ranks,
+                                 any(isinstance(r, CPUDevice) and r.core in shared for r in group.ranks))
     log.info("%s: tensor parallel over %d ranks, all-reduce: %s", group.name, group.num_ranks, all_reduce.name)
     return TPGroupModel(loaded.config, placed, group.ranks, all_reduce)
 

@@ -45,6 +45,7 @@
  * at once. */
 #define SLICE_ALIGN 16            /* floats: slices start on 64-byte lines, so no two ranks write one line */
 #define SUM_BLOCK 256             /* floats summed in a stack buffer before being written back to every rank */
+#define SLOT_FLOATS (64 * 1024)   /* reduces up to this size take one barrier (64 decode rows of a 1k hidden) */
 
 /* The barrier word: arrivals in the low 32 bits, the abort bit, the generation above it. */
 #define COUNT_MASK 0xffffffffull
@@ -59,7 +60,16 @@ struct ns_group {
     _Alignas(64) int64_t num_ranks;
     float **bufs;  /* [num_ranks] published before the first barrier, read after it */
     int64_t *lens;
+    /* The one-barrier path for small reduces (decode rows): each rank copies its partial into slot [parity][rank]
+     * and, after one barrier, sums every rank's slot into its own buffer. Parity alternates per call, so a rank's
+     * next write goes to the other set, and the one after that only once every rank has passed the barrier in
+     * between, i.e. has finished reading this set. Half the barriers of the path above. */
+    float *slots;          /* [2][num_ranks][SLOT_FLOATS] */
+    int64_t *slot_lens;    /* [2][num_ranks] */
+    int64_t *calls;        /* [num_ranks] one-barrier calls made, for the parity; zeroed by reset */
 };
+
+void ns_group_free(void *p);
 
 void *ns_group_new(int64_t num_ranks) {
     if (num_ranks < 1) return NULL;
@@ -68,10 +78,11 @@ void *ns_group_new(int64_t num_ranks) {
     g->num_ranks = num_ranks;
     g->bufs = calloc((size_t)num_ranks, sizeof *g->bufs);
     g->lens = calloc((size_t)num_ranks, sizeof *g->lens);
-    if (!g->bufs || !g->lens) {
-        free(g->bufs);
-        free(g->lens);
-        free(g);
+    g->slots = aligned_alloc(64, sizeof(float) * 2 * (size_t)num_ranks * SLOT_FLOATS);
+    g->slot_lens = calloc(2 * (size_t)num_ranks, sizeof *g->slot_lens);
+    g->calls = calloc((size_t)num_ranks, sizeof *g->calls);
+    if (!g->bufs || !g->lens || !g->slots || !g->slot_lens || !g->calls) {
+        ns_group_free(g);
         return NULL;
     }
     atomic_init(&g->word, 0);
@@ -86,6 +97,9 @@ void ns_group_free(void *p) {
     if (!g) return;
     free(g->bufs);
     free(g->lens);
+    free(g->slots);
+    free(g->slot_lens);
+    free(g->calls);
     free(g);
 }
 
@@ -150,6 +164,21 @@ int ns_group_allreduce(void *p, int64_t rank, float *buf, int64_t n) {
     struct ns_group *g = p;
     const int64_t N = g->num_ranks;
     if (N == 1) return (atomic_load(&g->word) & ABORT_BIT) ? -1 : 0;
+    if (n <= SLOT_FLOATS) {
+        const int64_t parity = g->calls[rank]++ & 1;
+        float *const set = g->slots + parity * N * SLOT_FLOATS;
+        memcpy(set + rank * SLOT_FLOATS, buf, sizeof(float) * (size_t)n);
+        g->slot_lens[parity * N + rank] = n;
+        if (barrier(g, 1)) return -1;
+        for (int64_t r = 0; r < N; r++)
+            if (g->slot_lens[parity * N + r] != n) return -2;  /* every rank sees the same lens: all return -2 */
+        memcpy(buf, set, sizeof(float) * (size_t)n);  /* rank 0's, then + rank 1's, ...: the fixed order */
+        for (int64_t r = 1; r < N; r++) {
+            const float *b = set + r * SLOT_FLOATS;
+            for (int64_t j = 0; j < n; j++) buf[j] += b[j];
+        }
+        return 0;
+    }
     g->bufs[rank] = buf;
     g->lens[rank] = n;
     if (barrier(g, 1)) return -1;
@@ -173,6 +202,7 @@ void ns_group_abort(void *p) {
 /* Clears an abort and the arrivals it left counted. Only once every rank has returned. */
 void ns_group_reset(void *p) {
     struct ns_group *g = p;
+    for (int64_t r = 0; r < g->num_ranks; r++) g->calls[r] = 0;
     const uint64_t w = atomic_load(&g->word);
     atomic_store(&g->word, (w & ~(COUNT_MASK | ABORT_BIT)) + GEN_ONE);
 }
