@@ -236,12 +236,57 @@ class NCCLAllReduce:
         nccl.all_reduce(tensors)  # outputs=None: in place
 
 
-def make_all_reduce(device_type: str, num_ranks: int, shares_cores: bool = False) -> AllReduce:
+class RankThreadsNCCL:
+    """NCCLAllReduce behind the rank-per-thread AllReduce interface a group's shards call (runtime/tp_group.py): each
+    rank's thread leaves its tensor and waits; the last to arrive issues the one NCCL call over every GPU; a second
+    barrier hands the tensors back. Eager only (NCCL under graph capture from one process may deadlock: see
+    ../shared/notes/tensor-parallel.md); the kernels before it run on each GPU's current stream of its rank's thread,
+    and NCCL's on the calling thread's current streams, so both must be the devices' default streams.
+
+    UNTESTED on GPUs, like NCCLAllReduce."""
+
+    handle = None
+
+    def __init__(self, devices: Sequence[torch.device | str | int]):
+        self._nccl = NCCLAllReduce(devices)
+        self.name, self.num_ranks = "nccl (eager, one thread per rank)", self._nccl.num_ranks
+        self._tensors: list[torch.Tensor | None] = [None] * self.num_ranks
+        self._barrier = _Barrier(self.num_ranks)
+        self._error: BaseException | None = None
+
+    def __call__(self, rank: int, x: torch.Tensor) -> torch.Tensor:
+        self._tensors[rank] = x
+        if not self._barrier.wait(honour_abort=True):
+            raise RuntimeError(_PEER_FAILED)
+        if rank == 0:
+            try:
+                self._nccl.all_reduce([t for t in self._tensors if t is not None])
+                self._error = None
+            except BaseException as e:  # every rank fails this step alike
+                self._error = e
+        self._barrier.wait(honour_abort=False)
+        if self._error is not None:
+            raise RuntimeError(f"NCCL all-reduce failed: {self._error}")
+        return x
+
+    def abort(self) -> None:
+        self._barrier.abort()
+
+    def reset(self) -> None:
+        self._tensors = [None] * self.num_ranks
+        self._barrier.reset()
+
+
+def make_all_reduce(device_type: str, num_ranks: int, shares_cores: bool = False,
+                    devices: Sequence[torch.device] = ()) -> AllReduce:
     """The CPU group's all-reduce: the native one where the kernels build, else the torch fallback. GPU groups reduce
     all ranks' tensors from one thread instead, through NCCLAllReduce(devices). shares_cores: a rank shares its core
     with another device's thread, so waiting ranks sleep soon rather than spin through the core's time."""
+    if device_type == "cuda":
+        log.info("tensor-parallel all-reduce: NCCL, eager, over %d GPUs", num_ranks)
+        return RankThreadsNCCL(devices)
     if device_type != "cpu":
-        raise ValueError(f"make_all_reduce is for CPU groups; a {device_type} group takes NCCLAllReduce(devices)")
+        raise ValueError(f"no tensor-parallel all-reduce for {device_type} devices")
     kernels = native.load()
     group: AllReduce
     if kernels is not None:

@@ -192,7 +192,8 @@ def group_model(loaded: LoadedModel, group: DeviceGroup, kv_memory_gib: float, s
             shard = copy.deepcopy(shard).to(rank.torch_device)
         placed.append(shard)
     all_reduce = make_all_reduce(group.torch_device.type, group.num_ranks,
-                                 any(isinstance(r, CPUDevice) and r.core in shared for r in group.ranks))
+                                 any(isinstance(r, CPUDevice) and r.core in shared for r in group.ranks),
+                                 [r.torch_device for r in group.ranks])
     log.info("%s: tensor parallel over %d ranks, all-reduce: %s", group.name, group.num_ranks, all_reduce.name)
     return TPGroupModel(loaded.config, placed, group.ranks, all_reduce)
 

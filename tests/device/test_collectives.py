@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from nodeserve.device import collectives
-from nodeserve.device.collectives import CPUAllReduce, NCCLAllReduce, RankComm, ThreadAllReduce, make_all_reduce
+from nodeserve.device.collectives import (CPUAllReduce, NCCLAllReduce, RankComm, RankThreadsNCCL, ThreadAllReduce,
+                                          make_all_reduce)
 from nodeserve.kernels import native
 
 kernels = native.load()
@@ -216,8 +217,34 @@ def test_make_all_reduce_takes_the_native_group_where_the_kernels_build(monkeypa
         fallback = make_all_reduce("cpu", 3)
     assert isinstance(fallback, ThreadAllReduce) and fallback.num_ranks == 3 and fallback.handle is None
     assert "torch fixed-order sum over 3 ranks" in caplog.text
-    with pytest.raises(ValueError, match="NCCLAllReduce"):
-        make_all_reduce("cuda", 2)
+    cuda = make_all_reduce("cuda", 2, devices=[torch.device("cuda", 0), torch.device("cuda", 1)])
+    assert isinstance(cuda, RankThreadsNCCL) and cuda.num_ranks == 2 and cuda.handle is None
+    with pytest.raises(ValueError, match="no tensor-parallel all-reduce"):
+        make_all_reduce("mps", 2)
+
+
+def test_the_rank_thread_nccl_adapter_rendezvous_and_abort(monkeypatch):
+    """Without GPUs: the adapter's rendezvous with NCCL's call replaced by a sum over the deposited tensors, and an
+    abort that releases a rank whose peer never comes."""
+    group = RankThreadsNCCL([0, 1])
+    calls = []
+
+    def fake(tensors):
+        calls.append(len(tensors))
+        total = sum(t.clone() for t in tensors)
+        for t in tensors:
+            t.copy_(total)
+    monkeypatch.setattr(group._nccl, "all_reduce", fake)
+    xs = [torch.full((4,), float(r + 1)) for r in range(2)]
+    threads = [threading.Thread(target=group, args=(r, xs[r])) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(5) for t in threads]
+    assert calls == [2] and all(torch.equal(x, torch.full((4,), 3.0)) for x in xs)
+    timer = threading.Timer(0.2, group.abort)
+    timer.start()
+    with pytest.raises(RuntimeError, match="peer failed"):
+        group(0, xs[0])
+    group.reset()
 
 
 def test_nccl_all_reduce_checks_its_arguments_and_matches_torchs_signature():
