@@ -10,6 +10,10 @@ import pytest
 import torch
 
 from nodeserve.attention.torch_ref import TorchAttention
+from nodeserve.device import Device
+from nodeserve.device.collectives import RankThreadsNCCL
+from nodeserve.model.tensor_parallel import layout_for, shard_models
+from nodeserve.runtime.tp_group import GroupAttention, TPGroupModel
 from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
 from nodeserve.kv.pool import KVPool
 from nodeserve.model.config import ModelConfig
@@ -76,3 +80,38 @@ def test_upload_on_cpu_and_meta():
     host = torch.arange(4)
     assert upload(host, torch.device("cpu")) is host  # no copy on the host
     assert upload(host, META).device == META
+
+
+class _MetaRank(Device):
+    """A rank of a group of GPUs as the meta device stands in for one."""
+
+    def __init__(self, index: int):
+        self.name, self.torch_device = f"cuda:{index}", META
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4])
+def test_a_tensor_parallel_group_runs_a_mixed_step_on_the_meta_device(monkeypatch, num_ranks):
+    """A group of GPUs as a GPU-less machine can check it: the shards (uneven for 3 ranks; replicated KV heads for
+    4), each rank's thread, the rendezvous all-reduce (NCCL's call itself stubbed: it needs GPUs) and the per-rank
+    attention, with no host read of a device value anywhere in the step."""
+    cfg = _tiny_config()
+    full = LlamaModel(cfg).to_empty(device=META)
+    shards = shard_models(full, num_ranks)
+    for s in shards:
+        s.fuse()
+    ranks = [_MetaRank(i) for i in range(num_ranks)]
+    all_reduce = RankThreadsNCCL([torch.device("cuda", i) for i in range(num_ranks)])
+    calls: list[int] = []
+    monkeypatch.setattr(all_reduce._nccl, "all_reduce", lambda tensors: calls.append(len(tensors)))
+    model = TPGroupModel(cfg, shards, ranks, all_reduce)
+    pool = KVPool(cfg, num_pages=8, page_size=4, dtype=torch.float32, device=META,
+                  shards=[(META, heads) for _, heads in model.kv_shards()])
+    runner = ModelRunner(model, GroupAttention(pool, [TorchAttention(p, s.cfg, torch.float32)
+                                                      for s, p in zip(shards, pool.shards)]))
+    done: list[int] = []
+    logits = runner.run(MIXED_STEP, on_layer_done=done.append, before_layer=lambda i: None)
+    assert logits.device == META and logits.shape == (len(MIXED_STEP), cfg.vocab_size)
+    assert done == [0, 1]
+    # two reduces per layer, plus one barrier per layer for before_layer, each one NCCL call over every rank
+    assert calls == [num_ranks] * (3 * cfg.num_layers)
+    assert [len(h) for h in pool.heads] == [len(r.kv_heads) for r in layout_for(cfg, num_ranks).ranks]
