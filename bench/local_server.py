@@ -13,6 +13,7 @@ MODES = {
     "disaggregated": 'mode = "disaggregated"\nprefill = ["cpu:0"]\ndecode = ["cpu:1"]',
     "colocated": 'mode = "colocated"\ndevices = ["cpu:0", "cpu:1"]',
     "adaptive": 'mode = "adaptive"\ndevices = ["cpu:0", "cpu:1"]',
+    "tp2": 'mode = "colocated"\ndevices = ["cpu:0+cpu:1"]',  # one tensor-parallel group over both cores
 }
 
 

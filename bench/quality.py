@@ -260,7 +260,7 @@ def main() -> int:
     ap.add_argument("--default-extra", default="",
                     help="TOML lines for nodeserve-default's [model] table (default: none, i.e. nodeserve's defaults)")
     ap.add_argument("--default-kv-extra", default="", help="... and for its [kv] table, e.g. 'dtype = \"float16\"'")
-    ap.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"],
+    ap.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated", "tp2"],
                     help="nodeserve's devices.mode for the reference and the nodeserve targets")
     ap.add_argument("--num-prompts", type=int, default=len(PROMPTS),
                     help=f"first N of the {len(PROMPTS)} prompts, chat and raw alternating")

@@ -38,8 +38,8 @@ def check_fits(device_name: str, free_bytes: int, weight_bytes: int, kv_bytes: i
     gib = 2**30
     if weight_bytes > free_bytes:
         raise ConfigError(f"the model's weights ({weight_bytes / gib:.1f} GiB) do not fit in {device_name}'s free "
-                          f"memory ({free_bytes / gib:.1f} GiB): every GPU holds a whole replica (there is no "
-                          "tensor parallelism); use a smaller model or dtype, or free the GPU")
+                          f"memory ({free_bytes / gib:.1f} GiB); split it over a tensor-parallel group "
+                          "(\"cuda:0+cuda:1\", docs/tensor-parallel.md), or use a smaller model or dtype")
     if weight_bytes + kv_bytes > free_bytes:
         raise ConfigError(f"'kv.memory_gib' = {kv_bytes / gib:g} does not fit in {device_name}: "
                           f"{free_bytes / gib:.1f} GiB free, {weight_bytes / gib:.1f} GiB of it for the weights; "
