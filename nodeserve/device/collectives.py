@@ -224,8 +224,9 @@ class NCCLAllReduce:
             raise ValueError(f"NCCLAllReduce takes CUDA devices with indices, got {list(devices)}")
         self.name, self.num_ranks = "nccl", len(self.devices)
 
-    def all_reduce(self, tensors: list[torch.Tensor]) -> None:
-        """tensors[i] (contiguous, on devices[i], all the same shape and dtype) replaced by the sum over i."""
+    def all_reduce(self, tensors: list[torch.Tensor], streams: list | None = None) -> None:
+        """tensors[i] (contiguous, on devices[i], all the same shape and dtype) replaced by the sum over i, issued on
+        streams[i] (default: the calling thread's current stream of each GPU)."""
         if len(tensors) != self.num_ranks:
             raise ValueError(f"all_reduce takes {self.num_ranks} tensors, one per GPU, got {len(tensors)}")
         for t, d in zip(tensors, self.devices):
@@ -233,15 +234,16 @@ class NCCLAllReduce:
                 raise ValueError(f"all_reduce: a tensor on {t.device} (contiguous: {t.is_contiguous()}), want {d}")
         from torch.cuda import nccl
 
-        nccl.all_reduce(tensors)  # outputs=None: in place
+        nccl.all_reduce(tensors, streams=streams)  # outputs=None: in place
 
 
 class RankThreadsNCCL:
     """NCCLAllReduce behind the rank-per-thread AllReduce interface a group's shards call (runtime/tp_group.py): each
     rank's thread leaves its tensor and waits; the last to arrive issues the one NCCL call over every GPU; a second
     barrier hands the tensors back. Eager only (NCCL under graph capture from one process may deadlock: see
-    ../shared/notes/tensor-parallel.md); the kernels before it run on each GPU's current stream of its rank's thread,
-    and NCCL's on the calling thread's current streams, so both must be the devices' default streams.
+    ../shared/notes/tensor-parallel.md). Each rank's thread computes on its own current stream (CUDADevice gives
+    its worker thread one), so each rank leaves that stream with its tensor and NCCL is issued on it: it runs after
+    the kernels that wrote the tensor, and the rank's next kernels after it.
 
     UNTESTED on GPUs, like NCCLAllReduce."""
 
@@ -251,16 +253,19 @@ class RankThreadsNCCL:
         self._nccl = NCCLAllReduce(devices)
         self.name, self.num_ranks = "nccl (eager, one thread per rank)", self._nccl.num_ranks
         self._tensors: list[torch.Tensor | None] = [None] * self.num_ranks
+        self._streams: list = [None] * self.num_ranks
         self._barrier = _Barrier(self.num_ranks)
         self._error: BaseException | None = None
 
     def __call__(self, rank: int, x: torch.Tensor) -> torch.Tensor:
         self._tensors[rank] = x
+        self._streams[rank] = torch.cuda.current_stream(x.device) if x.device.type == "cuda" else None
         if not self._barrier.wait(honour_abort=True):
             raise RuntimeError(_PEER_FAILED)
         if rank == 0:
             try:
-                self._nccl.all_reduce([t for t in self._tensors if t is not None])
+                streams = None if None in self._streams else list(self._streams)
+                self._nccl.all_reduce([t for t in self._tensors if t is not None], streams)
                 self._error = None
             except BaseException as e:  # every rank fails this step alike
                 self._error = e

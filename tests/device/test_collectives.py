@@ -229,7 +229,7 @@ def test_the_rank_thread_nccl_adapter_rendezvous_and_abort(monkeypatch):
     group = RankThreadsNCCL([0, 1])
     calls = []
 
-    def fake(tensors):
+    def fake(tensors, streams):
         calls.append(len(tensors))
         total = sum(t.clone() for t in tensors)
         for t in tensors:

@@ -102,7 +102,7 @@ def test_a_tensor_parallel_group_runs_a_mixed_step_on_the_meta_device(monkeypatc
     ranks = [_MetaRank(i) for i in range(num_ranks)]
     all_reduce = RankThreadsNCCL([torch.device("cuda", i) for i in range(num_ranks)])
     calls: list[int] = []
-    monkeypatch.setattr(all_reduce._nccl, "all_reduce", lambda tensors: calls.append(len(tensors)))
+    monkeypatch.setattr(all_reduce._nccl, "all_reduce", lambda tensors, streams: calls.append(len(tensors)))
     model = TPGroupModel(cfg, shards, ranks, all_reduce)
     pool = KVPool(cfg, num_pages=8, page_size=4, dtype=torch.float32, device=META,
                   shards=[(META, heads) for _, heads in model.kv_shards()])
