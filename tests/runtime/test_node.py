@@ -22,7 +22,7 @@ def _starts(*roles: tuple[str, Role]) -> list[DeviceStart]:
 def test_prefill_devices_send_to_decode_devices_and_decode_devices_to_each_other_only():
     starts = _starts(("cpu:0", Role.PREFILL), ("cpu:1", Role.DECODE), ("cpu:2", Role.DECODE))
     devices = {s.name: SimpleNamespace(name=s.name) for s in starts}
-    pools = {s.name: SimpleNamespace(device=s.name) for s in starts}
+    pools = {s.name: SimpleNamespace(device=s.name, heads=(range(3),)) for s in starts}
     inboxes = {s.name: queue.SimpleQueue() for s in starts}
     transfers = kv_transfers(starts, devices, pools, inboxes, None)
     assert {src: sorted(t) for src, t in transfers.items()} == \

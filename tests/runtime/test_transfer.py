@@ -289,3 +289,58 @@ def test_a_handoff_that_raises_frees_the_source_pages_after_an_event_not_at_once
     assert len(frees) == 1 and frees[0][2] is not None and frees[0][2][0] == h.src.name
     assert [(rid, error is not None) for rid, _, _, error in h.delivered] == [("a", True)]
     assert h.delivered[0][1] is not None  # the destination's event goes with the failure too
+
+
+def _group_pool(num_kv_heads: int, num_ranks: int, seed: int | None = None) -> KVPool:
+    """A pool split over num_ranks the way a TP group's is (model/tp_layout.py), random K/V if seeded."""
+    from nodeserve.model.tp_layout import tp_layout
+
+    cfg = SimpleNamespace(num_layers=NUM_LAYERS, num_kv_heads=num_kv_heads, head_dim=8)
+    layout = tp_layout(num_kv_heads * 4, num_kv_heads, 32 * 8, num_ranks, 32)
+    pool = KVPool(cfg, NUM_PAGES, PAGE_SIZE, torch.float32, torch.device("cpu"),
+                  shards=[(torch.device("cpu"), heads) for heads in layout.kv_heads])
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+        whole = torch.randn(NUM_LAYERS, NUM_PAGES, 2, PAGE_SIZE, num_kv_heads, 8, generator=gen)
+        every = torch.arange(NUM_PAGES)
+        for layer in range(NUM_LAYERS):
+            pool.write_layer(layer, every, whole[layer])
+    return pool
+
+
+@pytest.mark.parametrize("num_kv_heads, src_ranks, dst_ranks",
+                         [(3, 1, 2), (3, 2, 1), (3, 2, 3), (2, 4, 1), (2, 1, 4), (3, 4, 2), (1, 2, 3)])
+@pytest.mark.parametrize("max_direct_runs", [8, 0])
+def test_a_handoff_between_groups_of_different_degree_lands_every_head(num_kv_heads, src_ranks, dst_ranks,
+                                                                       max_direct_runs):
+    """Real tensors through KVTransfer's copy thread: whatever the two layouts (uneven, replicated heads), each page
+    arrives whole, every head from where it was, and replicas on the destination all hold their head."""
+    src, dst = _group_pool(num_kv_heads, src_ranks, seed=1), _group_pool(num_kv_heads, dst_ranks)
+    transfer = KVTransfer(CPUDevice(0), src, CPUDevice(1), dst, lambda pages, event: None)
+    transfer.max_direct_runs = max_direct_runs
+    transfer.start()
+    src_pages, dst_pages = [1, 2, 3, 7], [4, 5, 6, 0]
+    pages = transfer.page_indices(src_pages, dst_pages, ("r",))
+    for layer in range(NUM_LAYERS):
+        transfer.copy_layer(layer, pages)
+    done = threading.Event()
+    transfer.after_copies(lambda landed: done.set())
+    assert done.wait(5)
+    transfer.stop()
+    s, d = torch.tensor(src_pages), torch.tensor(dst_pages)
+    for layer in range(NUM_LAYERS):
+        assert torch.equal(dst.read_layer(layer, d), src.read_layer(layer, s))
+        for shard in dst.shards:  # replicated heads: every holder was written, not only the first
+            want = src.read_layer(layer, s)[:, :, :, shard.heads.start:shard.heads.stop]
+            assert torch.equal(shard.layers[layer].index_select(0, d), want)
+
+
+def test_a_group_pool_reads_and_writes_whole_pages():
+    pool = _group_pool(3, 4, seed=2)  # heads [0], [0], [1], [2]: head 0 on two ranks
+    assert pool.heads == (range(0, 1), range(0, 1), range(1, 2), range(2, 3))
+    pages = torch.tensor([5, 0])
+    whole = pool.read_layer(1, pages)
+    assert whole.shape == (2, 2, PAGE_SIZE, 3, 8)
+    assert torch.equal(pool.shards[0].layers[1][5], pool.shards[1].layers[1][5])  # the replicas agree
+    with pytest.raises(TypeError, match="one shard per rank"):
+        pool.layers
