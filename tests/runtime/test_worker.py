@@ -185,7 +185,7 @@ class Target:
 
 def _migrating_worker():
     worker, runner, events, released = _worker(num_pages=64)
-    worker.pool = SimpleNamespace(layers=[0, 1, 2], page_size=16)
+    worker.pool = SimpleNamespace(layers=[0, 1, 2], num_layers=3, page_size=16)
     jobs, outcomes = [], []
     worker._on_migrated = lambda req, outcome, downtime, pages: outcomes.append((req.request_id, outcome))
     target = Target()
