@@ -32,7 +32,8 @@ def layout_for(cfg: ModelConfig, num_ranks: int) -> TPLayout:
     block never straddles two ranks). Raises LoadError naming the valid degrees."""
     unit = native.BLOCK_SIZE if cfg.intermediate_size % native.BLOCK_SIZE == 0 else 1
     try:
-        return tp_layout(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, num_ranks, unit, cfg.vocab_size)
+        return tp_layout(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, num_ranks, unit, cfg.vocab_size,
+                         cfg.head_dim)
     except ValueError as e:
         raise LoadError(str(e)) from None
 

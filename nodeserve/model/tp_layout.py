@@ -7,7 +7,9 @@ count still works (llama.cpp splits by ratio; vLLM and SGLang refuse):
   - num_ranks > num_kv_heads: KV heads are replicated, and rank r holds head r * num_kv_heads // num_ranks (with a
     degree that divides, r // (num_ranks / num_kv_heads): vLLM's and SGLang's owner rule, "NOT modulo"). The
     ranks holding one KV head split its group's query heads between them, in rank order.
-  - MLP columns (gate/up rows, down columns) split evenly in units of `unit` (a quantization block: 32).
+  - MLP columns (gate/up rows, down columns) split in units of `unit` (a quantization block: 32): evenly, or,
+    given head_dim and heads that split unevenly, so that every rank reads about as many weights per layer (a
+    rank with more heads takes fewer columns; each all-reduce waits for the slowest rank).
   - The vocabulary (lm_head rows) splits evenly: a CPU group computes the logits vocab-parallel, each rank its
     slice, written into one shared tensor (no gather needed in one address space).
 A rank must hold at least one query head, so the degree is at most the number of query heads.
@@ -58,7 +60,7 @@ class TPLayout:
 
 
 def tp_layout(num_heads: int, num_kv_heads: int, intermediate_size: int, num_ranks: int, unit: int = 1,
-              vocab_size: int = 0) -> TPLayout:
+              vocab_size: int = 0, head_dim: int = 0) -> TPLayout:
     """Raises ValueError, naming the degrees that work, when `num_ranks` cannot split this model."""
     if num_ranks < 1 or num_ranks > num_heads or intermediate_size % unit or intermediate_size // unit < num_ranks:
         valid = valid_degrees(num_heads, num_kv_heads, intermediate_size, unit)
@@ -81,7 +83,11 @@ def tp_layout(num_heads: int, num_kv_heads: int, intermediate_size: int, num_ran
                                  f"{', '.join(map(str, valid_degrees(num_heads, num_kv_heads, intermediate_size, unit)))}")
             part = even_split(group, len(holders))[holders.index(r)]
             q.append(range(h * group + part.start, h * group + part.stop))
-    mlp = [range(r.start * unit, r.stop * unit) for r in even_split(intermediate_size // unit, num_ranks)]
+    sizes = [len(r) for r in even_split(intermediate_size // unit, num_ranks)]
+    if head_dim:
+        sizes = _balanced_mlp(q, kv, head_dim, intermediate_size // unit, unit) or sizes
+    starts = [sum(sizes[:r]) * unit for r in range(num_ranks)]
+    mlp = [range(s, s + n * unit) for s, n in zip(starts, sizes)]
     vocab = even_split(vocab_size, num_ranks)
     return TPLayout(num_heads, num_kv_heads, intermediate_size,
                     tuple(RankShard(r, kv[r], q[r], mlp[r], vocab[r]) for r in range(num_ranks)))
@@ -93,3 +99,25 @@ def valid_degrees(num_heads: int, num_kv_heads: int, intermediate_size: int, uni
     return [n for n in range(1, max_degree + 1)
             if n <= num_heads and not intermediate_size % unit and intermediate_size // unit >= n
             and (n <= num_kv_heads or -(-n // num_kv_heads) <= group)]
+
+
+def _balanced_mlp(q: list[range], kv: list[range], head_dim: int, num_units: int, unit: int) -> list[int] | None:
+    """MLP units per rank such that every rank reads about as many weights per layer, where the heads split
+    unevenly: a rank with more heads takes fewer MLP columns. Per layer a rank reads q + k + v rows and o columns
+    (2 * (q heads + KV heads) * head_dim vectors of the hidden size) and 3 per MLP column (gate, up, down), and
+    every rank waits for the slowest at each all-reduce. None when the heads split evenly (the even split is it)."""
+    attn = [2 * (len(qr) + len(kr)) * head_dim for qr, kr in zip(q, kv)]
+    if len(set(attn)) == 1:
+        return None
+    target = (sum(attn) + 3 * num_units * unit) / len(q)
+    want = [max(1.0, (target - a) / (3 * unit)) for a in attn]  # units, at least one each
+    scale = num_units / sum(want)
+    exact = [w * scale for w in want]
+    sizes = [max(1, int(e)) for e in exact]
+    for r in sorted(range(len(q)), key=lambda r: exact[r] - int(exact[r]), reverse=True):  # largest remainders
+        if sum(sizes) >= num_units:
+            break
+        sizes[r] += 1
+    while sum(sizes) > num_units:  # the max(1, ...) floors overshot: take from the largest
+        sizes[sizes.index(max(sizes))] -= 1
+    return sizes
