@@ -16,9 +16,9 @@ from nodeserve.core.sampling_params import SamplingParams
 from nodeserve.device import make_device
 from nodeserve.device.collectives import make_all_reduce
 from nodeserve.kv.pool import KVPool, pages_for
-from nodeserve.runtime.engine import Engine
 from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
 from nodeserve.runtime.tp_group import GroupAttention, TPGroupModel
+from tests.runtime.test_engine import _run  # starts an engine, runs the body, fails if a page is still held
 
 GROUPINGS = {
     "colocated tp2": {"mode": "colocated", "devices": ["cpu:0+cpu:1"]},
@@ -71,23 +71,6 @@ def _greedy(max_tokens=32):
 
 async def _tokens(stream) -> list[int]:
     return [ev.token_id async for ev in stream if ev.token_id is not None]
-
-
-def _run(config, loaded, body):
-    async def main():
-        engine = Engine(config, loaded)
-        engine.start(asyncio.get_running_loop())
-        try:
-            result = await body(engine)
-            for _ in range(200):
-                if all(s.num_free == s.num_pages for s in engine.pool_stats()):
-                    break
-                await asyncio.sleep(0.05)
-            assert all(s.num_free == s.num_pages for s in engine.pool_stats()), engine.pool_stats()
-            return result
-        finally:
-            engine.stop()
-    return asyncio.run(main())
 
 
 @pytest.mark.parametrize("grouping", list(GROUPINGS))
