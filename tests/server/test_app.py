@@ -491,7 +491,8 @@ def test_transfer_records_are_a_ring():
     from nodeserve.runtime.transfer import KVTransfer
 
     records = KVTransfer.__new__(KVTransfer)
-    KVTransfer.__init__(records, SimpleNamespace(name="a"), None, SimpleNamespace(name="b"), None, lambda p, e: None)
+    pool = SimpleNamespace(heads=(range(2),))
+    KVTransfer.__init__(records, SimpleNamespace(name="a"), pool, SimpleNamespace(name="b"), pool, lambda p, e: None)
     assert isinstance(records.records, RecordLog) and records.records.maxlen == 100_000
 
 
