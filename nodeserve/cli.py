@@ -140,7 +140,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from nodeserve.plan.planner import format_report, load_workload, plan, workload_from_dict
     from nodeserve.config import ConfigError
 
-    config = _load_config(args.config, "nodeserve: config error: ")
+    if args.model_config:
+        return _cmd_plan_tp(args)
+    for flag in ("gpu", "gpus", "min_kv_tokens", "jobs", "top"):
+        if getattr(args, flag) is not None:
+            print(f"nodeserve plan: --{flag.replace('_', '-')} goes with --model-config", file=sys.stderr)
+            return 2
+    config = _load_config(args.config or "nodeserve.toml", "nodeserve: config error: ")
     if config is None:
         return 2
     try:
@@ -165,6 +171,55 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"nodeserve plan: {e}", file=sys.stderr)
         return 2
     for line in format_report(result, cost):
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+# Without --config, `plan --model-config` plans with the scheduler limits of examples/dgx-h100-8gpu.toml, not the
+# CPU defaults (64 sequences, 1,024 tokens a step), and every other setting at its default.
+GPU_SCHEDULER = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
+
+
+def _cmd_plan_tp(args: argparse.Namespace) -> int:
+    """`nodeserve plan --model-config`: every tensor-parallel layout of a node, from the model's shape alone."""
+    import json
+
+    from nodeserve.config import ConfigError, config_from_dict, load_config
+    from nodeserve.model.config import LoadError, config_from_hf
+    from nodeserve.plan.planner import load_workload, workload_from_dict
+    from nodeserve.plan.roofline import GPUS
+    from nodeserve.plan.tp_planner import SimSettings, default_jobs, format_tp_report, node_spec, plan_tp
+
+    if args.gpu not in GPUS:
+        print(f"nodeserve plan: --model-config needs --gpu, one of {', '.join(GPUS)} (got {args.gpu}); another GPU "
+              "is a line in nodeserve/plan/roofline.py's GPUS", file=sys.stderr)
+        return 2
+    if args.save_profile:
+        print("nodeserve plan: --save-profile saves what --measure measures; --model-config measures nothing",
+              file=sys.stderr)
+        return 2
+    num_gpus = 8 if args.gpus is None else args.gpus
+    jobs = default_jobs() if args.jobs is None else args.jobs
+    try:
+        if num_gpus < 1 or (args.min_kv_tokens is not None and args.min_kv_tokens < 1) or jobs < 1:
+            raise ConfigError("--gpus, --min-kv-tokens and --jobs must be at least 1")
+        if args.top is not None and args.top < 0:
+            raise ConfigError("--top must be 0 (every row) or more")
+        # Planned from a laptop: the config's devices need not be this machine's.
+        config = (load_config(args.config, check_devices=False) if args.config
+                  else config_from_dict({"scheduler": GPU_SCHEDULER}, check_devices=False))
+        model = config_from_hf(args.model_config)
+        wl = (load_workload(args.workload, config, default_num_requests=1000) if args.workload
+              else workload_from_dict({}, config, default_num_requests=1000))
+        node = node_spec(config, model, GPUS[args.gpu], num_gpus, args.min_kv_tokens)
+        result = plan_tp(model, node, SimSettings.of(config), wl, jobs=jobs)
+    except (ConfigError, LoadError) as e:
+        print(f"nodeserve plan: {e}", file=sys.stderr)
+        return 2
+    for line in format_tp_report(result, args.top if args.top is not None else 20):
         print(line)
     if args.json:
         with open(args.json, "w") as f:
@@ -198,12 +253,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="predict goodput of every device layout for a workload",
                        description="Simulates colocated, every prefill:decode split and adaptive placement on a "
                        "measured cost model and prints the predicted goodput of each and the [devices] section "
-                       "it recommends.")
-    p.add_argument("--config", default="nodeserve.toml", help="its devices, scheduler limits, KV size and [slo] "
-                   "(default: %(default)s)")
+                       "it recommends. With --model-config: every tensor-parallel layout of a node of --gpus "
+                       "GPUs, on a cost model from the model's shape and the GPU's datasheet (no weights, no GPU "
+                       "needed; docs/tensor-parallel-planning.md).")
+    p.add_argument("--config", help="its devices, scheduler limits, KV size and [slo] (default: nodeserve.toml; "
+                   "with --model-config its scheduler, kv and [slo] settings, and without it the defaults with "
+                   "256 sequences and 8,192 tokens a step)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", help="a saved GET /debug/profile answer of a server on these devices")
     src.add_argument("--measure", action="store_true", help="load the model and measure the profile here")
+    src.add_argument("--model-config", help="an HF config.json (or the checkpoint directory holding it): plan "
+                     "tensor-parallel layouts from the model's shape")
+    p.add_argument("--gpu", help="with --model-config: the GPU model (h100-80gb, h200-141gb, a100-80gb)")
+    p.add_argument("--gpus", type=int, help="with --model-config: GPUs in the node (default: 8)")
+    p.add_argument("--min-kv-tokens", type=int, help="with --model-config: the KV a group must hold besides its "
+                   "weights to count as fitting (default: model.max_model_len, else the model's context length)")
+    p.add_argument("--jobs", type=int, help="with --model-config: layouts simulated at once (default: one per "
+                   "CPU core)")
+    p.add_argument("--top", type=int, help="with --model-config: rows of the ranked table to print (default: 20; "
+                   "0: all; --json has all)")
     p.add_argument("--budget", type=float, default=5.0, help="seconds of profiling with --measure "
                    "(default: %(default)s)")
     p.add_argument("--save-profile", help="with --measure: also write the measured profile here (for --profile)")

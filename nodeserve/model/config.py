@@ -1,7 +1,10 @@
-"""ModelConfig: the architecture numbers every loader fills in and the model reads."""
+"""ModelConfig: the architecture numbers every loader fills in and the model reads; an HF config.json read into one
+(no torch: `nodeserve plan --model-config` reads a model's shape without its weights)."""
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 
@@ -34,3 +37,58 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token across all layers, per byte of element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+# HF architectures class name -> our layout name.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+def config_from_hf(path: str) -> ModelConfig:
+    """An HF checkpoint directory's config.json, or a config.json file itself."""
+    config_path = path if os.path.isfile(path) else os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise LoadError(f"{path}: no config.json in this checkpoint directory")
+    try:
+        with open(config_path) as f:
+            c = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoadError(f"{config_path}: cannot read it ({e})") from None
+    if not isinstance(c, dict):
+        raise LoadError(f"{config_path}: not an HF config.json (a JSON object)")
+    names = c.get("architectures") or []
+    arch = next((SUPPORTED_ARCHITECTURES[n] for n in names if n in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise LoadError(f"{path}: unsupported architecture {names or c.get('model_type')} "
+                        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    try:
+        num_heads = c["num_attention_heads"]
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=c.get("num_key_value_heads") or num_heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // num_heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
+            rope_scaling=c.get("rope_scaling") or _rope_parameters_scaling(c),
+        )
+    except KeyError as e:
+        raise LoadError(f"{config_path}: no {e.args[0]!r}") from None
+
+
+def _rope_parameters_scaling(c: dict) -> dict | None:
+    # transformers >= 5 writes rope settings under "rope_parameters" instead of "rope_scaling".
+    params = c.get("rope_parameters") or {}
+    if params.get("rope_type", "default") == "default":
+        return None
+    return params

@@ -1,4 +1,5 @@
 """`nodeserve plan`: predicted goodput of every device layout for a workload, and the config it recommends.
+(With --model-config, tensor-parallel layouts from a model's shape instead: plan/tp_planner.py.)
 
 Inputs: the config's devices and scheduler limits, a cost model (a saved GET /debug/profile answer, or one
 measured here by loading the model), and a workload file (TOML; every key optional):
@@ -8,7 +9,8 @@ measured here by loading the model), and a workload file (TOML; every key option
     output = [32, 256]        #   output tokens (max_tokens; requests run to it, as the benchmark's do)
     long_prompt = [1500, 3000]
     long_share = 0.2
-    num_requests = 200        # the simulated workload (each probe rate replays it with Poisson arrivals)
+    num_requests = 200        # the simulated workload (each probe rate replays it with Poisson arrivals;
+                              #   with --model-config the default is 1000: a GPU group seats 256 at once)
     seed = 0
     rates = [0.2, 0.4]        # also report attainment at these rates (req/s)
     [slo]                     # defaults: the config's [slo]
@@ -72,7 +74,7 @@ def _range(raw: dict, key: str) -> tuple[int, int] | None:
     return v[0], v[1]
 
 
-def workload_from_dict(raw: dict, config: Config) -> WorkloadPlan:
+def workload_from_dict(raw: dict, config: Config, default_num_requests: int = 200) -> WorkloadPlan:
     """A workload file's contents; errors name the key. SLO defaults come from the config's [slo]."""
     for k in raw:
         if k not in WORKLOAD_KEYS:
@@ -111,7 +113,7 @@ def workload_from_dict(raw: dict, config: Config) -> WorkloadPlan:
         spec: workloads.Spec | str = workloads.Spec(prompt, output, long_prompt, float(share) if long_prompt else 0.0)
     else:
         spec = name or "bimodal"
-    num, seed, rates = raw.get("num_requests", 200), raw.get("seed", 0), raw.get("rates", [])
+    num, seed, rates = raw.get("num_requests", default_num_requests), raw.get("seed", 0), raw.get("rates", [])
     if isinstance(num, bool) or not isinstance(num, int) or not 1 <= num <= 100_000:
         raise ConfigError(f"workload 'num_requests' must be an integer from 1 to 100000, got {num!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -122,10 +124,10 @@ def workload_from_dict(raw: dict, config: Config) -> WorkloadPlan:
     return WorkloadPlan(spec, num, seed, tuple(float(r) for r in rates), slo, target)
 
 
-def load_workload(path: str, config: Config) -> WorkloadPlan:
+def load_workload(path: str, config: Config, default_num_requests: int = 200) -> WorkloadPlan:
     try:
         with open(path, "rb") as f:
-            return workload_from_dict(tomllib.load(f), config)
+            return workload_from_dict(tomllib.load(f), config, default_num_requests)
     except FileNotFoundError:
         raise ConfigError(f"workload file '{path}' not found") from None
     except tomllib.TOMLDecodeError as e:

@@ -18,7 +18,8 @@ Not modelled: the event loop, tokenization and HTTP; the server's queue limits a
 thread shares; copies on one link running one after another (each copy takes its own time, in parallel); the
 prefix cache (off); CPU core lending (runtime/lending.py: a step takes its device's own time, lent or not). With
 capacity_tokens infinite, each device's pool is sized so that pages never run out (equal on every device, so the
-placers choose as with infinite pools).
+placers choose as with infinite pools); a mapping gives each device its own (tensor-parallel groups of different
+degrees hold different pools).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import heapq
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from nodeserve import goodput
 from nodeserve.config import DevicesSection
@@ -49,6 +50,7 @@ from nodeserve.runtime.router import Router
 PAGE_SIZE = 16                  # config's kv.page_size default
 MAX_MODEL_LEN = 1 << 62         # a request ends at max_tokens only
 TOKEN = 0                       # what every step samples
+CHECK_EVERY = 256               # events between two checks of stop_below (each reads every request once)
 
 
 @dataclass(frozen=True)
@@ -163,9 +165,14 @@ def pool_pages(capacity_tokens: float, num_devices: int, limits: StepLimits,
 
 class Simulation:
     def __init__(self, cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget,
-                 local_prefill_threshold: int = 0, capacity_tokens: float = float("inf"),
-                 local_prefill_when_busy: int = 0, decode_prefill_chunk: int = 0, prefill_order: str = "deadline"):
+                 local_prefill_threshold: int = 0, capacity_tokens: float | Mapping[str, float] = float("inf"),
+                 local_prefill_when_busy: int = 0, decode_prefill_chunk: int = 0, prefill_order: str = "deadline",
+                 stop_below: float | None = None):
         self.cost, self.mode, self.limits, self.slo = cost, mode, limits, slo
+        # Stop once fewer than this share of the requests can still meet the SLO: a goodput search needs only to
+        # know that a rate misses, and an overloaded run's queue makes its last seconds the slowest to simulate.
+        self.stop_below = stop_below
+        self.stopped_early = False
         self.prefill_order = prefill_order  # scheduler.prefill_order: the engine installs it after its profile
         self.threshold, self.capacity_tokens = local_prefill_threshold, capacity_tokens
         self.decode_prefill_chunk = decode_prefill_chunk  # a decode device's prefill tokens per decoding step
@@ -206,11 +213,13 @@ class Simulation:
         heapq.heappush(self._events, (t, next(self._seq), fn, args))
 
     def run(self, requests: Sequence[SimRequest]) -> list[SimRequest]:
-        num_pages = pool_pages(self.capacity_tokens, len(self.names), self.limits, requests)
+        capacity = self.capacity_tokens
+        num_pages = {n: pool_pages(capacity[n] if isinstance(capacity, Mapping) else capacity, len(self.names),
+                                   self.limits, requests) for n in self.names}
         wl = WorkerLimits(self.limits.max_num_seqs, self.limits.max_num_batched_tokens, MAX_MODEL_LEN)
         decode_wl = replace(wl, max_prefill_with_decodes=self.decode_prefill_chunk)  # as the engine's decode workers
         self.devices = {n: SimDevice(self, n, self.roles[n], decode_wl if self.roles[n] == Role.DECODE else wl,
-                                     num_pages) for n in self.names}
+                                     num_pages[n]) for n in self.names}
         workers = list(self.devices.values())
         if self.prefill_order == "deadline":
             for d in workers:
@@ -230,12 +239,37 @@ class Simulation:
             reqs.append(req)
             self._sim[req.request_id] = r
             self._at(r.arrival, self._admit, r, req)
+        num_events = 0
         while self._events:
             self.now, _, fn, args = heapq.heappop(self._events)
             fn(*args)
+            num_events += 1
+            if (self.stop_below is not None and not num_events % CHECK_EVERY
+                    and (len(requests) - self._num_sure_misses(requests)) / len(requests) < self.stop_below):
+                self.stopped_early = True  # the requests not done are records of failures
+                break
         for r, req in zip(requests, reqs):
             r.num_out, r.first_token = len(req.output_ids), req.prefill_end
         return list(requests)
+
+    def _num_sure_misses(self, requests: Sequence[SimRequest]) -> int:
+        """Requests that miss the SLO however the run goes on: refused, first token (or none yet) past the TTFT
+        limit, or a TPOT over the target even if every token left came now."""
+        n = 0
+        for r in requests:
+            req = r.request
+            if r.refused:
+                n += 1
+            elif req is not None and req.arrival_time <= self.now:
+                first = req.prefill_end
+                if (first if first is not None else self.now) - r.arrival > self.slo.ttft_limit(r.prompt_len):
+                    n += 1
+                elif first is not None:
+                    num_out = len(req.output_ids) if r.end is not None else r.max_tokens  # at most, if not done
+                    end = r.end if r.end is not None else self.now                      # at least
+                    if num_out > 1 and (end - first) / (num_out - 1) > self.slo.tpot_s:
+                        n += 1
+        return n
 
     def _admit(self, r: SimRequest, req: Request) -> None:
         try:
@@ -403,12 +437,14 @@ def records(requests: Sequence[SimRequest]) -> list[dict]:
 
 def simulate(cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget, workload: Sequence[tuple[int, int]],
              arrivals: Sequence[float], local_prefill_threshold: int = 0,
-             capacity_tokens: float = float("inf"), local_prefill_when_busy: int = 0,
-             decode_prefill_chunk: int = 0, prefill_order: str = "deadline") -> list[dict]:
-    """Records of (prompt_len, max_tokens) requests sent at `arrivals` (seconds)."""
+             capacity_tokens: float | Mapping[str, float] = float("inf"), local_prefill_when_busy: int = 0,
+             decode_prefill_chunk: int = 0, prefill_order: str = "deadline",
+             stop_below: float | None = None) -> list[dict]:
+    """Records of (prompt_len, max_tokens) requests sent at `arrivals` (seconds). With stop_below, a run stops once
+    that share of the requests can no longer meet the SLO; the requests not done then are failures."""
     reqs = [SimRequest(t, p, m) for (p, m), t in zip(workload, arrivals)]
     sim = Simulation(cost, mode, limits, slo, local_prefill_threshold, capacity_tokens, local_prefill_when_busy,
-                     decode_prefill_chunk, prefill_order)
+                     decode_prefill_chunk, prefill_order, stop_below)
     return records(sim.run(reqs))
 
 
@@ -421,14 +457,21 @@ def attainment(cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget, 
 def predict_goodput(cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget,
                     workload: Sequence[tuple[int, int]], seed: int = 0, target: float = goodput.DEFAULT_SLO_TARGET,
                     rate_min: float = 0.05, rate_max: float = 100.0, rel_tol: float = 0.02,
+                    on_probe: Callable[[float, list[dict]], None] | None = None, stop_early: bool = False,
                     **kw: Any) -> goodput.GoodputResult:
     """goodput.goodput_search over Poisson rates, each probe one simulation of the whole workload with
-    workloads.arrival_times("poisson", ..., seed): the same search bench/compare.py runs on a live server."""
+    workloads.arrival_times("poisson", ..., seed): the same search bench/compare.py runs on a live server.
+    on_probe(rate, records) sees each probe's records (what the TTFT and TPOT were there). stop_early: a probe
+    stops once it cannot meet the target (the same goodput; a missing probe's attainment is then only a bound)."""
     from nodeserve import workloads
 
     def measure(rate: float) -> float:
         arrivals = workloads.arrival_times("poisson", len(workload), rate, seed)
-        return attainment(cost, mode, limits, slo, workload, arrivals, **kw)
+        recs = simulate(cost, mode, limits, slo, workload, arrivals, stop_below=target if stop_early else None,
+                        **kw)
+        if on_probe is not None:
+            on_probe(rate, recs)
+        return goodput.slo_attainment(recs, slo.ttft_s, slo.tpot_s, slo.ttft_per_token_s)["attainment"]
 
     return goodput.goodput_search(measure, rate_min, rate_max, target=target, rel_tol=rel_tol, tol=1e-4,
                                   max_probes=40, rate_floor=1e-3)

@@ -241,3 +241,28 @@ def test_deadline_order_keeps_more_prompts_within_their_ttft():
     deadline = simulate(c, SPLIT, LIMITS, slo, work, at)
     assert sum(r["ttft"] <= 2.5 for r in fifo) == 0
     assert sum(r["ttft"] <= 2.5 for r in deadline) == 3 and deadline[0]["ok"]  # the long one still ends
+
+
+def test_stopping_a_probe_that_cannot_meet_the_target_finds_the_same_goodput():
+    """stop_early (the TP planner's): a probe ends once too many requests are sure misses; only the missing probes'
+    attainments change (they become bounds), so the search takes the same steps to the same goodput."""
+    work = _work("bimodal", 40)
+    for mode in (COLOC1, SPLIT):
+        full = predict_goodput(cost(CPU), mode, LIMITS, SLO, work, rel_tol=0.1)
+        fast = predict_goodput(cost(CPU), mode, LIMITS, SLO, work, rel_tol=0.1, stop_early=True)
+        assert fast.goodput == full.goodput and fast.bracket == full.bracket, mode.name
+        assert [r for r, _ in fast.points] == [r for r, _ in full.points]
+        assert all((a >= 0.9) == (b >= 0.9) for (_, a), (_, b) in zip(fast.points, full.points))
+    sim = Simulation(cost(CPU), SPLIT, LIMITS, SLO, stop_below=0.9)
+    sim.run([SimRequest(t, p, m) for (p, m), t in zip(work, workloads.arrival_times("poisson", len(work), 20.0))])
+    assert sim.stopped_early
+
+
+def test_each_device_may_have_its_own_pool():
+    """capacity_tokens per device (TP groups of different degrees): a 100-token prompt is refused by a 64-token
+    decode pool, and by a 64-token prefill pool, and served when both hold it."""
+    for pools, refused in (({"a": 1024, "b": 64}, True), ({"a": 64, "b": 1024}, True),
+                           ({"a": 1024, "b": 1024}, False)):
+        sim, (big, small) = _sim(SPLIT, [(100, 4), (10, 4)], [0.0, 0.0], capacity_tokens=pools)
+        assert [d.kv.num_pages for d in sim.devices.values()] == [pools["a"] // PAGE_SIZE, pools["b"] // PAGE_SIZE]
+        assert big.refused == refused and small.end is not None
