@@ -25,7 +25,6 @@ import time
 import torch
 
 from nodeserve.config import config_from_dict
-from nodeserve.core.sampling_params import SamplingParams
 from nodeserve.kernels import native
 from nodeserve.model.loader import load_model
 from nodeserve.runtime.engine import Engine
