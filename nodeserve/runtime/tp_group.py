@@ -110,6 +110,11 @@ class TPGroupModel(nn.Module):
         return [(d.torch_device, layout_for(self.cfg, self.num_ranks).ranks[r].kv_heads)
                 for r, d in enumerate(self.devices)]
 
+    def _start_threads(self) -> None:
+        """Ranks 1.. get their threads at the first step, from the worker's thread (after its device set-up)."""
+        if not self._threads:
+            self._threads = [_RankThread(d, f"tp {d.name}") for d in self.devices[1:]]
+
     def _barrier(self, rank: int) -> None:
         self.reduces[rank](self._barrier_tokens[rank])
 
@@ -119,8 +124,7 @@ class TPGroupModel(nn.Module):
         """LlamaModel.forward for the group: [T] ids and positions -> rank 0's hidden states [T, hidden]. The hooks
         run on rank 0; on_layer_done(i) comes after layer i's second all-reduce, so every rank's K/V of layer i is
         written by then; before_layer(i) is followed by a barrier, so no rank reads layer i before it loaded."""
-        if not self._threads:
-            self._threads = [_RankThread(d, f"tp {d.name}") for d in self.devices[1:]]
+        self._start_threads()
 
         def hooks(rank: int) -> Callable[[int], None] | None:
             if before_layer is None:
@@ -170,8 +174,7 @@ class TPGroupModel(nn.Module):
 
     def _on_every_rank(self, fn: Callable[[int], None]) -> None:
         """fn(rank) on each rank's thread (rank 0: this one); raises the first error once all are done."""
-        if not self._threads:
-            self._threads = [_RankThread(d, f"tp {d.name}") for d in self.devices[1:]]
+        self._start_threads()
         for rank, t in enumerate(self._threads, start=1):
             t.submit(lambda rank=rank: fn(rank))
         error = None
