@@ -14,7 +14,7 @@ class LoadError(Exception):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str            # "llama" or "qwen2": the Llama layout, Qwen2 adds q/k/v biases
+    architecture: str            # a key of model/registry.ARCHITECTURES: "llama", "qwen2", "qwen3", "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -28,10 +28,32 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     rope_scaling: dict | None = None  # HF rope_scaling dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    # What families add to the Llama layout (model/registry.py says which family sets which):
+    qk_norm: bool = False        # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
+    sandwich_norm: bool = False  # a norm after attention and after the MLP too, before each residual add (Gemma)
+    hidden_act: str = "silu"     # the gated MLP's activation: "silu" or "gelu_tanh" (GeGLU, Gemma)
+    embed_scale: float = 1.0     # embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+    query_scale: float | None = None  # attention's softmax scale; None: head_dim ** -0.5 (Gemma: its own scalar)
+    # Per layer, how many most recent positions (the query's own included) it attends to; 0: every one. Empty:
+    # every layer is global. Gemma 3: 512 or 1,024 on five layers of six.
+    layer_windows: tuple[int, ...] = ()
+    rope_local_theta: float | None = None  # RoPE base of the windowed layers, when it is not rope_theta's
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise LoadError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise LoadError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise LoadError(f"unsupported MLP activation '{self.hidden_act}' (supported: silu, gelu_tanh)")
+
+    def window(self, layer: int) -> int:
+        """How many most recent positions layer `layer` attends to (the query's own included); 0: all of them."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
 
     @property
     def kv_bytes_per_token(self) -> int:
