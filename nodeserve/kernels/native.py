@@ -1,6 +1,7 @@
 """Builds nodeserve's C kernels (csrc/*.c) for the CPU this process runs on, and calls them on tensors.
 
-Why hand-written C: no maintained package runs GGUF's Q4_0/Q4_1/Q8_0 blocks with float32 activations from
+Why hand-written C: no maintained package runs GGUF's blocks (Q4_0/Q4_1/Q8_0; Q5_1 and the K-quants Q4_K/Q5_K/Q6_K
+in csrc/kquant.c) with float32 activations from
 torch on x86 (torch's weight-only int4/int8 kernels vectorise only for bf16 activations on AVX2 and are ~10x
 slower with float32; llama.cpp's ggml is not a library one can call per op). Why ctypes: the file needs no
 torch headers, so it compiles in about a second with the system C compiler, and ctypes releases the GIL
@@ -30,13 +31,18 @@ import torch
 
 log = logging.getLogger(__name__)
 
+BLOCK_SIZE = 32
+
 # ggml type ids of the block formats the kernels read (gguf.GGMLQuantizationType)
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # bytes per 32 weights
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # bytes per 32 weights: the types every path (R16 too) runs
+# (weights, bytes) a block, for every type the GGUF-layout GEMM and dequantization read (Q5_1 and the K-quants:
+# csrc/kquant.c). Q5_0 is not among them: block_quant.servable() turns it into Q8_0 at load.
+BLOCK_LAYOUTS = {**{t: (BLOCK_SIZE, b) for t, b in BLOCK_BYTES.items()},
+                 Q5_1: (32, 24), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 R16 = 0x100  # type flag: weights repacked in 16-row groups for the AVX-512 VNNI kernels (csrc/vnni_gemm.c)
 ACT8 = 0x200  # type flag with R16: 8-bit activations for Q4_0 / Q4_1 (vnni_gemm.c's group_rows_i8); others 15-bit
 BF16 = 0x400  # type flag with R16: bf16 products, weights dequantized per call (csrc/bf16_gemm.c)
-BLOCK_SIZE = 32
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -158,7 +164,7 @@ class NativeKernels:
     def linear(self, qtype: int, weight: torch.Tensor, x: torch.Tensor, out_features: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] float32 @ W[N, K]^T -> [M, N] (into `out`, contiguous, when given); weight: GGUF blocks as
-        uint8 [N, K / 32 * block bytes]."""
+        uint8 [N, K / block weights * block bytes] (BLOCK_LAYOUTS), or repacked (R16)."""
         m, k = x.shape
         y = torch.empty(m, out_features, dtype=torch.float32) if out is None else out
         if self.lib.ns_linear(qtype, weight.data_ptr(), x.data_ptr(), y.data_ptr(), m, k, out_features, 0,

@@ -10,6 +10,7 @@
  *   Q4_0: { fp16 d; uint8 qs[16]; }          w[j] = d * (q[j] - 8)
  *   Q4_1: { fp16 d; fp16 m; uint8 qs[16]; }  w[j] = d * q[j] + m
  *   Q8_0: { fp16 d; int8 qs[32]; }           w[j] = d * q[j]
+ * (Q5_1 and the K-quants Q4_K, Q5_K, Q6_K: kquant.c, which the two entry points below hand them to.)
  * 4-bit blocks keep weights 0..15 in the low nibbles of qs[0..15] and 16..31 in the high nibbles.
  * Activations stay float32: each block is dequantized in registers (d * q + m, with m = -8 d for Q4_0) and
  * multiplied with float32 x, so the result is the float32 product with the file's exact weights.
@@ -32,6 +33,10 @@ enum { NS_Q4_0 = 2, NS_Q4_1 = 3, NS_Q8_0 = 8 };  /* ggml type ids */
 int ns_linear_r16(int type, const uint8_t *wr, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
                   int64_t n_begin, int64_t n_end);
 void ns_dequant_rows_r16(int type, const uint8_t *wr, int64_t K, const int64_t *rows, int64_t n_rows, float *out);
+int ns_kq_type(int type);  /* kquant.c: Q5_1, Q4_K, Q5_K, Q6_K in their own layout */
+void ns_kq_dequant_rows(int type, const uint8_t *w, int64_t K, const int64_t *rows, int64_t n_rows, float *out);
+int ns_kq_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
+                 int64_t n_begin, int64_t n_end);
 int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
               int64_t n_begin, int64_t n_end);  /* lend.c: splits with a lent core, then ns_linear_local */
 int ns_decode_attend_seq512(const float *q, const void *kv, const int64_t *table, int64_t len, float *out,
@@ -127,6 +132,10 @@ static void dequant_row(int type, const uint8_t *row, float *out, int64_t K) {
 void ns_dequant_rows(int type, const uint8_t *w, int64_t K, const int64_t *rows, int64_t n_rows, float *out) {
     if (type & NS_R16) {
         ns_dequant_rows_r16(type & 0xff, w, K, rows, n_rows, out);
+        return;
+    }
+    if (ns_kq_type(type)) {
+        ns_kq_dequant_rows(type, w, K, rows, n_rows, out);
         return;
     }
     const size_t row_bytes = (size_t)(K / QK) * block_bytes(type);
@@ -319,6 +328,7 @@ static inline __attribute__((always_inline)) void linear_rows(
 int ns_linear_local(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
                     int64_t n_begin, int64_t n_end) {
     if (type & NS_R16) return ns_linear_r16(type & ~NS_R16, w, x, y, M, K, ldy, n_begin, n_end);
+    if (ns_kq_type(type)) return ns_kq_linear(type, w, x, y, M, K, ldy, n_begin, n_end);
     const int64_t nb = K / QK;
     const size_t row_bytes = (size_t)nb * block_bytes(type);
 #if NS_AVX2
