@@ -1,16 +1,20 @@
 """Block-quantized weights served as they are: GGUF's Q4_0, Q4_1 and Q8_0 blocks (32 weights, fp16 scale, and
-for Q4_1 an fp16 offset), multiplied by float32 activations in nodeserve's native CPU kernels.
+for Q4_1 an fp16 offset), Q5_1 and the K-quants Q4_K, Q5_K, Q6_K (256-weight super-blocks with 6- or 8-bit
+sub-block scales: kernels/csrc/kquant.c), multiplied by float32 activations in nodeserve's native CPU kernels.
+Q5_0 is turned into Q8_0 once at load (to_kernel_layout): the same fp16 scale and q - 16 as int8 give the same
+weights bit for bit, 34 bytes a block instead of 22, and then every Q8_0 path below (repacking included) runs it.
 
 Decode on a CPU is bound by reading the weights: the bundled Q4_1 file's matrices are 0.625 bytes a weight where
-float32 is 4. `model.quantization = "auto"` keeps a GGUF file's Q4_0/Q4_1/Q8_0 tensors in their blocks (the
+float32 is 4. `model.quantization = "auto"` keeps a GGUF file's tensors of the types above in their blocks (the
 weights llama.cpp computes with, bit for bit); "int8" and "int4" quantize any other weight to Q8_0 / Q4_1.
+Other GGUF types (Q2_K, Q3_K, IQ*, TQ*, ...) are dequantized to float32 at load (model/gguf_loader.py).
 Activations stay float32 for batched rows; a single row (batch-1 decode) is rounded to int16 per block of 32
-inside the kernel (see cpu_kernels.c), far finer than llama.cpp's int8 activations.
+inside the kernel (see cpu_kernels.c, kquant.c), far finer than llama.cpp's int8 activations.
 
 Large batches (prefill chunks) dequantize the matrix to float32 and run torch's GEMM: compute-bound work goes
 to the best GEMM the CPU has, and the dequantization costs a few percent of it.
 
-On a CPU with AVX-512 VNNI, repack() moves every block-quantized matrix into 16-row groups (the same bytes) for the
+On a CPU with AVX-512 VNNI, repack() moves every Q4_0 / Q4_1 / Q8_0 matrix into 16-row groups (the same bytes) for the
 integer GEMM of kernels/csrc/vnni_gemm.c, which rounds activations to int16 per 32-block and runs every row count,
 prefill chunks included (bench/kernels.py: 3-15x the float32 paths on batched rows). With
 `model.prompt_activations = "int8"` (use_prompt_activations) a step's prompt rows take int8 activations
@@ -25,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +37,8 @@ from torch import nn
 from nodeserve.kernels import native
 
 BLOCK_FORMATS = {"int8": native.Q8_0, "int4": native.Q4_1}
+# GGUF types "auto" keeps in blocks: those the kernels read, and Q5_0 (to_kernel_layout makes it Q8_0)
+KEPT_TYPES = frozenset(native.BLOCK_LAYOUTS) | {native.Q5_0}
 # Rows up to which the fused kernel beats dequantize + GEMM (bench/kernels.py measures both; bench/README.md).
 MAX_GEMV_ROWS = 32
 MAX_REPACKED_ROWS = 1 << 20  # repacked weights: the VNNI kernel takes every step, in passes of 8 rows
@@ -40,7 +47,8 @@ ROWS_PER_PASS = 8  # activation rows per pass over a weight row (MAX_TILE in ker
 
 @dataclass
 class QuantizedWeight:
-    """A [out_features, in_features] matrix as rows of 32-weight blocks: data is uint8 [out, in / 32 * block bytes]."""
+    """A [out_features, in_features] matrix as rows of GGUF blocks: data is uint8 [out, in / block weights * block
+    bytes] (native.BLOCK_LAYOUTS)."""
 
     qtype: int
     data: torch.Tensor
@@ -48,6 +56,16 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         return _kernels().dequantize(self.qtype, self.data, self.shape[1], num_rows=self.shape[0])
+
+
+def type_name(qtype: int) -> str:
+    """A ggml type id's name (Q4_K), for messages."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(qtype & 0xFF).name
+    except ValueError:
+        return str(qtype)
 
 
 def _kernels() -> native.NativeKernels:
@@ -60,6 +78,30 @@ def _kernels() -> native.NativeKernels:
 
 def available() -> bool:
     return native.load() is not None
+
+
+def to_kernel_layout(weight: QuantizedWeight) -> QuantizedWeight:
+    """`weight` in a type the kernels run: Q5_0 becomes Q8_0 (w = d * (q - 16) is Q8_0's d * q with the same
+    fp16 d: lossless, 34 bytes a block instead of 22), Q4_0 stays (fuse() converts it where it must), the rest
+    are returned as they are."""
+    if weight.qtype != native.Q5_0:
+        return weight
+    n, k = weight.shape
+    b = weight.data.numpy().reshape(n, k // 32, 22)
+    hi = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little") << 4  # [n, blocks, 32]: bit j of qh is quant j's
+    lo = np.concatenate([b[..., 6:] & 0x0F, b[..., 6:] >> 4], axis=-1)  # quants 0..15: low nibbles, then high
+    q = ((lo | hi).astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    blocks = np.concatenate([b[..., :2], q], axis=-1).reshape(n, -1)
+    return QuantizedWeight(native.Q8_0, torch.from_numpy(np.ascontiguousarray(blocks)), weight.shape)
+
+
+def _q4_0_as_q8_0(weight: QuantizedWeight) -> QuantizedWeight:
+    """Q4_0 (w = d * (q - 8)) as Q8_0 blocks with the same d: lossless, for fusing it with Q8_0 projections."""
+    n, k = weight.shape
+    b = weight.data.numpy().reshape(n, k // 32, 18)
+    q = (np.concatenate([b[..., 2:] & 0x0F, b[..., 2:] >> 4], axis=-1).astype(np.int16) - 8).astype(np.int8)
+    blocks = np.concatenate([b[..., :2], q.view(np.uint8)], axis=-1).reshape(n, -1)
+    return QuantizedWeight(native.Q8_0, torch.from_numpy(np.ascontiguousarray(blocks)), weight.shape)
 
 
 def quantize(weight: torch.Tensor, qtype: int) -> QuantizedWeight:
@@ -165,8 +207,8 @@ def repack(model: nn.Module) -> int:
     if kernels is None or not kernels.r16 or native.avx2_only():
         return 0
     repacked: dict[int, torch.Tensor] = {}
-    for m in model.modules():
-        if isinstance(m, (QuantLinear, QuantEmbedding)) and not m.qtype & native.R16:
+    for m in model.modules():  # Q5_1 and the K-quants keep their GGUF layout (kquant.c has no R16 kernel)
+        if isinstance(m, (QuantLinear, QuantEmbedding)) and m.qtype in native.BLOCK_BYTES:
             n, k = (m.out_features, m.in_features) if isinstance(m, QuantLinear) else (m.num_embeddings,
                                                                                        m.embedding_dim)
             key = m.weight.data_ptr()
@@ -217,13 +259,18 @@ class QuantEmbedding(nn.Module):
 
 def fuse(linears: list[nn.Module]) -> nn.Module | None:
     """One QuantLinear whose output is the given QuantLinears' outputs concatenated, or None when they can't
-    share one (not all block-quantized in the same format)."""
-    if not all(isinstance(m, QuantLinear) for m in linears) or len({m.qtype for m in linears}) != 1 \
-            or linears[0].qtype & native.R16:  # fused before repack(): 16-row groups need not line up
+    share one: not all block-quantized, or in formats with no lossless common one (Q4_0 and Q8_0 share Q8_0;
+    a K-quant mix such as Q4_K q/k with Q6_K v does not: the caller logs what it does instead)."""
+    if not all(isinstance(m, QuantLinear) for m in linears) or any(m.qtype & native.R16 for m in linears):
+        return None  # fused before repack(): 16-row groups need not line up
+    weights = [m.quantized for m in linears]
+    if len({w.qtype for w in weights}) > 1 and {w.qtype for w in weights} <= {native.Q4_0, native.Q8_0}:
+        weights = [_q4_0_as_q8_0(w) if w.qtype == native.Q4_0 else w for w in weights]
+    if len({w.qtype for w in weights}) != 1:
         return None
-    data = torch.cat([m.weight for m in linears])
+    data = torch.cat([w.data for w in weights])
     bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
-    return QuantLinear(QuantizedWeight(linears[0].qtype, data, (data.shape[0], linears[0].in_features)), bias)
+    return QuantLinear(QuantizedWeight(weights[0].qtype, data, (data.shape[0], linears[0].in_features)), bias)
 
 
 def dense(module: nn.Module) -> nn.Linear:

@@ -1,5 +1,6 @@
 """GGUF checkpoints: metadata to ModelConfig, and every tensor dequantized into the serving dtype, or kept in its
-blocks (model/block_quant.py) when the caller serves that block type."""
+blocks (model/block_quant.py) when the caller serves that block type. A type the gguf package cannot dequantize
+either (Q8_K, Q1_0, integer tensors) is a LoadError naming the tensor and the type."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from nodeserve.model.block_quant import QuantizedWeight
+from nodeserve.model.block_quant import QuantizedWeight, to_kernel_layout
 from nodeserve.model.config import LoadError, ModelConfig
 from nodeserve.model.gguf_header import Header, read_header
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: dequantized to the serving dtype whatever keep_blocks says
 
 # GGUF tensor name -> our parameter name (the HF name without "model.").
 _LAYER_NAMES = {
@@ -114,11 +117,13 @@ def load_gguf(path: str, dtype: torch.dtype, progress: Callable[[int, int], None
     """Returns (config, state dict in `dtype`, raw metadata for the tokenizer).
 
     Matrices whose ggml type is in `keep_blocks` come as QuantizedWeight (the file's bytes, rows un-permuted
-    like the dense ones), not dequantized."""
+    like the dense ones, in block_quant.to_kernel_layout's type), not dequantized. With keep_blocks, a block type
+    outside it is dequantized to float32, which the log says once a type."""
     reader = open_reader(path)
     meta = read_metadata(reader)
     cfg = config_from_metadata(meta, path)
     state: dict[str, torch.Tensor] = {}
+    dense_types: set[str] = set()  # block types keep_blocks lacks, dequantized (logged once each)
     for i, t in enumerate(reader.tensors):
         if m := _LAYER_RE.match(t.name):
             layer, part, kind = m.groups()
@@ -133,6 +138,11 @@ def load_gguf(path: str, dtype: torch.dtype, progress: Callable[[int, int], None
                 raise LoadError(f"{path}: unexpected tensor '{t.name}'")
             name = f"{_GLOBAL_NAMES[base]}.{kind}"
         blocks = int(t.tensor_type) in keep_blocks and len(t.shape) == 2 and name.endswith(".weight")
+        if keep_blocks and not blocks and int(t.tensor_type) not in _FLOAT_TYPES \
+                and t.tensor_type.name not in dense_types:
+            dense_types.add(t.tensor_type.name)
+            log.warning("%s: tensors of type %s (first '%s') have no native kernel: dequantized to float32 at "
+                        "load (4 bytes a weight)", path, t.tensor_type.name, t.name)
         # blocks: [rows, row bytes] as stored; a block never straddles rows, so rows permute like dense ones
         w = np.array(t.data) if blocks else _dequantize(t, path)
         w = w.reshape(int(t.shape[1]), -1) if blocks else \
@@ -142,8 +152,8 @@ def load_gguf(path: str, dtype: torch.dtype, progress: Callable[[int, int], None
         elif cfg.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute(w, cfg.num_kv_heads)
         if blocks:
-            state[name] = QuantizedWeight(int(t.tensor_type), torch.from_numpy(np.ascontiguousarray(w)),
-                                          (int(t.shape[1]), int(t.shape[0])))
+            state[name] = to_kernel_layout(QuantizedWeight(
+                int(t.tensor_type), torch.from_numpy(np.ascontiguousarray(w)), (int(t.shape[1]), int(t.shape[0]))))
         else:
             state[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(dtype)
         if progress is not None:

@@ -7,6 +7,8 @@ passes down to the layers.
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Callable, Protocol
 
 import torch
@@ -17,6 +19,8 @@ from nodeserve.model import block_quant
 from nodeserve.model.config import ModelConfig
 from nodeserve.model.ops import Kernels, Rotary, TorchOps
 from nodeserve.model.rope import RotaryEmbedding
+
+log = logging.getLogger(__name__)
 
 
 class AllReduceFn(Protocol):
@@ -54,11 +58,20 @@ def _project(linear: nn.Module, x: torch.Tensor, prompt_from: int | None) -> tor
     return linear(x, prompt_from) if isinstance(linear, block_quant.QuantLinear) else linear(x)
 
 
+@functools.cache
+def _say_fused_dense(types: tuple[int, ...]) -> None:
+    """Logged once a process per mix: the operator sees why a quantized model holds float32 projections."""
+    log.warning("projections in GGUF types %s have no lossless common block type: fused as float32 (4 bytes a "
+                "weight)", "/".join(block_quant.type_name(t) for t in types))
+
+
 def _fused(*linears: nn.Module) -> nn.Module:
     """One Linear whose output is the concatenation of the given ones' outputs (same input); block-quantized
     ones stay in their blocks when they share a format, else become float32."""
     if (fused := block_quant.fuse(list(linears))) is not None:
         return fused
+    if types := tuple(m.qtype for m in linears if isinstance(m, block_quant.QuantLinear)):
+        _say_fused_dense(types)
     linears = tuple(block_quant.dense(m) if isinstance(m, block_quant.QuantLinear) else m for m in linears)
     weight = torch.cat([m.weight for m in linears])
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None,

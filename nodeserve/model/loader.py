@@ -79,7 +79,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     checkpoint's tensors before anything is fused or repacked, then built exactly as the whole model is.
 
     quantization (model/quant.py, model/block_quant.py): "none" keeps dense Linear layers in `dtype`; "auto"
-    keeps a GGUF file's Q4_0/Q4_1/Q8_0 matrices in their blocks (an HF checkpoint stays dense); "int8" / "int4"
+    keeps a GGUF file's Q4_0/Q4_1/Q5_0 (as Q8_0)/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K matrices in their blocks and
+    dequantizes other types to float32 (an HF checkpoint stays dense); "int8" / "int4"
     put every Linear in Q8_0 / Q4_1 blocks; "fp16" repacks them for fbgemm. All but "none" need float32.
     prompt_activations "int8": prompt rows of the repacked Q4_0 / Q4_1 projections take int8 activations; "bf16":
     prompt rows of every repacked projection take bf16 products, on AVX512-BF16 CPUs
@@ -108,8 +109,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
                   "(see the log: is a C compiler installed?)"
     if why:
         raise LoadError(why)
-    keep_blocks = {"auto": frozenset(native.BLOCK_BYTES), "int4": frozenset({native.Q4_0, native.Q4_1}),
-                   "int8": frozenset({native.Q8_0})}.get(quantization, frozenset())
+    keep_blocks = {"auto": block_quant.KEPT_TYPES, "int4": frozenset({native.Q4_0, native.Q4_1}),
+                   "int8": frozenset({native.Q8_0, native.Q5_0})}.get(quantization, frozenset())
     resolved = resolve_path(path)
     try:
         if os.path.isdir(resolved):

@@ -76,13 +76,14 @@ def _columns(linear: nn.Module, cols: range) -> nn.Module:
     if linear.bias is not None:
         raise LoadError("a row-parallel projection (o_proj / down_proj) with a bias cannot be split yet")
     if isinstance(linear, block_quant.QuantLinear):
-        w, block = linear.quantized, native.BLOCK_SIZE
-        if cols.start % block or cols.stop % block:
-            raise LoadError(f"a tensor-parallel split at input column {cols.start}-{cols.stop} cuts a 32-weight GGUF "
-                            "block; choose a degree from the valid ones the log names, or quantization = \"none\"")
-        per = native.BLOCK_BYTES.get(w.qtype)  # sharded before repack(): the file's own block layout
-        if per is None:
+        w = linear.quantized
+        if w.qtype not in native.BLOCK_LAYOUTS:  # sharded before repack(): the file's own block layout
             raise LoadError(f"GGUF type {w.qtype} cannot be split for tensor parallelism")
+        block, per = native.BLOCK_LAYOUTS[w.qtype]
+        if cols.start % block or cols.stop % block:
+            raise LoadError(f"a tensor-parallel split at input column {cols.start}-{cols.stop} cuts a {block}-weight "
+                            "GGUF block; choose a degree from the valid ones the log names, or "
+                            "quantization = \"none\"")
         data = w.data[:, cols.start // block * per:cols.stop // block * per].contiguous()
         return block_quant.QuantLinear(block_quant.QuantizedWeight(w.qtype, data, (w.shape[0], len(cols))))
     return _dense(linear.weight.detach()[:, cols.start:cols.stop].contiguous(), None)
