@@ -612,3 +612,103 @@ def test_a_decode_layer_whose_peer_never_comes_fails_once_the_group_is_aborted(o
                                                       s["kv"][:, :, :, :1].contiguous(), group.handle, 0, 2))
     aborter.join()
     assert rcs == [-1] and time.monotonic() - started < 1.2
+
+
+# ---- Q5_1 and the K-quants (csrc/kquant.c), in every build the dispatch can pick ----
+
+KQ_TYPES = {"Q5_1": native.Q5_1, "Q4_K": native.Q4_K, "Q5_K": native.Q5_K, "Q6_K": native.Q6_K}
+KQ_F16_FIELDS = {"Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets in a block
+# the kernels for this CPU; an AVX2-only machine's (x86-64-v3: AVX2, FMA, F16C); the scalar C (x86-64)
+BUILDS = ["native", "x86-64-v3", "x86-64"]
+
+
+@pytest.fixture(scope="module", params=BUILDS)
+def kq_build(request):
+    """The kernels built for one -march (NODESERVE_KERNELS_MARCH), cached on disk like any build."""
+    if request.param == "native":
+        return kernels
+    old = os.environ.get("NODESERVE_KERNELS_MARCH")
+    os.environ["NODESERVE_KERNELS_MARCH"] = request.param
+    try:
+        built = native.load.__wrapped__()
+    finally:
+        if old is None:
+            del os.environ["NODESERVE_KERNELS_MARCH"]
+        else:
+            os.environ["NODESERVE_KERNELS_MARCH"] = old
+    if built is None:
+        pytest.skip(f"the kernels could not be built for -march={request.param}")
+    return built
+
+
+def kq_blocks(name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """n rows of K weights in `name`'s blocks: random bytes (any quants, packed scales and high bits are valid)
+    with finite fp16 scales of either sign, and row 3's scales zero."""
+    block, size = native.BLOCK_LAYOUTS[KQ_TYPES[name]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for off in KQ_F16_FIELDS[name]:
+        scale = (rng.uniform(0.001, 0.05, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])).astype(np.float16)
+        raw[..., off:off + 2] = scale[..., None].view(np.uint8)
+        raw[3, :, off:off + 2] = 0
+    return torch.from_numpy(raw.reshape(n, -1).copy())
+
+
+@pytest.mark.parametrize("name", KQ_TYPES)
+def test_kquant_dequantize_is_bit_exact_with_gguf(kq_build, name):
+    blocks = kq_blocks(name, 40, 512)
+    want = gguf_dense(blocks, name, 512)
+    got = kq_build.dequantize(KQ_TYPES[name], blocks, 512)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bit for bit, signed zeros too
+    rows = torch.tensor([5, 0, 39, 5])
+    assert torch.equal(kq_build.dequantize(KQ_TYPES[name], blocks, 512, rows), want[rows])
+
+
+def test_q5_1_from_gguf_quantizer_dequantizes_exactly(kq_build):
+    w = np.random.default_rng(2).standard_normal((8, 64)).astype(np.float32)
+    blocks = gguf_blocks(w, "Q5_1")
+    assert torch.equal(kq_build.dequantize(native.Q5_1, blocks, 64), gguf_dense(blocks, "Q5_1", 64))
+
+
+@pytest.mark.parametrize("name", KQ_TYPES)
+@pytest.mark.parametrize("m", [2, 3, 5, 17, 33])
+def test_kquant_linear_is_float32_math_on_the_blocks_weights(kq_build, name, m):
+    blocks, k = kq_blocks(name, 40, 512, seed=m), 512
+    torch.manual_seed(m)
+    x = torch.randn(m, k)
+    dense = gguf_dense(blocks, name, k)
+    want = x @ dense.T
+    got = kq_build.linear(KQ_TYPES[name], blocks, x, 40)
+    # float32 sums in another order: relative to the size of the terms summed
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6 * float((x.abs() @ dense.abs().T).max()))
+
+
+@pytest.mark.parametrize("name", KQ_TYPES)
+def test_kquant_one_row_rounds_activations_to_int16_per_block(kq_build, name):
+    """Batch-1 decode with AVX2: activations rounded to 15 bits per block of 32, as for Q4_0/Q4_1/Q8_0 (the scalar
+    build computes in float32, within the same bound)."""
+    blocks, k = kq_blocks(name, 40, 512, seed=7), 512
+    torch.manual_seed(1)
+    x = torch.randn(1, k) * torch.logspace(-2, 1, k)  # blocks of very different scales
+    dense = gguf_dense(blocks, name, k)
+    want = x @ dense.T
+    got = kq_build.linear(KQ_TYPES[name], blocks, x, 40)
+    xb = x.view(1, k // 32, 32).abs().amax(-1)  # [1, blocks]
+    bound = (dense.abs().view(40, k // 32, 32).sum(-1) * xb / 32767 / 2).sum(-1)  # [40]
+    slack = 2e-6 * (x.abs() @ dense.abs().T)[0]  # the float32 sums
+    assert ((got - want).abs()[0] <= bound + slack).all()
+    assert torch.equal(got[0, 3], torch.tensor(0.0))  # zero scales: zero weights
+
+
+@pytest.mark.parametrize("name", KQ_TYPES)
+def test_kquant_linear_writes_only_its_columns(name):
+    """ns_linear over columns [n_begin, n_end) of a wider y (how lend.c splits a GEMM and how the decode layer
+    writes): the rest of y is left alone."""
+    blocks, k = kq_blocks(name, 24, 256, seed=3), 256
+    x = torch.randn(2, k)
+    y = torch.full((2, 24), 7.0)
+    assert kernels.lib.ns_linear(KQ_TYPES[name], blocks.data_ptr(), x.data_ptr(), y.data_ptr(), 2, k, 24, 5,
+                                 11) == 0
+    want = x @ gguf_dense(blocks, name, k).T
+    torch.testing.assert_close(y[:, 5:11], want[:, 5:11], rtol=1e-5, atol=1e-4)
+    assert (y[:, :5] == 7).all() and (y[:, 11:] == 7).all()
