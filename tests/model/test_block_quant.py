@@ -214,3 +214,80 @@ def test_auto_prompt_activations_take_bf16_where_the_cpu_has_it_and_say_nothing(
         load_model(gguf_path, torch.float32, quantization="none", prompt_activations="auto")
     assert model.layers[0].mlp.gate_up_proj.prompt_flag == want and not model.lm_head.prompt_flag
     assert "prompt_activations" not in caplog.text
+
+
+# ---- Q5_0 (served as Q8_0), Q5_1 and the K-quants ----
+
+def _gguf_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """n rows of k weights in `qtype`'s blocks: gguf's quantizer where it has one, else random valid bytes."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(seed)
+    if qtype in (native.Q5_0, native.Q5_1, native.Q4_0, native.Q8_0):
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        return torch.from_numpy(quantize(w, GGMLQuantizationType(qtype)).copy())
+    block, size = native.BLOCK_LAYOUTS[qtype]
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for off in ((208,) if qtype == native.Q6_K else (0, 2)):
+        raw[..., off:off + 2] = rng.uniform(0.001, 0.05, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return torch.from_numpy(raw.reshape(n, -1).copy())
+
+
+def _gguf_dense(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(blocks.numpy(), GGMLQuantizationType(qtype)).reshape(-1, k).copy())
+
+
+def test_q5_0_becomes_q8_0_with_the_same_weights():
+    blocks = _gguf_blocks(native.Q5_0, 24, 128)
+    w = block_quant.to_kernel_layout(block_quant.QuantizedWeight(native.Q5_0, blocks, (24, 128)))
+    assert w.qtype == native.Q8_0 and w.data.shape == (24, 128 // 32 * 34) and w.shape == (24, 128)
+    assert torch.equal(w.dequantize(), _gguf_dense(blocks, native.Q5_0, 128))  # lossless
+    other = block_quant.QuantizedWeight(native.Q4_K, _gguf_blocks(native.Q4_K, 4, 256), (4, 256))
+    assert block_quant.to_kernel_layout(other) is other
+
+
+@pytest.mark.parametrize("qtype", [native.Q5_1, native.Q4_K, native.Q5_K, native.Q6_K],
+                         ids=lambda t: block_quant.type_name(t))
+def test_kquant_linear_and_embedding_are_the_files_weights(qtype, one_thread):
+    blocks = _gguf_blocks(qtype, 48, 512, seed=qtype)
+    dense = _gguf_dense(blocks, qtype, 512)
+    lin = block_quant.QuantLinear(block_quant.QuantizedWeight(qtype, blocks, (48, 512)), torch.randn(48))
+    torch.manual_seed(0)
+    for m in (3, block_quant.MAX_GEMV_ROWS + 5):  # the fused kernel, then dequantize + GEMM
+        x = torch.randn(m, 512)
+        torch.testing.assert_close(lin(x), nn.functional.linear(x, dense, lin.bias), rtol=1e-4, atol=1e-4)
+    emb = block_quant.QuantEmbedding(block_quant.QuantizedWeight(qtype, blocks, (48, 512)))
+    ids = torch.tensor([[3, 0], [47, 3]])
+    assert torch.equal(emb(ids), dense[ids])
+    # repack() leaves them in their GGUF layout (no R16 kernel for them); a Q8_0 neighbour is repacked as before
+    q8 = block_quant.QuantLinear(block_quant.quantize(torch.randn(32, 512), native.Q8_0))
+    model = nn.ModuleDict({"k": lin, "e": emb, "q8": q8})
+    block_quant.repack(model)
+    assert lin.qtype == qtype and emb.qtype == qtype
+    assert bool(q8.qtype & native.R16) == (native.load().r16 and not native.avx2_only())
+
+
+def test_q4_0_and_q8_0_fuse_as_q8_0_without_loss():
+    parts = [block_quant.QuantLinear(block_quant.QuantizedWeight(t, _gguf_blocks(t, n, 64, seed=n), (n, 64)))
+             for t, n in ((native.Q4_0, 16), (native.Q8_0, 8), (native.Q4_0, 8))]
+    fused = block_quant.fuse(parts)
+    assert fused is not None and fused.qtype == native.Q8_0
+    assert torch.equal(fused.quantized.dequantize(), torch.cat([p.quantized.dequantize() for p in parts]))
+
+
+def test_k_quants_of_different_types_fuse_as_float32_and_say_so(caplog):
+    from nodeserve.model import llama
+
+    parts = [block_quant.QuantLinear(block_quant.QuantizedWeight(t, _gguf_blocks(t, 16, 256, seed=t), (16, 256)))
+             for t in (native.Q4_K, native.Q4_K, native.Q6_K)]
+    assert block_quant.fuse(parts) is None
+    llama._say_fused_dense.cache_clear()
+    with caplog.at_level("WARNING", logger="nodeserve"):
+        fused = llama._fused(*parts)
+    assert isinstance(fused, nn.Linear) and "Q4_K/Q4_K/Q6_K" in caplog.text and "float32" in caplog.text
+    assert torch.equal(fused.weight, torch.cat([p.quantized.dequantize() for p in parts]))

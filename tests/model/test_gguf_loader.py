@@ -287,6 +287,148 @@ def test_type_gguf_cannot_dequantize_is_a_load_error(tmp_path):
     assert "\n" not in msg and "blk.0.ffn_up.weight" in msg and "Q8_K" in msg
 
 
+# The fast tier (quantization "auto"): these types stay in blocks the kernels run, Q5_0 as Q8_0 (lossless).
+KEPT = {QT.Q5_0: QT.Q8_0, QT.Q5_1: QT.Q5_1, QT.Q4_K: QT.Q4_K, QT.Q5_K: QT.Q5_K, QT.Q6_K: QT.Q6_K}
+
+
+@pytest.mark.parametrize("typed_file", list(KEPT), ids=lambda t: t.name, indirect=True)
+def test_fast_tier_keeps_the_blocks_with_the_same_weights(typed_file):
+    from nodeserve.model.block_quant import KEPT_TYPES, QuantizedWeight
+
+    qtype, path, expected, _ = typed_file
+    cfg, state, _ = load_gguf(str(path), torch.float32, keep_blocks=KEPT_TYPES)
+    for gname, ours, heads in (("blk.0.attn_q.weight", "layers.0.self_attn.q_proj.weight", cfg.num_heads),
+                               ("blk.0.attn_k.weight", "layers.0.self_attn.k_proj.weight", cfg.num_kv_heads),
+                               ("blk.0.attn_output.weight", "layers.0.self_attn.o_proj.weight", 0),
+                               ("blk.0.ffn_up.weight", "layers.0.mlp.up_proj.weight", 0)):
+        w = state[ours]
+        assert isinstance(w, QuantizedWeight) and w.qtype == KEPT[qtype], gname
+        want = hf_rows_from_gguf(expected[gname], heads) if heads else expected[gname]
+        assert torch.equal(w.dequantize(), torch.from_numpy(want)), gname  # bit for bit
+
+
+def write_typed_model(path: Path, types: dict[str, QT], scale: float = 1e-3) -> Path:
+    """A one-layer llama GGUF with the tokenizer, its projections (GGUF names) in `types` (default Q4_K), small
+    random blocks (fp16 scales up to `scale`) so activations stay in range."""
+    rng = np.random.default_rng(11)
+    hidden, ffn, heads, kv_heads = 256, 512, 4, 2
+    writer = gguf.GGUFWriter(str(path), "llama")
+    write_metadata(writer, {**arch_metadata("llama", layers=1, hidden=hidden, ffn=ffn, heads=heads,
+                                            kv_heads=kv_heads), **tokenizer_metadata()})
+    writer.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, hidden)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(hidden, np.float32))
+    writer.add_tensor("blk.0.ffn_norm.weight", np.ones(hidden, np.float32))
+    head_dim = hidden // heads
+    for part, (rows, cols) in {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
+                               "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
+                               "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}.items():
+        qtype = types.get(part, QT.Q4_K)
+        if qtype in QUANTIZABLE:
+            data = quantize((rng.standard_normal((rows, cols)) * scale * 8).astype(np.float32), qtype)
+        else:
+            data = random_blocks(qtype, rows, cols, rng)
+            for off in F16_FIELDS[qtype]:
+                blocks = data.reshape(-1, GGML_QUANT_SIZES[qtype][1])
+                blocks[:, off:off + 2] = rng.uniform(scale / 10, scale, (len(blocks), 1)).astype(np.float16) \
+                    .view(np.uint8)
+        add(writer, f"blk.0.{part}.weight", data, qtype, (rows, cols))
+    finish(writer)
+    return path
+
+
+def _logits(loaded, ids: list[int]) -> torch.Tensor:
+    """Prefill logits of ids[:-1], then one decode step's of ids[-1]: [len(ids), vocab]."""
+    runner = _new_runner(loaded)
+    pages = runner.pool.manager.allocate(pages_for(len(ids), PAGE_SIZE))
+    x, positions, meta, _ = runner.prepare([SeqChunk(ids[:-1], 0, pages)])
+    runner.backend.prepare(meta)
+    prefill = loaded.model.compute_logits(loaded.model(x, positions, runner.backend))
+    return torch.cat([prefill, runner.run([SeqChunk(ids[-1:], len(ids) - 1, pages)])])
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q5_1, QT.Q5_0], ids=lambda t: t.name)
+def test_auto_serves_the_type_in_blocks_and_follows_the_exact_tier(tmp_path, qtype, caplog):
+    from nodeserve.model.block_quant import QuantLinear
+
+    path = write_typed_model(tmp_path / "m.gguf", dict.fromkeys(
+        ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), qtype))
+    with caplog.at_level("WARNING", logger="nodeserve"):
+        auto = load_model(str(path), torch.float32, quantization="auto")
+    exact = load_model(str(path), torch.float32, quantization="none")
+    layer = auto.model.layers[0]
+    for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(mod, QuantLinear) and mod.qtype & 0xFF == int(KEPT[qtype])
+    assert "float32" not in caplog.text  # nothing fell back
+    ref_layer = exact.model.layers[0]
+    assert torch.equal(layer.self_attn.qkv_proj.quantized.dequantize(), ref_layer.self_attn.qkv_proj.weight)
+    ids = exact.tokenizer.encode(" the answer is in the") + [5, 17, 200]
+    want, got = _logits(exact, ids), _logits(auto, ids)
+    # one decode row takes int16 activations; measured: within 5e-5 of the logits' range
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-4 * float(want.abs().max()))
+
+
+def test_gemma_like_mix_shares_q8_0_and_a_k_quant_mix_falls_back_to_float32(tmp_path, caplog):
+    """Q5_0 q/k with a Q8_0 v (Gemma 3's Q4_K_M) fuse as Q8_0; Q4_K q/k with a Q6_K v (a Llama Q4_K_M) have no
+    lossless common type: float32, and the log says so."""
+    from torch import nn
+
+    from nodeserve.model.block_quant import QuantLinear
+
+    gemma = write_typed_model(tmp_path / "g.gguf", {"attn_q": QT.Q5_0, "attn_k": QT.Q5_0, "attn_v": QT.Q8_0,
+                                                    "ffn_gate": QT.Q5_0, "ffn_up": QT.Q5_0, "ffn_down": QT.Q6_K})
+    layer = load_model(str(gemma), torch.float32, quantization="auto").model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and layer.self_attn.qkv_proj.qtype & 0xFF == QT.Q8_0
+    assert layer.mlp.down_proj.qtype == QT.Q6_K
+    llama_mix = write_typed_model(tmp_path / "l.gguf", {"attn_v": QT.Q6_K})
+    from nodeserve.model import llama
+
+    llama._say_fused_dense.cache_clear()
+    with caplog.at_level("WARNING", logger="nodeserve"):
+        model = load_model(str(llama_mix), torch.float32, quantization="auto").model
+    exact = load_model(str(llama_mix), torch.float32, quantization="none").model
+    assert isinstance(model.layers[0].self_attn.qkv_proj, nn.Linear)
+    assert "Q4_K/Q4_K/Q6_K" in caplog.text and "float32" in caplog.text
+    assert torch.equal(model.layers[0].self_attn.qkv_proj.weight, exact.layers[0].self_attn.qkv_proj.weight)
+
+
+def test_fast_tier_dequantizes_a_type_without_kernels_and_says_so_once(tmp_path, caplog):
+    from nodeserve.model.block_quant import KEPT_TYPES, QuantizedWeight
+
+    path = tmp_path / "q3k.gguf"
+    rng = np.random.default_rng(3)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    write_metadata(writer, arch_metadata("llama", layers=1, hidden=HIDDEN_K, heads=HEADS_K, kv_heads=KV_HEADS_K))
+    writer.add_tensor("token_embd.weight", rng.standard_normal((8, HIDDEN_K)).astype(np.float32))
+    expected = {}
+    for part in ("ffn_up", "ffn_gate"):
+        data, raw_dtype, values, _ = tensor_data(QT.Q3_K, 64, HIDDEN_K, rng)
+        add(writer, f"blk.0.{part}.weight", data, raw_dtype, (64, HIDDEN_K))
+        expected[part] = values
+    finish(writer)
+    with caplog.at_level("WARNING", logger="nodeserve"):
+        _, state, _ = load_gguf(str(path), torch.float32, keep_blocks=KEPT_TYPES)
+    up = state["layers.0.mlp.up_proj.weight"]
+    assert not isinstance(up, QuantizedWeight) and torch.equal(up, torch.from_numpy(expected["ffn_up"]))
+    assert caplog.text.count("Q3_K") == 1 and "blk.0.ffn_up.weight" in caplog.text and "float32" in caplog.text
+
+
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_type_no_tier_can_read_is_a_load_error_naming_it(tmp_path, quantization):
+    path = tmp_path / "q8k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    write_metadata(writer, {**arch_metadata("llama", layers=1, hidden=HIDDEN_K, heads=HEADS_K,
+                                            kv_heads=KV_HEADS_K), **tokenizer_metadata()})
+    writer.add_tensor("token_embd.weight", np.zeros((VOCAB, HIDDEN_K), np.float32))
+    _, size = GGML_QUANT_SIZES[QT.Q8_K]
+    add(writer, "blk.0.ffn_up.weight", np.zeros((4, size), np.uint8), QT.Q8_K, (4, HIDDEN_K))
+    finish(writer)
+    with pytest.raises(LoadError) as info:
+        load_model(str(path), torch.float32, quantization=quantization)
+    msg = str(info.value)
+    assert "\n" not in msg and "blk.0.ffn_up.weight" in msg and "Q8_K" in msg
+
+
 # ---- 2. tiny transformers models converted to GGUF ----
 
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
