@@ -150,6 +150,12 @@ static inline __attribute__((always_inline)) void unpack_q(int type, const uint8
 static inline __attribute__((always_inline)) void store_chunk(__m256i q, float s0, float s1, float o0, float o1,
                                                               float *out) {
     const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+#if NS_AVX512  /* 16 at a time: half the conversions */
+    const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(f0, _mm512_set1_ps(s0)), _mm512_set1_ps(o0)));
+    _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_mul_ps(f1, _mm512_set1_ps(s1)), _mm512_set1_ps(o1)));
+    return;
+#endif
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int j = 0; j < 4; j++) {
         const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[j]));
@@ -159,6 +165,7 @@ static inline __attribute__((always_inline)) void store_chunk(__m256i q, float s
 }
 #endif
 
+#if !NS_KQ_AVX2
 /* One block as quants q (int8, the scalar path's unpacking). */
 static void unpack_scalar(int type, const uint8_t *blk, int8_t *restrict q) {
     if (type == KQ_Q5_1) {
@@ -190,6 +197,7 @@ static void unpack_scalar(int type, const uint8_t *blk, int8_t *restrict q) {
         }
     }
 }
+#endif
 
 /* out[0..K) = one row's weights, bit for bit gguf's dequantize. */
 static inline __attribute__((always_inline)) void dequant_row(int type, const uint8_t *row, float *restrict out, int64_t K) {
