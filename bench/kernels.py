@@ -4,9 +4,13 @@ prefill. Every row names the bound it is compared with.
 
     python bench/kernels.py                      # ~3 minutes on the 2-core machine; run it on a quiet machine
     python bench/kernels.py --json bench/results/kernels.json
+    python bench/kernels.py --block-types        # only the per-GGUF-type GEMV rows (seconds)
 
 What each row means:
   * bandwidth: sum() over 1 GiB of written float32 on one thread (GB/s): the read bound everything below uses.
+  * block type T M=m: one [640, 2048] matrix (Gemma 3 270M's ffn_down) in GGUF type T through the native kernel
+    (Q8_0+R16: repacked for the VNNI kernel, where built), us per call: "cache" the same matrix every call (in
+    L2), "dram" a ring of copies larger than L3, and "x bound" = dram time / (its bytes / bandwidth).
   * crossover M=m: the layers' projections through the fused kernel vs dequantize + F.linear.
   * gemm M=m: every projection of one decode step (30 layers + lm_head) at m activation rows, from DRAM: the
     file's Q4_1/Q8_0 blocks through the native kernels (auto: the AVX-512 VNNI kernel on repacked weights where
@@ -89,6 +93,36 @@ def gemm_rows(models: dict, gbs: float, ms: list[int]) -> list[dict]:
             row.update({f"{name}_ms": t * 1e3, f"{name}_x_bound": t / (num_bytes / gbs / 1e9),
                         f"{name}_ns_per_row_block": t * 1e9 / (m * row_blocks), f"{name}_MB": num_bytes / 1e6})
         rows.append(row)
+    return rows
+
+
+def random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
+    """n rows of k weights in `qtype`'s GGUF blocks: random quants, fp16 scales in (0, 0.05)."""
+    block, size = native.BLOCK_LAYOUTS[qtype]
+    raw = torch.randint(0, 256, (n, k // block, size), dtype=torch.uint8)
+    scale_at = {native.Q4_0: (0,), native.Q8_0: (0,), native.Q6_K: (208,)}.get(qtype, (0, 2))
+    for off in scale_at:
+        raw[..., off:off + 2] = (torch.rand(n, k // block, 1) * 0.05).half().view(torch.uint8)
+    return raw.reshape(n, -1)
+
+
+def block_type_rows(kernels, gbs: float, ms: list[int], n: int = 640, k: int = 2048) -> list[dict]:
+    types = {"Q8_0": native.Q8_0, "Q4_K": native.Q4_K, "Q5_K": native.Q5_K, "Q6_K": native.Q6_K,
+             "Q5_1": native.Q5_1, "Q4_1": native.Q4_1}
+    rows = []
+    for name, qtype in types.items():
+        w = random_blocks(qtype, n, k)
+        variants = [(name, qtype, w)]
+        if kernels.r16 and qtype in native.BLOCK_BYTES:
+            variants.append((f"{name}+R16", qtype | native.R16, kernels.repack(qtype, w, n, k)))
+        for label, t, data in variants:
+            ring = [data.clone() for _ in range(max(2, 64 * 2 ** 20 // data.numel()))]  # > L3: read from DRAM
+            for m in ms:
+                x = torch.randn(m, k)
+                cache = timed(lambda: [kernels.linear(t, data, x, n) for _ in range(50)], 7) / 50
+                dram = timed(lambda: [kernels.linear(t, r, x, n) for r in ring], 5) / len(ring)
+                rows.append({"what": f"block type {label} M={m}", "cache_us": cache * 1e6, "dram_us": dram * 1e6,
+                             "x_bound": dram / (data.numel() / gbs / 1e9), "KB": data.numel() / 1e3})
     return rows
 
 
@@ -239,11 +273,20 @@ def prefill_rows(models: dict, peak: float, tokens: int = 512) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--block-types", action="store_true", help="only the per-GGUF-type GEMV rows")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # one core, as a CPU worker runs
     kernels = native.load()
     if kernels is None:
         raise SystemExit("the native kernels could not be built (is a C compiler installed?)")
+    if args.block_types:
+        gbs = bandwidth()
+        result = {"machine": platform.processor() or platform.machine(), "isa": kernels.isa, "bandwidth_GBs": gbs,
+                  "rows": block_type_rows(kernels, gbs, [1, 8])}
+        print(f"one-core DRAM read {gbs:.1f} GB/s, kernels: {kernels.isa}")
+        for row in result["rows"]:
+            print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        return result
     gbs, peak = bandwidth(), matmul_peak()
     quant = load_model(MODEL, torch.float32, quantization="auto").model
     os.environ["NODESERVE_KERNELS"] = "avx2"  # the GGUF-layout kernels, for comparison (read at load)
@@ -259,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
               "bandwidth_GBs": gbs, "fp32_peak_GFLOPs": peak, "rows": []}
     print(f"one-core DRAM read {gbs:.1f} GB/s, fp32 matmul peak {peak:.1f} GFLOP/s, kernels: {kernels.isa}")
     result["rows"] += gemm_rows(models, gbs, [1, 2, 4, 8, 16, 32])
+    result["rows"] += block_type_rows(kernels, gbs, [1, 8])
     result["rows"] += crossover_rows(quant, [16, 32, 64, 256])
     result["rows"] += attention_rows(kernels, gbs, [(1, 512), (1, 2048), (16, 1024), (32, 256)])
     if torch.float16 in kernels.kv_dtypes:  # kv.dtype = "float16"
