@@ -11,11 +11,14 @@
  *     of qh[l] as bit 4 of sub-block s's quant l
  *   Q6_K (256 w, 210 bytes): { uint8 ql[128]; uint8 qh[64]; int8 scales[16]; fp16 d; } w = (d * sc) * (q - 32),
  *     16 sub-blocks of 16
- * Each block is unpacked to int8 quants and a float scale s and offset o per 16 weights (w = s * q + o, which
- * rounds exactly as gguf's numpy does: Q6_K's o is -0.0, which leaves every product as it was). The unpacking is
- * plain C the compiler vectorises for the build's ISA; the dot products have AVX-512, AVX2 and scalar paths.
- * A GEMM row dequantizes one weight row to float32 in L1 and multiplies every activation row with it, so the
- * result is the float32 product with the file's exact weights (only the order of the sums differs).
+ * Each block is unpacked to int8 quants (AVX2 shifts and masks, 32 a vector; plain C without AVX2) and a float
+ * scale s and offset o per 16 weights: w = s * q + o, product and sum rounded apart, is gguf's numpy rounding
+ * (Q6_K's o is -0.0, which leaves every product as it was), so dequantization is bit for bit gguf's.
+ * GEMM, as cpu_kernels.c does for Q4_0/Q4_1/Q8_0: one activation row (batch-1 decode, AVX2) is rounded to int16
+ * per 32 and multiplied with the int8 quants by madd; more rows (or no AVX2) take each weight row dequantized
+ * to float32 in L1 against every activation row (AVX-512, AVX2 or scalar dot products): the float32 product with
+ * the file's exact weights, only the order of the sums differs. No R16 / VNNI path yet (block_quant.repack leaves
+ * these types as they are).
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,7 +50,7 @@ static inline float half_at(const uint8_t *p) {
 #endif
 }
 
-/* Whether `type` is one of this file's; its block's weights and bytes. */
+/* Whether `type` is one of this file's (then block_weights and block_bytes give its block's size). */
 int ns_kq_type(int type) {
     return type == KQ_Q5_1 || type == KQ_Q4_K || type == KQ_Q5_K || type == KQ_Q6_K;
 }
@@ -200,7 +203,8 @@ static void unpack_scalar(int type, const uint8_t *blk, int8_t *restrict q) {
 #endif
 
 /* out[0..K) = one row's weights, bit for bit gguf's dequantize. */
-static inline __attribute__((always_inline)) void dequant_row(int type, const uint8_t *row, float *restrict out, int64_t K) {
+static inline __attribute__((always_inline)) void dequant_row(int type, const uint8_t *row, float *restrict out,
+                                                              int64_t K) {
     const int64_t bw = block_weights(type), bb = block_bytes(type);
     float s[MAX_BLOCK / 16], o[MAX_BLOCK / 16];
     for (int64_t b = 0; b < K / bw; b++) {
@@ -210,7 +214,8 @@ static inline __attribute__((always_inline)) void dequant_row(int type, const ui
 #if NS_KQ_AVX2
         __m256i q[MAX_BLOCK / 32];
         unpack_q(type, blk, q);
-        for (int c = 0; c < bw / 32; c++) store_chunk(q[c], s[2 * c], s[2 * c + 1], o[2 * c], o[2 * c + 1], ob + 32 * c);
+        for (int c = 0; c < bw / 32; c++)
+            store_chunk(q[c], s[2 * c], s[2 * c + 1], o[2 * c], o[2 * c + 1], ob + 32 * c);
 #else
         int8_t q[MAX_BLOCK];
         unpack_scalar(type, blk, q);
@@ -339,7 +344,8 @@ static inline __attribute__((always_inline)) float dot_row_i16(int type, const u
             k4_scales(blk + 4, sm);
             const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm)));
             const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8))));
-            const __m256 sd = _mm256_mul_ps(_mm256_mul_ps(sc, _mm256_set1_ps(half_at(blk))), _mm256_loadu_ps(dx + k / 32));
+            const __m256 sd = _mm256_mul_ps(_mm256_mul_ps(sc, _mm256_set1_ps(half_at(blk))),
+                                            _mm256_loadu_ps(dx + k / 32));
             offs = _mm256_fnmadd_ps(_mm256_mul_ps(mn, _mm256_set1_ps(half_at(blk + 2))), _mm256_loadu_ps(sx + k / 32),
                                     offs);
             for (int c = 0; c < 8; c += 2) {
