@@ -308,19 +308,22 @@ def test_fast_tier_keeps_the_blocks_with_the_same_weights(typed_file):
 
 
 def write_typed_model(path: Path, types: dict[str, QT], scale: float = 1e-3) -> Path:
-    """A one-layer llama GGUF with the tokenizer, its projections (GGUF names) in `types` (default Q4_K), small
-    random blocks (fp16 scales up to `scale`) so activations stay in range."""
+    """A one-layer llama GGUF with the tokenizer, its projections and token_embd (GGUF names) in `types` (default
+    Q4_K; token_embd F32), small random blocks (fp16 scales up to `scale`) so activations stay in range. No
+    output.weight: the lm_head is the embedding table."""
     rng = np.random.default_rng(11)
     hidden, ffn, heads, kv_heads = 256, 512, 4, 2
     writer = gguf.GGUFWriter(str(path), "llama")
     write_metadata(writer, {**arch_metadata("llama", layers=1, hidden=hidden, ffn=ffn, heads=heads,
                                             kv_heads=kv_heads), **tokenizer_metadata()})
-    writer.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, hidden)).astype(np.float32))
+    if "token_embd" not in types:
+        writer.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, hidden)).astype(np.float32))
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     writer.add_tensor("blk.0.attn_norm.weight", np.ones(hidden, np.float32))
     writer.add_tensor("blk.0.ffn_norm.weight", np.ones(hidden, np.float32))
     head_dim = hidden // heads
-    for part, (rows, cols) in {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
+    shapes = {"token_embd": (VOCAB, hidden)} if "token_embd" in types else {}
+    for part, (rows, cols) in {**shapes, "attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
                                "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
                                "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}.items():
         qtype = types.get(part, QT.Q4_K)
@@ -332,7 +335,7 @@ def write_typed_model(path: Path, types: dict[str, QT], scale: float = 1e-3) -> 
                 blocks = data.reshape(-1, GGML_QUANT_SIZES[qtype][1])
                 blocks[:, off:off + 2] = rng.uniform(scale / 10, scale, (len(blocks), 1)).astype(np.float16) \
                     .view(np.uint8)
-        add(writer, f"blk.0.{part}.weight", data, qtype, (rows, cols))
+        add(writer, f"{part}.weight" if part == "token_embd" else f"blk.0.{part}.weight", data, qtype, (rows, cols))
     finish(writer)
     return path
 
@@ -349,10 +352,12 @@ def _logits(loaded, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q5_1, QT.Q5_0], ids=lambda t: t.name)
 def test_auto_serves_the_type_in_blocks_and_follows_the_exact_tier(tmp_path, qtype, caplog):
-    from nodeserve.model.block_quant import QuantLinear
+    """Every projection and the (tied) embedding table in one type: kept in blocks, the one-call decode layer
+    built, and prefill and decode logits those of the exact tier within the kernels' rounding."""
+    from nodeserve.model.block_quant import QuantEmbedding, QuantLinear
 
     path = write_typed_model(tmp_path / "m.gguf", dict.fromkeys(
-        ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), qtype))
+        ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), qtype))
     with caplog.at_level("WARNING", logger="nodeserve"):
         auto = load_model(str(path), torch.float32, quantization="auto")
     exact = load_model(str(path), torch.float32, quantization="none")
@@ -360,6 +365,8 @@ def test_auto_serves_the_type_in_blocks_and_follows_the_exact_tier(tmp_path, qty
     for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(mod, QuantLinear) and mod.qtype & 0xFF == int(KEPT[qtype])
     assert "float32" not in caplog.text  # nothing fell back
+    assert isinstance(auto.model.embed_tokens, QuantEmbedding) and auto.model.native_decoder is not None
+    assert auto.model.lm_head.weight is auto.model.embed_tokens.weight  # tied: one table
     ref_layer = exact.model.layers[0]
     assert torch.equal(layer.self_attn.qkv_proj.quantized.dequantize(), ref_layer.self_attn.qkv_proj.weight)
     ids = exact.tokenizer.encode(" the answer is in the") + [5, 17, 200]
