@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Collection
+from typing import Callable, Collection, cast
 
 import torch
 
 from nodeserve.kernels import native
-from nodeserve.model import block_quant
+from nodeserve.model import block_quant, registry
 from nodeserve.model.config import LoadError, ModelConfig
 from nodeserve.model.llama import LlamaModel
 from nodeserve.model.native_decoder import NativeDecoder
@@ -114,10 +114,10 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     try:
         if os.path.isdir(resolved):
             cfg, state = load_hf(resolved, dtype, progress)
-            tokenizer = Tokenizer.from_hf_dir(resolved)
+            tokenizer = Tokenizer.from_hf_dir(resolved, registry.ARCHITECTURES[cfg.architecture].chat_template)
         elif resolved.endswith(".gguf") or _has_gguf_magic(resolved):
             cfg, state, meta = load_gguf(resolved, dtype, progress, keep_blocks)
-            tokenizer = Tokenizer.from_gguf_metadata(meta)
+            tokenizer = Tokenizer.from_gguf_metadata(meta, registry.ARCHITECTURES[cfg.architecture].chat_template)
         else:
             raise LoadError(f"{resolved}: not a GGUF file or an HF checkpoint directory")
     except TokenizerError as e:
@@ -172,10 +172,9 @@ def _build(model: LlamaModel, quantization: str, prompt_activations: str, has_bl
             num_prompt = block_quant.use_prompt_activations(model, kind)
             if num_prompt and not quiet:  # the operator sees which kernels prompts take (auto picks silently)
                 log.info("prompt rows of %d projections take %s activations", num_prompt, kind)
-        ops = NativeOps(native.load(), model.rope, cfg.max_position_embeddings)
-        model.use_kernels(ops)
-        if NativeDecoder.usable(model):
-            model.native_decoder = NativeDecoder(model, native.load(), ops.cos_sin_cache)
+        model.use_kernels(lambda rope: NativeOps(native.load(), rope, cfg.max_position_embeddings))
+        if cfg.plain_layout and NativeDecoder.usable(model):  # the C layer is the Llama layout's alone
+            model.native_decoder = NativeDecoder(model, native.load(), cast(NativeOps, model.ops).cos_sin_cache)
     elif quantization == "fp16":
         from nodeserve.model.quant import quantize_linears
 

@@ -413,7 +413,7 @@ def test_graph_decode_with_flashinfer_ops_equals_eager(loaded_bf16, prompt_ids):
 
     device = torch.device("cuda", 0)
     model = _replica(loaded_bf16.model, device)
-    model.use_kernels(FlashInferOps(model.rope, model.cfg.max_position_embeddings, device))
+    model.use_kernels(lambda rope: FlashInferOps(rope, model.cfg.max_position_embeddings, device))
     runners = []
     for use_graphs in (False, True):
         backend = FlashInferAttention(KVPool(loaded_bf16.config, 256, 16, torch.bfloat16, device), model.cfg,
