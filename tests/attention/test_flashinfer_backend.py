@@ -15,7 +15,7 @@ from nodeserve.attention.torch_ref import TorchAttention
 from nodeserve.config import ConfigError
 
 PAGE_SIZE = 4
-CFG = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=8)
+CFG = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=8, softmax_scale=8 ** -0.5, window=lambda layer: 0)
 
 
 def _meta(rows: list[tuple[list[int], int, int]], num_decodes: int, host_tables: bool = True) -> AttentionMetadata:

@@ -19,7 +19,7 @@ from nodeserve.kv.pool import KVPool, pages_for
 H, KH, D = 8, 2, 32
 SCALE = D ** -0.5  # what the backends derive from head_dim
 CPU = torch.device("cpu")
-CFG = SimpleNamespace(num_heads=H, num_kv_heads=KH, head_dim=D)
+CFG = SimpleNamespace(num_heads=H, num_kv_heads=KH, head_dim=D, softmax_scale=D ** -0.5, window=lambda layer: 0)
 
 
 def _pool(num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype = torch.float32) -> KVPool:
