@@ -96,8 +96,9 @@ def test_write_kv_scaled_is_write_kv_for_wide_dtypes():
 
 
 def _pool(device: torch.device, dtype: torch.dtype) -> SimpleNamespace:
-    """A stand-in KVPool: make_backend and the reference backend's constructor read only its device and dtype."""
-    return SimpleNamespace(device=device, dtype=dtype)
+    """A stand-in KVPool: make_backend and the reference backend's constructor read only its device, dtype and
+    layers."""
+    return SimpleNamespace(device=device, dtype=dtype, layers=())
 
 
 def test_make_backend_on_cpu():
