@@ -696,3 +696,36 @@ def test_a_decode_layer_whose_peer_never_comes_fails_once_the_group_is_aborted(o
                                                       s["kv"][:, :, :, :1].contiguous(), group.handle, 0, 2))
     aborter.join()
     assert rcs == [-1] and time.monotonic() - started < 1.2
+
+
+def test_a_decode_layer_takes_its_window_and_reads_nothing_before_it(one_thread):
+    """ns_decode_layer with the layer's window 5 at lengths 5 and 9 (page size 4): the second row's first page lies
+    wholly before its window and holds NaN; the layer equals the unwindowed one over the same row with that page
+    dropped from its table (the positions, and so RoPE, unchanged)."""
+    import ctypes
+
+    from nodeserve.model.native_decoder import _Layer, _Step
+
+    w, s = _random_layer()
+    q8 = native.Q8_0
+
+    def run(tables: torch.Tensor, seq_lens: list[int], window: int, kv: torch.Tensor) -> torch.Tensor:
+        layer = _Layer(H, NH, KH, D, I, 1e-5, w["input_norm"].data_ptr(), w["post_norm"].data_ptr(),
+                       w["bias"].data_ptr(), w["qkv"].data_ptr(), w["o"].data_ptr(), w["gate_up"].data_ptr(),
+                       w["down"].data_ptr(), q8, q8, q8, q8, window)
+        lens, x = torch.tensor(seq_lens), s["x"].clone()
+        step = _Step(x.shape[0], tables.shape[1], PAGE, s["positions"].data_ptr(), s["slots"].data_ptr(),
+                     tables.data_ptr(), lens.data_ptr(), s["cos_sin"].data_ptr(), D ** -0.5, 0, None, 0)
+        fn = kernels.lib.ns_decode_layer
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p] * 4
+        assert fn(ctypes.byref(layer), ctypes.byref(step), x.data_ptr(), kv.data_ptr()) == 0
+        return x
+
+    kv = s["kv"].clone()
+    kv[3] = float("nan")  # row 1's page of positions 0 .. 3, before its window 4 .. 8
+    windowed = run(s["tables"], SEQ_LENS, 5, kv)
+    shifted = torch.tensor([[0, 1, 2], [4, 5, 5]])  # row 1 from its second page: 5 tokens, at the same slots
+    want = run(shifted, [5, 5], 0, s["kv"].clone())
+    assert windowed.isfinite().all()
+    torch.testing.assert_close(windowed, want, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(windowed, run(s["tables"], SEQ_LENS, 0, s["kv"].clone()))  # the window mattered
