@@ -71,7 +71,8 @@ def _backend(cls, kv: torch.Tensor, num_layers: int = 1, dtype: torch.dtype = to
 
     from nodeserve.kv.pool import KVPool
 
-    cfg = SimpleNamespace(num_layers=num_layers, num_heads=H, num_kv_heads=KH, head_dim=D, max_position_embeddings=4096)
+    cfg = SimpleNamespace(num_layers=num_layers, num_heads=H, num_kv_heads=KH, head_dim=D, max_position_embeddings=4096,
+                          softmax_scale=D ** -0.5, window=lambda layer: 0)
     pool = KVPool(cfg, kv.shape[0], kv.shape[2], dtype, kv.device)
     for layer in pool.layers:
         layer.copy_(kv)
