@@ -54,12 +54,6 @@ class ModelConfig:
         return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
-    def plain_layout(self) -> bool:
-        """None of the family features above: the layout the one-call native decode layer computes."""
-        return not (self.qk_norm or self.sandwich_norm or self.hidden_act != "silu" or self.embed_scale != 1.0
-                    or self.query_scale is not None or self.layer_windows or self.rope_local_theta is not None)
-
-    @property
     def softmax_scale(self) -> float:
         return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
 

@@ -173,7 +173,7 @@ def _build(model: LlamaModel, quantization: str, prompt_activations: str, has_bl
             if num_prompt and not quiet:  # the operator sees which kernels prompts take (auto picks silently)
                 log.info("prompt rows of %d projections take %s activations", num_prompt, kind)
         model.use_kernels(lambda rope: NativeOps(native.load(), rope, cfg.max_position_embeddings))
-        if cfg.plain_layout and NativeDecoder.usable(model):  # the C layer is the Llama layout's alone
+        if NativeDecoder.usable(model):
             model.native_decoder = NativeDecoder(model, native.load(), cast(NativeOps, model.ops).cos_sin_cache)
     elif quantization == "fp16":
         from nodeserve.model.quant import quantize_linears
