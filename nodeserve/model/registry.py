@@ -75,6 +75,13 @@ class Architecture:
     chat_template: str | None = None  # when the checkpoint carries none
 
 
+def _mistral_window(c: dict) -> dict[str, Any]:
+    # Mistral 7B v0.1 attends over the last 4,096 positions in every layer; later Mistral configs say null.
+    if c.get("model_type") == "mistral" and c.get("sliding_window"):
+        return {"layer_windows": (int(c["sliding_window"]),) * c["num_hidden_layers"]}
+    return {}
+
+
 def _gemma3_hf(c: dict) -> dict[str, Any]:
     num_layers = c["num_hidden_layers"]
     pattern = c.get("sliding_window_pattern", 6)
@@ -113,7 +120,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
         "llama", ("LlamaForCausalLM", "MistralForCausalLM"), "llama",
         adds="the base layout; llama3 RoPE scaling, tied embeddings (Llama 3.2 1B/3B), Mistral files of this layout",
         reference="LlamaForCausalLM: SmolLM2 (bundled), synthetic Llama 3.2-shaped GGUF files",
-        backends=("torch_ref", "native CPU", "flashinfer"), unpermute_qk=True),
+        backends=("torch_ref", "native CPU", "flashinfer"), unpermute_qk=True, hf_fields=_mistral_window),
     Architecture(
         "qwen2", ("Qwen2ForCausalLM",), "qwen2", adds="q/k/v biases",
         reference="Qwen2ForCausalLM: synthetic GGUF and HF checkpoints",

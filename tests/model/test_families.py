@@ -215,3 +215,16 @@ def test_every_architecture_is_tested_here_or_in_the_suite():
     assert set(registry.ARCHITECTURES) == tested
     for a in registry.ARCHITECTURES.values():
         assert a.reference.split(":")[0] in a.hf_classes + ("Gemma3ForCausalLM",)
+
+
+def test_mistral_sliding_window_checkpoint_equals_transformers(tmp_path):
+    torch.manual_seed(5)
+    hf = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=256, sliding_window=8)).float().eval()
+    hf.save_pretrained(tmp_path)
+    write_word_tokenizer(tmp_path)
+    loaded = load_model(str(tmp_path), torch.float32)
+    assert loaded.config.architecture == "llama" and loaded.config.layer_windows == (8, 8)
+    prompts = _prompts()
+    assert _greedy(loaded, prompts, page_size=4, prefill_chunk=9) == hf_greedy(hf, prompts)
