@@ -32,20 +32,21 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
                   "original_max_position_embeddings": 16}  # short, so the prompts' positions reach past it
 
 FAMILIES = {
-    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+    "qwen3": lambda **kw: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=128, intermediate_size=512, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1e6,
-        tie_word_embeddings=False)),  # head_dim 128, not hidden / heads = 64
-    "llama3": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        tie_word_embeddings=False, **kw)),  # head_dim 128, not hidden / heads = 64
+    "llama3": lambda **kw: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=512, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling=LLAMA3_SCALING, tie_word_embeddings=True)),
-    "gemma3": lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        rope_scaling=LLAMA3_SCALING, tie_word_embeddings=True, **kw)),
+    "gemma3": lambda **kw: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
         head_dim=128, query_pre_attn_scalar=128, intermediate_size=512, max_position_embeddings=256,
-        rms_norm_eps=1e-6, sliding_window=8, rope_parameters={
+        rms_norm_eps=1e-6, rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}, tie_word_embeddings=True)),
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}, tie_word_embeddings=True,
+        **{"sliding_window": 8, **kw})),
 }
 # HF name (after "model.layers.N.") -> GGUF name, per family: what convert_hf_to_gguf.py writes.
 GGUF_NAMES = {
@@ -62,9 +63,9 @@ LAYER_NAMES = {
 }
 
 
-def build_hf(family: str):
+def build_hf(family: str, **config):
     torch.manual_seed(99)
-    hf = FAMILIES[family]().float().eval()
+    hf = FAMILIES[family](**config).float().eval()
     with torch.no_grad():  # random init leaves norms at one (Gemma's at zero): make every weight matter
         for name, p in hf.named_parameters():
             if "norm" in name:
