@@ -95,7 +95,8 @@ class Tokenizer:
     # ---- loading ----
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
+    def from_gguf_metadata(cls, meta: dict[str, Any], default_template: str | None = None) -> Tokenizer:
+        """default_template: the chat template when the file carries none (its architecture's, model/registry.py)."""
         kind = meta.get("tokenizer.ggml.model")
         tokens = meta.get("tokenizer.ggml.tokens")
         if kind not in ("gpt2", "llama"):
@@ -114,10 +115,10 @@ class Tokenizer:
         # llama.cpp's defaults when the file doesn't say: SentencePiece vocabularies add BOS, most BPE ones don't.
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or pre in _LLAMA3_PRES))
         return cls(backend, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_ids=eos_ids,
-                   add_bos=add_bos, chat_template=meta.get("tokenizer.chat_template"))
+                   add_bos=add_bos, chat_template=meta.get("tokenizer.chat_template") or default_template)
 
     @classmethod
-    def from_hf_dir(cls, path: str | os.PathLike) -> Tokenizer:
+    def from_hf_dir(cls, path: str | os.PathLike, default_template: str | None = None) -> Tokenizer:
         path = Path(path)
         config = _read_json(path / "tokenizer_config.json")
         if (path / "tokenizer.json").is_file():
@@ -145,7 +146,7 @@ class Tokenizer:
         else:
             add_bos = backend.adds_bos_by_default(bos_id)
         return cls(backend, bos_token_id=bos_id, eos_ids=eos_ids, add_bos=add_bos,
-                   chat_template=_hf_chat_template(path, config))
+                   chat_template=_hf_chat_template(path, config) or default_template)
 
     # ---- text <-> ids ----
 
@@ -392,7 +393,8 @@ class _SentencePieceBackend:
         if token in self._added:
             return self._added[token]
         token_id = self.sp.piece_to_id(token)
-        return token_id if self.sp.id_to_piece(token_id) == token else None  # unknown pieces map to <unk>
+        # unknown pieces map to <unk>, or to -1 where the vocabulary has none (Gemma's marks <unk> a control piece)
+        return token_id if 0 <= token_id < self._piece_count and self.sp.id_to_piece(token_id) == token else None
 
     def special_text(self, token_id: int | None) -> str:
         if token_id is None:

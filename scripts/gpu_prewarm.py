@@ -48,7 +48,8 @@ def attn(args) -> None:
 
     device = torch.device("cuda", 0)
     h, kh, d = args.heads, args.kv_heads, args.head_dim
-    cfg = SimpleNamespace(num_layers=1, num_heads=h, num_kv_heads=kh, head_dim=d, max_position_embeddings=8192)
+    cfg = SimpleNamespace(num_layers=1, num_heads=h, num_kv_heads=kh, head_dim=d, max_position_embeddings=8192,
+                          softmax_scale=d ** -0.5, window=lambda layer: 0)
     seqs = [(15, 1), (99, 1), (0, 33), (40, 17)]
     meta, pages = _meta(seqs, 16, device)
     pool = KVPool(cfg, pages + 8, 16, DTYPES[args.kv_dtype], device)

@@ -38,6 +38,12 @@ class ModelConfigLike(Protocol):
     def head_dim(self) -> int: ...
     @property
     def max_position_embeddings(self) -> int: ...
+    @property
+    def softmax_scale(self) -> float: ...
+
+    def window(self, layer: int) -> int:
+        """How many most recent positions layer `layer` attends to, the query's own included; 0: all of them."""
+        ...
 
 
 @dataclass
@@ -71,13 +77,18 @@ class AttentionBackend(Protocol):
     pool.layers[i] is [num_pages, 2, page_size, num_kv_heads, head_dim], K at [:, 0] and V at [:, 1].
 
     Lifecycle:
-      - built once with its pool and what it needs of the model (heads, head_dim and so the scale, dtype);
+      - built once with its pool and what it needs of the model (heads, head_dim, the softmax scale, each layer's
+        sliding window, dtype);
       - prepare(meta) once per step, before the model's forward and outside any CUDA-graph capture: whatever
         depends only on the step is built there (FlashInfer's plan(), torch_ref's decode groups);
       - forward(layer_id, q, k, v) for each layer of that step, in increasing layer order: writes the step's K/V
         into pool.layers[layer_id] (FP8 pools: quantized with that layer's k_scales / v_scales) and attends.
     forward() before any prepare(), or on a layer that already ran since the last prepare() (a new step that
     skipped it), raises instead of attending with a stale plan.
+
+    Sliding windows (cfg.window(layer) > 0): a query at position i sees key j iff j <= i and i - j < window. Slots
+    before the window of a step's earliest query of a sequence are never read, so their pages may be freed and
+    reused (and hold anything, NaN included).
     """
 
     pool: KVPoolLike

@@ -1,7 +1,9 @@
 """The FlashInfer attention backend (CUDA only): torch_ref's contract and pool layout, FlashInfer's paged kernels.
 
-One plan per step: prepare() builds the page indices on the host and plans the decode and prefill wrappers; every
-layer's forward() runs on that plan. FlashInfer's plan() copies its inputs to the GPU and cannot be captured in a
+One plan per step and window: prepare() builds the page indices on the host and plans the decode and prefill
+wrappers; every layer's forward() runs on its window's plan. window_left is a plan() argument, so layers with
+different sliding windows (Gemma 3: five of 512 to one global) need wrappers of their own, one pair per distinct
+window. FlashInfer's plan() copies its inputs to the GPU and cannot be captured in a
 CUDA graph; run() can, so the graph path prepares outside capture and replay (runtime/cuda_graphs.py).
 """
 
@@ -33,15 +35,19 @@ class PagedIndices:
 
 
 def paged_indices(page_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], query_lens: Sequence[int],
-                  page_size: int) -> PagedIndices:
-    """Index tensors for sequences whose KV (after this step's write) is seq_lens[b] tokens on page_tables[b]."""
+                  page_size: int, window: int = 0) -> PagedIndices:
+    """Index tensors for sequences whose KV (after this step's write) is seq_lens[b] tokens on page_tables[b].
+    window > 0: each sequence's pages from the one holding its first query's window start: the kernel never reads
+    the pages before (they may be freed), and since positions count from the first page listed and the masks
+    (causal, window_left) only compare them, dropping whole pages shifts nothing."""
     qo, kv, indices, last = [0], [0], [], []
     for table, seq_len, q_len in zip(page_tables, seq_lens, query_lens):
         num_pages = -(-seq_len // page_size)
         if len(table) < num_pages:
             raise ValueError(f"a page table of {len(table)} pages cannot hold {seq_len} tokens")
-        indices.extend(table[:num_pages])
-        kv.append(kv[-1] + num_pages)
+        first_page = max(0, seq_len - q_len - window + 1) // page_size if window else 0
+        indices.extend(table[first_page:num_pages])
+        kv.append(kv[-1] + num_pages - first_page)
         qo.append(qo[-1] + q_len)
         last.append(seq_len - (num_pages - 1) * page_size)
 
@@ -68,16 +74,18 @@ def _recorded_cuda_event(device: torch.device) -> torch.cuda.Event:
     return event
 
 
-def split_indices(meta: AttentionMetadata) -> tuple[PagedIndices | None, PagedIndices | None]:
-    """(decode rows [0, num_decodes), prefill rows [num_decodes, B)) of a step; None for an empty part.
-    Prefill qo_indptr counts from the first prefill token, i.e. it indexes q[num_decodes:]."""
+def split_indices(meta: AttentionMetadata, window: int = 0) -> tuple[PagedIndices | None, PagedIndices | None]:
+    """(decode rows [0, num_decodes), prefill rows [num_decodes, B)) of a step, for layers of sliding window
+    `window` (0: none); None for an empty part. Prefill qo_indptr counts from the first prefill token, i.e. it
+    indexes q[num_decodes:]."""
     tables = meta.page_tables_host if meta.page_tables_host is not None else meta.page_tables.tolist()
     nd, b = meta.num_decodes, meta.num_seqs
 
     def part(lo: int, hi: int) -> PagedIndices | None:
         if lo == hi:
             return None
-        return paged_indices(tables[lo:hi], meta.seq_lens_host[lo:hi], meta.query_lens[lo:hi], meta.page_size)
+        return paged_indices(tables[lo:hi], meta.seq_lens_host[lo:hi], meta.query_lens[lo:hi], meta.page_size,
+                             window)
 
     return part(0, nd), part(nd, b)
 
@@ -93,6 +101,9 @@ class FlashInferAttention(PagedAttention):
     workspace: share another backend's float workspace; safe when both run in turn on one stream.
     FP8 pools: K/V are quantized with each layer's scales, and the same scales go to run() as Python floats,
     which a captured CUDA graph keeps: calibrate before capturing (runtime/warmup.py).
+    Sliding windows: decode[w] and prefill[w] serve the layers of window w (0: none), planned with
+    window_left = w - 1 (FlashInfer's window is inclusive on the left: query i sees keys i - window_left .. i) over
+    the pages from the window's first on. The wrappers share the float workspace: they run in turn on one stream.
     """
 
     prompt_kernel = "flashinfer"
@@ -104,7 +115,8 @@ class FlashInferAttention(PagedAttention):
         super().__init__(pool)
         device = self.device = pool.device
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.dtype, self.scale = dtype, cfg.head_dim ** -0.5
+        self.dtype, self.scale = dtype, cfg.softmax_scale
+        self.windows = [cfg.window(i) for i in range(len(pool.layers))]
         # plan() fills a pinned host buffer and copies it to the GPU asynchronously: planning again before that
         # copy has run would overwrite the previous step's plan. An event after each plan, waited on before the next
         # (steps that do not sample, like intermediate prefill chunks, never sync otherwise).
@@ -112,38 +124,46 @@ class FlashInferAttention(PagedAttention):
         self._plan_event = None
         self.workspace = workspace if workspace is not None else \
             torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        graph = {}
-        if graph_batch_size is not None:
+
+        def graph_buffers() -> dict:
+            """A CUDA-graph decode wrapper's own index buffers (each wrapper's plan() fills its own)."""
+            if graph_batch_size is None:
+                return {}
             # Pages may repeat within a step (requests sharing a cached prefix list the same pages), so the index
             # buffer is sized for every row at the model's longest context, not for the pool: ~128 KiB at 64 rows.
             max_num_pages = graph_batch_size * -(-cfg.max_position_embeddings // pool.page_size) + graph_batch_size
-            graph = dict(use_cuda_graph=True,
-                         paged_kv_indptr_buffer=torch.zeros(graph_batch_size + 1, dtype=torch.int32, device=device),
-                         paged_kv_indices_buffer=torch.zeros(max_num_pages, dtype=torch.int32, device=device),
-                         paged_kv_last_page_len_buffer=torch.zeros(graph_batch_size, dtype=torch.int32,
-                                                                   device=device))
+            return dict(use_cuda_graph=True,
+                        paged_kv_indptr_buffer=torch.zeros(graph_batch_size + 1, dtype=torch.int32, device=device),
+                        paged_kv_indices_buffer=torch.zeros(max_num_pages, dtype=torch.int32, device=device),
+                        paged_kv_last_page_len_buffer=torch.zeros(graph_batch_size, dtype=torch.int32,
+                                                                  device=device))
+        windows = sorted(set(self.windows))
         # Tensor cores: the prefill-kernel decode path takes any GQA group size (SmolLM2's is 3) and is the
         # faster one for groups of 4 and more.
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True,
-                                                                    **graph)
+        self.decode = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True,
+                                                                        **graph_buffers()) for w in windows}
         self.prefill = None if graph_batch_size is not None else \
-            flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+            {w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for w in windows}
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        """Plans both wrappers for this step; forward() then runs every layer on that plan."""
-        decode, prefill = (None if part is None else for_plan(part, self.device) for part in split_indices(meta))
-        common = dict(q_data_type=self.dtype, kv_data_type=self.pool.dtype, o_data_type=self.dtype,
-                      sm_scale=self.scale)
+        """Plans the decode and prefill wrappers of every window for this step; forward() then runs each layer on
+        its window's plan."""
+        if meta.num_decodes < meta.num_seqs and self.prefill is None:
+            raise ValueError("a CUDA-graph decode backend cannot run prefill chunks")
         if self._plan_event is not None:
-            self._plan_event.synchronize()  # the previous plan's copies have run: its host buffer is free
-        if decode is not None:
-            self.decode.plan(decode.kv_indptr, decode.kv_indices, decode.kv_last_page_len, *self.heads,
-                             meta.page_size, pos_encoding_mode="NONE", **common)
-        if prefill is not None:
-            if self.prefill is None:
-                raise ValueError("a CUDA-graph decode backend cannot run prefill chunks")
-            self.prefill.plan(prefill.qo_indptr, prefill.kv_indptr, prefill.kv_indices, prefill.kv_last_page_len,
-                              *self.heads, meta.page_size, causal=True, **common)
+            self._plan_event.synchronize()  # the previous plan's copies have run: its host buffers are free
+        for window, decode_wrapper in self.decode.items():
+            decode, prefill = (None if part is None else for_plan(part, self.device)
+                               for part in split_indices(meta, window))
+            common = dict(q_data_type=self.dtype, kv_data_type=self.pool.dtype, o_data_type=self.dtype,
+                          sm_scale=self.scale, window_left=window - 1 if window else -1)
+            if decode is not None:
+                decode_wrapper.plan(decode.kv_indptr, decode.kv_indices, decode.kv_last_page_len, *self.heads,
+                                    meta.page_size, pos_encoding_mode="NONE", **common)
+            if prefill is not None and self.prefill is not None:
+                self.prefill[window].plan(prefill.qo_indptr, prefill.kv_indptr, prefill.kv_indices,
+                                          prefill.kv_last_page_len, *self.heads, meta.page_size, causal=True,
+                                          **common)
         self._plan_event = self._record_plan_event()
         super().prepare(meta)
 
@@ -153,12 +173,16 @@ class FlashInferAttention(PagedAttention):
         k_scale, v_scale = self.scales(layer_id)
         write_kv_scaled(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
         scales = dict(k_scale=k_scale, v_scale=v_scale) if self.pool.is_fp8 else {}
-        nd = meta.num_decodes
+        window, nd = self.windows[layer_id], meta.num_decodes
+        decode = self.decode[window]
         if nd == q.shape[0]:
-            return self.decode.run(q, kv_layer, **scales)
+            return decode.run(q, kv_layer, **scales)
+        if self.prefill is None:  # prepare() refused this step already; a stale plan must not run either
+            raise ValueError("a CUDA-graph decode backend cannot run prefill chunks")
+        prefill = self.prefill[window]
         if nd == 0:
-            return self.prefill.run(q, kv_layer, **scales)
+            return prefill.run(q, kv_layer, **scales)
         out = torch.empty_like(q)
-        out[:nd] = self.decode.run(q[:nd], kv_layer, **scales)
-        out[nd:] = self.prefill.run(q[nd:], kv_layer, **scales)
+        out[:nd] = decode.run(q[:nd], kv_layer, **scales)
+        out[nd:] = prefill.run(q[nd:], kv_layer, **scales)
         return out

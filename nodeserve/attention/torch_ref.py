@@ -67,9 +67,28 @@ def gather_kv(kv_layer: torch.Tensor, page_table: torch.Tensor, length: int,
     src = kv_layer.view(torch.uint8) if is_fp8(kv_layer) else kv_layer  # index_select lacks float8 on some devices
     k = src[:, 0].index_select(0, flat).view(shape).view(kv_layer.dtype)
     v = src[:, 1].index_select(0, flat).view(shape).view(kv_layer.dtype)
+    k, v = _converted(kv_layer, k, v, dtype)
+    return k[:, :length], v[:, :length]
+
+
+def gather_slots(kv_layer: torch.Tensor, slots: torch.Tensor,
+                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V at the given pool slots (page * page_size + offset), reading nothing else: slots [B, L] ->
+    ([B, L, KH, D], [B, L, KH, D]), as gather_kv returns them. For sliding windows, whose rows start mid-page."""
+    page_size, flat = kv_layer.shape[2], slots.reshape(-1)
+    pages, offsets = flat // page_size, flat % page_size
+    shape = (*slots.shape, *kv_layer.shape[3:])
+    src = kv_layer.view(torch.uint8) if is_fp8(kv_layer) else kv_layer
+    k = src[pages, 0, offsets].view(shape).view(kv_layer.dtype)
+    v = src[pages, 1, offsets].view(shape).view(kv_layer.dtype)
+    return _converted(kv_layer, k, v, dtype)
+
+
+def _converted(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
     if dtype is not None and dtype != kv_layer.dtype:
         k, v = (fp8_to(k, dtype), fp8_to(v, dtype)) if is_fp8(kv_layer) else (k.to(dtype), v.to(dtype))
-    return k[:, :length], v[:, :length]
+    return k, v
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -144,6 +163,9 @@ class _DecodeGroup:
     page_table: torch.Tensor  # [n, pages covering max_len]
     max_len: int
     mask: torch.Tensor         # [n, 1, 1, max_len]: key positions each row may see
+    # A windowed layer's group: [n, max_len] the slots of each row's window (gather_slots), padded with its last
+    # one; None: the rows read their pages from the first (page_table).
+    slots: torch.Tensor | None = None
 
 
 class TorchAttention(PagedAttention):
@@ -155,6 +177,10 @@ class TorchAttention(PagedAttention):
     FP8 pools: K/V are gathered as stored and converted to q's dtype (exact: every e4m3 value is a bf16, fp16
     and fp32 value); k_scale is folded into the softmax scale and v_scale applied to the output, which is what
     FlashInfer's run(k_scale=, v_scale=) computes, and spares a pass over the gathered K/V.
+
+    Windowed layers (cfg.window(layer)): the native kernels start at the window's first page; elsewhere decodes
+    gather only each row's window and prefill chunks the keys from their first query's window on, with the
+    window in the mask. A window no row reaches takes the unwindowed path.
     """
 
     def __init__(self, pool: KVPoolLike, cfg: ModelConfigLike, dtype: torch.dtype, prompt_attention: str = "float32"):
@@ -162,7 +188,8 @@ class TorchAttention(PagedAttention):
         the prefill kernel's products in bf16 where the CPU has AVX512-BF16 (only "bfloat16" warns where not);
         "float32" in float32."""
         super().__init__(pool)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.softmax_scale
+        self.windows = [cfg.window(i) for i in range(len(pool.layers))]
         kernels = native.load() if pool.device.type == "cpu" and dtype == torch.float32 else None
         # None: no compiler, or not a pool the kernels read (float32, or float16 where F16C is built in)
         self._kernels = kernels if kernels is not None and pool.dtype in kernels.kv_dtypes else None
@@ -173,7 +200,7 @@ class TorchAttention(PagedAttention):
         if prompt_attention == "bfloat16" and not self._prefill_bf16 and pool.device.type == "cpu":
             log.warning("model.prompt_attention = \"bfloat16\" needs the AVX-512 prefill kernel on a CPU with "
                         "AVX512-BF16 and a float32 model; prompt attention stays float32 here")
-        self._groups: list[_DecodeGroup] = []
+        self._groups: dict[int, list[_DecodeGroup]] = {}  # by window
 
     @property
     def prompt_kernel(self) -> str:
@@ -183,10 +210,12 @@ class TorchAttention(PagedAttention):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
-        self._groups = self._decode_groups(meta) if self._kernels is None else []
+        self._groups = {w: self._decode_groups(meta, w) for w in set(self.windows)} if self._kernels is None else {}
 
-    def _decode_groups(self, meta: AttentionMetadata) -> list[_DecodeGroup]:
+    def _decode_groups(self, meta: AttentionMetadata, window: int) -> list[_DecodeGroup]:
         nd, device = meta.num_decodes, self.pool.device
+        if window and max(meta.seq_lens_host[:nd], default=0) > window:
+            return self._window_groups(meta, window)
         groups = length_groups(meta.seq_lens_host[:nd]) if nd else []
         planned = []
         for rows in groups:
@@ -198,6 +227,24 @@ class TorchAttention(PagedAttention):
             planned.append(_DecodeGroup(idx, table, max_len, mask))
         return planned
 
+    def _window_groups(self, meta: AttentionMetadata, window: int) -> list[_DecodeGroup]:
+        """Decode groups of a layer with a window some row outgrows: each row gathers its last `window` slots only,
+        so nothing before them is read (their pages may be freed)."""
+        nd, device, page_size = meta.num_decodes, self.pool.device, meta.page_size
+        lens = [min(n, window) for n in meta.seq_lens_host[:nd]]
+        groups = length_groups(lens)
+        planned = []
+        for rows in groups:
+            max_len = max(lens[i] for i in rows)
+            idx = torch.tensor(rows, device=device) if len(groups) > 1 else slice(0, nd)
+            seq_lens = meta.seq_lens[idx, None]                                          # [n, 1]
+            pos = (seq_lens - window).clamp(min=0) + torch.arange(max_len, device=device)  # [n, max_len]
+            mask = (pos < seq_lens)[:, None, None, :]
+            pos = torch.minimum(pos, seq_lens - 1)  # padding re-reads the row's last key, which the mask drops
+            slots = meta.page_tables[idx].gather(1, pos // page_size) * page_size + pos % page_size
+            planned.append(_DecodeGroup(idx, meta.page_tables[idx], max_len, mask, slots))
+        return planned
+
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta, kv_layer = self.step_for(layer_id), self.pool.layers[layer_id]
         k_scale, v_scale = self.scales(layer_id)
@@ -207,22 +254,31 @@ class TorchAttention(PagedAttention):
         else:
             write_kv_scaled(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
         dtype = q.dtype if kv_layer.dtype != q.dtype else None  # FP8, or a float16 pool under a float32 model
-        scale = self.scale * k_scale
+        scale, window = self.scale * k_scale, self.windows[layer_id]
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd and kernels is not None:
             out[:nd] = kernels.paged_decode_attention(
-                q[:nd].contiguous(), kv_layer, meta.page_tables[:nd], meta.seq_lens[:nd], scale)
-        else:
-            for g in self._groups:
-                kd, vd = gather_kv(kv_layer, g.page_table, g.max_len, dtype)  # [n, L, KH, D]
+                q[:nd].contiguous(), kv_layer, meta.page_tables[:nd], meta.seq_lens[:nd], scale, window)
+        elif nd:
+            for g in self._groups[window]:
+                if g.slots is None:
+                    kd, vd = gather_kv(kv_layer, g.page_table, g.max_len, dtype)  # [n, L, KH, D]
+                else:
+                    kd, vd = gather_slots(kv_layer, g.slots, dtype)
                 out[g.idx] = attend_decode(q[g.idx], kd, vd, g.mask, scale)
         start = nd
         for b in range(nd, meta.num_seqs):
             q_len, seq_len = meta.query_lens[b], meta.seq_lens_host[b]
+            chunk_window = window if window < seq_len else 0  # a window the chunk never outgrows masks nothing
             if self._prefill_kernel and kernels.prefill_attention(
                     q[start:start + q_len], kv_layer, meta.page_tables[b], seq_len - q_len, scale,
-                    out[start:start + q_len], self._prefill_bf16):
+                    out[start:start + q_len], self._prefill_bf16, chunk_window):
+                start += q_len
+                continue
+            if chunk_window:
+                out[start:start + q_len] = self._windowed_chunk(kv_layer, q[start:start + q_len], meta.page_tables[b],
+                                                                seq_len, chunk_window, scale, dtype)
                 start += q_len
                 continue
             num_pages = -(-seq_len // meta.page_size)
@@ -242,3 +298,18 @@ class TorchAttention(PagedAttention):
         if v_scale != 1.0:
             out *= v_scale
         return out
+
+    def _windowed_chunk(self, kv_layer: torch.Tensor, q: torch.Tensor, page_table: torch.Tensor, seq_len: int,
+                        window: int, scale: float, dtype: torch.dtype | None) -> torch.Tensor:
+        """A prefill chunk q [Lq, H, D] ending at seq_len, in a layer with a window: its keys from the first
+        query's window on (the pages before it unread), query i at position seq_len - Lq + i seeing key j iff
+        j <= i and i - j < window."""
+        q_len, page_size = q.shape[0], kv_layer.shape[2]
+        lo = max(0, seq_len - q_len - window + 1)  # the first key any query sees
+        first_page, num_pages = lo // page_size, -(-seq_len // page_size)
+        kp, vp = gather_kv(kv_layer, page_table[None, first_page:num_pages], seq_len - first_page * page_size, dtype)
+        skip = lo - first_page * page_size  # the first page's slots before lo (they may hold anything)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(lo, seq_len, device=q.device)[None, :]
+        mask = (k_pos <= q_pos) & (q_pos - k_pos < window)  # [Lq, seq_len - lo]
+        return attend(q[None], kp[:, skip:], vp[:, skip:], mask[None, None], False, scale)[0]

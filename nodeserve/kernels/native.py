@@ -49,9 +49,9 @@ _SIGNATURES = {
     "ns_linear": (_int, [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]),
     "ns_dequant_rows": (None, [_int, _ptr, _i64, _ptr, _i64, _ptr]),
     "ns_paged_decode_attention": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
-                                         _int]),
+                                         _int, _i64]),
     "ns_prefill_attention": (_int, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
-                                    _int, _int]),
+                                    _int, _int, _i64]),
     "ns_rms_norm": (None, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32]),
     "ns_add_rms_norm": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32]),
     "ns_silu_and_mul": (None, [_ptr, _ptr, _i64, _i64]),
@@ -219,32 +219,35 @@ class NativeKernels:
             raise ValueError(f"ns_write_kv: no kernel for a {kv_layer.dtype} pool in this build")
 
     def paged_decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, page_tables: torch.Tensor,
-                               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
         """q [B, H, D] float32, kv_layer [P, 2, page_size, KH, D] of one of kv_dtypes, page_tables [B, max_pages]
-        int64, seq_lens [B] int64 -> [B, H, D]."""
+        int64, seq_lens [B] int64 -> [B, H, D]. window > 0: each row sees its last `window` positions (its own
+        included), and no slot before them is read."""
         b, h, d = q.shape
         out = torch.empty_like(q)
         if self.lib.ns_paged_decode_attention(
                 q.data_ptr(), kv_layer.data_ptr(), page_tables.data_ptr(), page_tables.shape[1],
                 seq_lens.data_ptr(), out.data_ptr(), b, h, kv_layer.shape[3], d, kv_layer.shape[2], scale,
-                _is_f16(kv_layer)):
+                _is_f16(kv_layer), window):
             raise MemoryError("ns_paged_decode_attention: out of memory")
         return out
 
     def prefill_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, page_table: torch.Tensor, num_prefix: int,
-                          scale: float, out: torch.Tensor, bf16: bool = False) -> bool:
+                          scale: float, out: torch.Tensor, bf16: bool = False, window: int = 0) -> bool:
         """out [Lq, H, D] = causal attention of q [Lq, H, D] (float32; heads and D contiguous, rows strided), the
         tokens after num_prefix cached ones of the sequence whose pages are page_table (int64, contiguous), over
         a pool layer [P, 2, page_size, KH, D] of one of kv_dtypes. False (out untouched) where the kernel is not built
         (no AVX-512; with bf16, no AVX512-BF16) or does not take these shapes. bf16: the products in bf16
-        (vdpbf16ps), the sums and the softmax in float32."""
+        (vdpbf16ps), the sums and the softmax in float32. window > 0: each query sees its last `window` positions
+        (its own included), and no slot before the first query's window is read."""
         lq, h, d = q.shape
         if (q.stride()[1:] != (d, 1) or out.stride()[1:] != (d, 1) or page_table.dtype != torch.int64
                 or not page_table.is_contiguous()):
             return False
         return self.lib.ns_prefill_attention(
             q.data_ptr(), q.stride(0), kv_layer.data_ptr(), page_table.data_ptr(), num_prefix, lq, out.data_ptr(),
-            out.stride(0), h, kv_layer.shape[3], d, kv_layer.shape[2], scale, _is_f16(kv_layer), int(bf16)) == 0
+            out.stride(0), h, kv_layer.shape[3], d, kv_layer.shape[2], scale, _is_f16(kv_layer), int(bf16),
+            window) == 0
 
 
 def _is_f16(kv_layer: torch.Tensor) -> int:

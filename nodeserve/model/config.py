@@ -7,6 +7,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from nodeserve.model import registry
+
 
 class LoadError(Exception):
     """A checkpoint could not be loaded. The message is one line that names the problem."""
@@ -61,14 +63,6 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
-# HF architectures class name -> our layout name.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-}
-
-
 def config_from_hf(path: str) -> ModelConfig:
     """An HF checkpoint directory's config.json, or a config.json file itself."""
     config_path = path if os.path.isfile(path) else os.path.join(path, "config.json")
@@ -81,15 +75,14 @@ def config_from_hf(path: str) -> ModelConfig:
         raise LoadError(f"{config_path}: cannot read it ({e})") from None
     if not isinstance(c, dict):
         raise LoadError(f"{config_path}: not an HF config.json (a JSON object)")
-    names = c.get("architectures") or []
-    arch = next((SUPPORTED_ARCHITECTURES[n] for n in names if n in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise LoadError(f"{path}: unsupported architecture {names or c.get('model_type')} "
-                        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    try:
+        arch = registry.by_hf_classes(c.get("architectures") or [c.get("model_type")], path)
+    except ValueError as e:
+        raise LoadError(str(e)) from None
     try:
         num_heads = c["num_attention_heads"]
-        return ModelConfig(
-            architecture=arch,
+        fields = dict(
+            architecture=arch.name,
             vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"],
             intermediate_size=c["intermediate_size"],
@@ -98,19 +91,28 @@ def config_from_hf(path: str) -> ModelConfig:
             num_kv_heads=c.get("num_key_value_heads") or num_heads,
             head_dim=c.get("head_dim") or c["hidden_size"] // num_heads,
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            rope_theta=_rope_theta(c),
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
+            attention_bias=bool(c.get("attention_bias", False)),
             rope_scaling=c.get("rope_scaling") or _rope_parameters_scaling(c),
         )
+        fields.update(arch.hf_fields(c))
+        return ModelConfig(**fields)
     except KeyError as e:
         raise LoadError(f"{config_path}: no {e.args[0]!r}") from None
+
+
+def _rope_theta(c: dict) -> float:
+    params = c.get("rope_parameters") or {}
+    params = params.get("full_attention", params)  # Gemma 3: one set per layer type
+    return float(c.get("rope_theta") or params.get("rope_theta", 10000.0))
 
 
 def _rope_parameters_scaling(c: dict) -> dict | None:
     # transformers >= 5 writes rope settings under "rope_parameters" instead of "rope_scaling".
     params = c.get("rope_parameters") or {}
+    params = params.get("full_attention", params)
     if params.get("rope_type", "default") == "default":
         return None
     return params

@@ -12,17 +12,17 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from nodeserve.model import registry
 from nodeserve.model.block_quant import QuantizedWeight, to_kernel_layout
 from nodeserve.model.config import LoadError, ModelConfig
 from nodeserve.model.gguf_header import Header, read_header
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-
 _FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: dequantized to the serving dtype whatever keep_blocks says
 
-# GGUF tensor name -> our parameter name (the HF name without "model.").
+# GGUF tensor name -> our parameter name (the HF name without "model."), for the Llama layout; a family's own
+# names (registry.Architecture.gguf_tensors) take precedence.
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -56,9 +56,11 @@ def open_reader(path: str) -> Header:
 
 
 def config_from_metadata(meta: dict[str, Any], path: str) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise LoadError(f"{path}: unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    try:
+        family = registry.by_gguf_name(meta.get("general.architecture"), path)
+    except ValueError as e:
+        raise LoadError(str(e)) from None
+    arch = family.gguf_name
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -72,8 +74,8 @@ def config_from_metadata(meta: dict[str, Any], path: str) -> ModelConfig:
     scaling = None
     if meta.get(f"{arch}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
-    return ModelConfig(
-        architecture=arch,
+    fields = dict(
+        architecture=family.name,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -85,9 +87,13 @@ def config_from_metadata(meta: dict[str, Any], path: str) -> ModelConfig:
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length")),
         tie_word_embeddings=False,  # set by load_gguf from whether output.weight exists
-        attention_bias=arch == "qwen2",
         rope_scaling=scaling,
     )
+    try:
+        fields.update(family.gguf_fields(meta, arch))
+    except KeyError as e:
+        raise LoadError(f"{path}: GGUF metadata lacks '{e.args[0]}'") from None
+    return ModelConfig(**fields)
 
 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -122,14 +128,16 @@ def load_gguf(path: str, dtype: torch.dtype, progress: Callable[[int, int], None
     reader = open_reader(path)
     meta = read_metadata(reader)
     cfg = config_from_metadata(meta, path)
+    family = registry.ARCHITECTURES[cfg.architecture]
+    layer_names = {**_LAYER_NAMES, **family.gguf_tensors}
     state: dict[str, torch.Tensor] = {}
     dense_types: set[str] = set()  # block types keep_blocks lacks, dequantized (logged once each)
     for i, t in enumerate(reader.tensors):
         if m := _LAYER_RE.match(t.name):
             layer, part, kind = m.groups()
-            if part not in _LAYER_NAMES:
+            if part not in layer_names:
                 raise LoadError(f"{path}: unexpected tensor '{t.name}' for architecture '{cfg.architecture}'")
-            name = f"layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+            name = f"layers.{layer}.{layer_names[part]}.{kind}"
         else:
             base, _, kind = t.name.rpartition(".")
             if base not in _GLOBAL_NAMES:
@@ -147,9 +155,9 @@ def load_gguf(path: str, dtype: torch.dtype, progress: Callable[[int, int], None
         w = np.array(t.data) if blocks else _dequantize(t, path)
         w = w.reshape(int(t.shape[1]), -1) if blocks else \
             w.reshape([int(d) for d in reversed(t.shape)] if len(t.shape) > 1 else [-1])
-        if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if family.unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute(w, cfg.num_heads)
-        elif cfg.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif family.unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute(w, cfg.num_kv_heads)
         if blocks:
             state[name] = to_kernel_layout(QuantizedWeight(

@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from nodeserve.model import registry
 from nodeserve.model.config import LoadError, ModelConfig, config_from_hf
 
 
@@ -32,6 +33,7 @@ def load_hf(path: str, dtype: torch.dtype,
     from safetensors import safe_open
 
     cfg = config_from_hf(path)
+    plus_one = registry.ARCHITECTURES[cfg.architecture].norm_plus_one
     state: dict[str, torch.Tensor] = {}
     files = _safetensors_files(path)
     for i, file in enumerate(files):
@@ -41,7 +43,10 @@ def load_hf(path: str, dtype: torch.dtype,
                     key = name.removeprefix("model.")
                     if "rotary_emb.inv_freq" in key:
                         continue
-                    state[key] = f.get_tensor(name).to(dtype)
+                    tensor = f.get_tensor(name)
+                    if plus_one and key.endswith("norm.weight"):  # computed as 1 + w (float32, as HF does)
+                        tensor = 1.0 + tensor.float()
+                    state[key] = tensor.to(dtype)
         except LoadError:
             raise
         except Exception as e:

@@ -1,4 +1,5 @@
-"""The Llama-layout decoder (Llama 1/2/3, Mistral, Qwen2, SmolLM) over a paged KV cache, in plain PyTorch.
+"""The Llama-layout decoder (Llama 1/2/3, Mistral, Qwen2, SmolLM) over a paged KV cache, in plain PyTorch, with
+what Qwen3 and Gemma 3 add to it switched on by their ModelConfig fields (model/registry.py says which).
 
 Projections are nn.Linear, or QuantLinear for block-quantized weights (model/block_quant.py); the pointwise ops
 (norms, SiLU-and-mul, RoPE) go through the replica's kernel set (nodeserve/model/ops.py), which each forward
@@ -12,6 +13,7 @@ import logging
 from typing import Callable, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nodeserve.attention.base import AttentionBackend
@@ -92,13 +94,16 @@ class Attention(nn.Module):
         self.v_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias)
         self.o_proj = _linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
         self.qkv_proj: nn.Module | None = None  # set by fuse()
+        if cfg.qk_norm:  # one weight over head_dim, shared by every head
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def fuse(self) -> None:
         """Replaces q/k/v with one [q; k; v] projection: one GEMM instead of three per layer."""
         self.qkv_proj = _fused(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, backend: AttentionBackend,
+    def forward(self, x: torch.Tensor, rotary: Rotary, backend: AttentionBackend, ops: Kernels,
                 prompt_from: int | None = None) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -106,6 +111,9 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)     # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KH, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, KH, D]
+        if hasattr(self, "q_norm"):  # per head, before RoPE
+            q = self.q_norm(q.reshape(-1, self.head_dim), ops).view(t, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim), ops).view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary.apply(q, k)
         out = backend.forward(self.layer_id, q, k, v)  # [T, H, D]
         return _project(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), prompt_from)
@@ -122,6 +130,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
+        self.hidden_act = cfg.hidden_act
         self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size)
         self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size)
@@ -133,7 +142,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: Kernels, prompt_from: int | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if x.shape[0] <= MAX_MLP_ROWS or not isinstance(gate_up, block_quant.QuantLinear):
+        if self.hidden_act == "gelu_tanh":  # GeGLU (Gemma): transformers' op, no kernel set has it fused
+            y = _project(gate_up, x, prompt_from)  # [T, 2I]
+            act = F.gelu(y[:, :self.intermediate_size], approximate="tanh") * y[:, self.intermediate_size:]
+        elif x.shape[0] <= MAX_MLP_ROWS or not isinstance(gate_up, block_quant.QuantLinear):
             act = ops.silu_and_mul(_project(gate_up, x, prompt_from))  # [T, 2I] -> [T, I]
         else:  # each block's SiLU straight into its rows of act (a cat of the blocks took 19 ms a 2k prompt)
             act = torch.empty(x.shape[0], self.intermediate_size, dtype=torch.float32,  # QuantLinear's outputs'
@@ -149,8 +161,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id)
+        # the Llama layout's norm before the MLP; with sandwich norms (Gemma), the norm of attention's output
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.sandwich_norm = cfg.sandwich_norm
+        if cfg.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, rotary, backend, ops, prompt_from: int | None = None,
                 all_reduce: AllReduceFn | None = None):
@@ -158,9 +175,14 @@ class DecoderLayer(nn.Module):
         # Rows from prompt_from on are prompt tokens, before them the step's decode rows (None: not said).
         # all_reduce: on a tensor-parallel rank, o_proj's and down_proj's outputs are partial sums over its heads
         # and columns; summed over the group, every rank holds the same residual stream again.
-        attn = self.self_attn(self.input_layernorm(x, ops), rotary, backend, prompt_from)
+        attn = self.self_attn(self.input_layernorm(x, ops), rotary, backend, ops, prompt_from)
         if all_reduce is not None:
             attn = all_reduce(attn)
+        if self.sandwich_norm:
+            attn = self.post_attention_layernorm(attn, ops)
+            h, x = self.pre_feedforward_layernorm.add_and_norm(attn, x, ops)  # x += norm(attn); h = norm(x)
+            mlp = self.mlp(h, ops, prompt_from)
+            return x + self.post_feedforward_layernorm(mlp if all_reduce is None else all_reduce(mlp), ops)
         h, x = self.post_attention_layernorm.add_and_norm(attn, x, ops)  # x += attn; h = norm(x)
         mlp = self.mlp(h, ops, prompt_from)
         return x + (mlp if all_reduce is None else all_reduce(mlp))
@@ -180,7 +202,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        # the windowed layers' own RoPE base, unscaled (Gemma 3), or None: every layer takes `rope`
+        self.local_rope = None if cfg.rope_local_theta is None else \
+            RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta, None)
         self.ops: Kernels = TorchOps(self.rope)
+        self.local_ops: Kernels | None = None if self.local_rope is None else TorchOps(self.local_rope)
         self.native_decoder: Callable | None = None  # decode-only steps in one native call per layer (CPU)
 
     @property
@@ -188,9 +214,11 @@ class LlamaModel(nn.Module):
         """The activations' (and a wide KV pool's) dtype; the norms are never quantized."""
         return self.norm.weight.dtype
 
-    def use_kernels(self, ops: Kernels) -> None:
-        """Runs this replica's norms, SiLU-and-mul and RoPE with `ops`; call before capturing CUDA graphs."""
-        self.ops = ops
+    def use_kernels(self, make: Callable[[RotaryEmbedding], Kernels]) -> None:
+        """Runs this replica's norms, SiLU-and-mul and RoPE with the kernel set make(rope) builds (once more for
+        the windowed layers' RoPE where they have their own); call before capturing CUDA graphs."""
+        self.ops = make(self.rope)
+        self.local_ops = None if self.local_rope is None else make(self.local_rope)
 
     def fuse(self) -> None:
         """Fuses q/k/v and gate/up projections; call once the checkpoint's (unfused) weights are loaded."""
@@ -212,16 +240,19 @@ class LlamaModel(nn.Module):
         """
         ops = self.ops
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.cfg.embed_scale != 1.0:  # the scale rounded to x's dtype first, as transformers does
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         native_reduce = all_reduce is None or all_reduce.handle is not None  # the C layer reduces natively only
         if self.native_decoder is not None and before_layer is None and native_reduce and \
                 self.native_decoder.takes(x, backend):
             return self.norm(self.native_decoder(x, positions, backend, on_layer_done, all_reduce), ops)
         rotary = ops.rotary(positions, x.dtype)
+        local_rotary = rotary if self.local_ops is None else self.local_ops.rotary(positions, x.dtype)
         prompt_from = backend.meta.num_decodes if backend.meta is not None else None  # decodes come first
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
-            x = layer(x, rotary, backend, ops, prompt_from, all_reduce)
+            x = layer(x, local_rotary if self.cfg.window(i) else rotary, backend, ops, prompt_from, all_reduce)
             if on_layer_done is not None:
                 on_layer_done(i)
         return self.norm(x, ops)

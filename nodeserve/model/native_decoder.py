@@ -6,6 +6,11 @@ dispatch cost was about a third of the step (bench/README.md). This runs the sam
 with one call per layer, the way CUDA graphs replay a step on a GPU. LlamaModel.forward takes it for steps whose
 every row decodes one token over a float32 pool; prefill chunks and mixed steps take the module path.
 
+The C layer is the Llama layer (plus Qwen2's qkv bias) with the config's softmax scale and each layer's sliding
+window (Mistral's). What the other families add to it (q/k norms, sandwich norms, GeGLU, an embedding scale, a
+second RoPE base for windowed layers: Qwen3, Gemma 3) it does not run, so `usable` declines those models and they
+take the module path.
+
 Under tensor parallelism each rank's decoder holds its shard of every layer and passes `comm` (its rank in a
 native group, device/collectives.py): the layer call all-reduces the o_proj and down_proj outputs in C.
 """
@@ -30,7 +35,7 @@ class _Layer(ctypes.Structure):  # struct ns_layer
     _fields_ = [("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64),
                 ("intermediate", _i64), ("eps", _f32), ("input_norm", _p), ("post_norm", _p), ("qkv_bias", _p),
                 ("qkv", _p), ("o", _p), ("gate_up", _p), ("down", _p), ("qkv_type", _i32), ("o_type", _i32),
-                ("gate_up_type", _i32), ("down_type", _i32)]
+                ("gate_up_type", _i32), ("down_type", _i32), ("window", _i64)]
 
 
 class _Step(ctypes.Structure):  # struct ns_step
@@ -44,11 +49,11 @@ class NativeDecoder:
         """model: a LlamaModel whose projections are fused QuantLinears (checked by `usable`)."""
         cfg = model.cfg
         self.kernels, self.cos_sin_cache = kernels, cos_sin_cache
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.softmax_scale
         self._fn = kernels.lib.ns_decode_layer
         self._fn.restype, self._fn.argtypes = ctypes.c_int, [_p, _p, _p, _p]
         self.layers = []
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             bias = attn.qkv_proj.bias
             self.layers.append(_Layer(
@@ -57,15 +62,20 @@ class NativeDecoder:
                 layer.post_attention_layernorm.weight.data_ptr(), None if bias is None else bias.data_ptr(),
                 attn.qkv_proj.weight.data_ptr(), attn.o_proj.weight.data_ptr(), mlp.gate_up_proj.weight.data_ptr(),
                 mlp.down_proj.weight.data_ptr(), attn.qkv_proj.qtype, attn.o_proj.qtype, mlp.gate_up_proj.qtype,
-                mlp.down_proj.qtype))
+                mlp.down_proj.qtype, cfg.window(i)))
         self._layer_array = (_Layer * len(self.layers))(*self.layers)
         self._model = model  # keeps the weights the structs point into alive
 
     @staticmethod
     def usable(model) -> bool:
-        """Every projection block-quantized (fused qkv and gate/up), and only qkv with a bias (Qwen2)."""
+        """Every projection block-quantized (fused qkv and gate/up), only qkv with a bias (Qwen2), and a layer the C
+        one computes: no q/k norm, no sandwich norms, SiLU, no embedding scale, one RoPE base."""
         from nodeserve.model.block_quant import QuantLinear
 
+        cfg = model.cfg
+        if (cfg.qk_norm or cfg.sandwich_norm or cfg.hidden_act != "silu" or cfg.embed_scale != 1.0
+                or cfg.rope_local_theta not in (None, cfg.rope_theta)):
+            return False
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

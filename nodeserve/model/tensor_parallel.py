@@ -24,7 +24,7 @@ from nodeserve.model.tp_layout import RankShard, TPLayout, tp_layout, valid_degr
 from nodeserve.kernels import native
 from nodeserve.model import block_quant
 from nodeserve.model.config import LoadError, ModelConfig
-from nodeserve.model.llama import LlamaModel
+from nodeserve.model.llama import LlamaModel, RMSNorm
 
 
 def layout_for(cfg: ModelConfig, num_ranks: int) -> TPLayout:
@@ -50,8 +50,12 @@ def shard_model(model: LlamaModel, shard: RankShard) -> LlamaModel:
     q = range(shard.q_heads.start * d, shard.q_heads.stop * d)
     kv = range(shard.kv_heads.start * d, shard.kv_heads.stop * d)
     for full, part in zip(model.layers, out.layers):
-        part.input_layernorm, part.post_attention_layernorm = full.input_layernorm, full.post_attention_layernorm
+        for name, norm in full.named_children():  # every norm (Gemma's four too), shared
+            if isinstance(norm, RMSNorm):
+                setattr(part, name, norm)
         a, b = full.self_attn, part.self_attn
+        if hasattr(a, "q_norm"):  # over head_dim: the same for every head
+            b.q_norm, b.k_norm = a.q_norm, a.k_norm
         b.q_proj, b.k_proj, b.v_proj = _rows(a.q_proj, q), _rows(a.k_proj, kv), _rows(a.v_proj, kv)
         b.o_proj = _columns(a.o_proj, q)
         m, n = full.mlp, part.mlp

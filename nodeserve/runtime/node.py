@@ -258,7 +258,7 @@ def build_runner(replica: LlamaModel | TPGroupModel, pool: KVPool, attention: st
     if not isinstance(backend, FlashInferAttention):
         return ModelRunner(replica, backend)
     if replica.dtype in FLASHINFER_OPS_DTYPES and not isinstance(replica.ops, FlashInferOps):
-        replica.use_kernels(FlashInferOps(replica.rope, replica.cfg.max_position_embeddings, pool.device))
+        replica.use_kernels(lambda rope: FlashInferOps(rope, replica.cfg.max_position_embeddings, pool.device))
     graphs = DecodeGraphs(replica, backend, max_num_seqs) if cuda_graphs else None
     return ModelRunner(replica, backend, graphs)
 

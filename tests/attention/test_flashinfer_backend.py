@@ -15,7 +15,7 @@ from nodeserve.attention.torch_ref import TorchAttention
 from nodeserve.config import ConfigError
 
 PAGE_SIZE = 4
-CFG = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=8)
+CFG = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=8, softmax_scale=8 ** -0.5, window=lambda layer: 0)
 
 
 def _meta(rows: list[tuple[list[int], int, int]], num_decodes: int, host_tables: bool = True) -> AttentionMetadata:
@@ -96,8 +96,9 @@ def test_write_kv_scaled_is_write_kv_for_wide_dtypes():
 
 
 def _pool(device: torch.device, dtype: torch.dtype) -> SimpleNamespace:
-    """A stand-in KVPool: make_backend and the reference backend's constructor read only its device and dtype."""
-    return SimpleNamespace(device=device, dtype=dtype)
+    """A stand-in KVPool: make_backend and the reference backend's constructor read only its device, dtype and
+    layers."""
+    return SimpleNamespace(device=device, dtype=dtype, layers=())
 
 
 def test_make_backend_on_cpu():

@@ -19,7 +19,7 @@ from nodeserve.kv.pool import KVPool, pages_for
 H, KH, D = 8, 2, 32
 SCALE = D ** -0.5  # what the backends derive from head_dim
 CPU = torch.device("cpu")
-CFG = SimpleNamespace(num_heads=H, num_kv_heads=KH, head_dim=D)
+CFG = SimpleNamespace(num_heads=H, num_kv_heads=KH, head_dim=D, softmax_scale=D ** -0.5, window=lambda layer: 0)
 
 
 def _pool(num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype = torch.float32) -> KVPool:
@@ -62,7 +62,10 @@ class _FakeWrapper:
             q_pos = torch.arange(length - qb.shape[0], length)[:, None]
             if self.prefill and not self.kw["causal"]:
                 raise AssertionError("prefill must be planned causal")
-            scores = scores.masked_fill(torch.arange(length)[None, :] > q_pos, float("-inf"))
+            k_pos = torch.arange(length)[None, :]
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            if self.kw.get("window_left", -1) >= 0:  # inclusive: query i sees keys i - window_left .. i
+                scores = scores.masked_fill(q_pos - k_pos > self.kw["window_left"], float("-inf"))
             out[qo[b]:qo[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
         return out
 
@@ -123,13 +126,14 @@ def _ragged(page_size: int, seed: int):
     return kv, q, k, v, meta
 
 
-def _backends(fake_flashinfer, kv: torch.Tensor, num_layers: int = 1, dtype: torch.dtype = torch.float32):
+def _backends(fake_flashinfer, kv: torch.Tensor, num_layers: int = 1, dtype: torch.dtype = torch.float32,
+              cfg=CFG):
     """(FlashInfer, torch reference), each over its own pool whose every layer holds `kv`."""
     pools = [_pool(num_layers, kv.shape[0], kv.shape[2], dtype) for _ in range(2)]
     for pool in pools:
         for layer in pool.layers:
             layer.copy_(kv)
-    return fake_flashinfer(pools[0], CFG, torch.float32), TorchAttention(pools[1], CFG, torch.float32)
+    return fake_flashinfer(pools[0], cfg, torch.float32), TorchAttention(pools[1], cfg, torch.float32)
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])
@@ -144,7 +148,8 @@ def test_matches_torch_reference_and_plans_once_per_step(fake_flashinfer, page_s
     out = backend.forward(0, q, k, v)
     assert torch.equal(backend.pool.layers[0], reference.pool.layers[0])
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
-    assert backend.prefill.kw["causal"] is True and backend.decode.kw["sm_scale"] == SCALE
+    assert backend.prefill[0].kw["causal"] is True and backend.decode[0].kw["sm_scale"] == SCALE
+    assert backend.decode[0].kw["window_left"] == backend.prefill[0].kw["window_left"] == -1  # no window
     backend.forward(1, q, k, v)  # the next layer of the same step: no new plan
     assert _FakeWrapper.num_plans == 2
     backend.prepare(_ragged(page_size, seed=page_size)[4])  # a new step: plans again
@@ -185,13 +190,65 @@ def test_fp8_pool_passes_scales(fake_flashinfer):
                                                .to(torch.float8_e4m3fn).view(torch.uint8))  # the cached prefixes
     backend.prepare(meta)
     out = backend.forward(1, q, k, v)
-    assert backend.decode.kw["kv_data_type"] == torch.float8_e4m3fn
+    assert backend.decode[0].kw["kv_data_type"] == torch.float8_e4m3fn
     torch.testing.assert_close(out, ref, atol=0.1, rtol=0.1)
     torch_backend.prepare(meta)
     torch_out = torch_backend.forward(1, q, k, v)
     assert torch.equal(pools[0].data.view(torch.uint8), pools[1].data.view(torch.uint8))  # the same writes
     torch.testing.assert_close(out, torch_out, atol=1e-5, rtol=1e-5)
 
+
+WINDOWS = (16, 0, 3, 17, 16)  # five layers, four distinct windows (0: global)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_windowed_layers_plan_a_wrapper_pair_per_distinct_window(fake_flashinfer, page_size):
+    """One decode and one prefill wrapper per distinct window, planned once a step with window_left = window - 1
+    and the config's scale, over each sequence's pages from its first query's window on (the pages before, NaN
+    here, are never listed); each layer runs its window's plan and equals torch_ref with the same windows."""
+    kv, q, k, v, meta = _ragged(page_size, seed=20 + page_size)
+    cfg = SimpleNamespace(**{**vars(CFG), "softmax_scale": 0.3, "window": WINDOWS.__getitem__})
+    backend, reference = _backends(fake_flashinfer, kv, num_layers=len(WINDOWS), cfg=cfg)
+    for layer, window in enumerate(WINDOWS):
+        for b, (table, seq_len, q_len) in enumerate(zip(meta.page_tables_host, meta.seq_lens_host, meta.query_lens)):
+            first_page = max(0, seq_len - q_len - window + 1) // page_size if window else 0
+            for pool in (backend.pool, reference.pool):
+                pool.layers[layer][table[:first_page]] = float("nan")
+    assert sorted(backend.decode) == sorted(backend.prefill) == [0, 3, 16, 17]
+    backend.prepare(meta)
+    reference.prepare(meta)
+    assert _FakeWrapper.num_plans == 8
+    for window in (0, 3, 16, 17):
+        for wrapper in (backend.decode[window], backend.prefill[window]):
+            assert wrapper.kw["window_left"] == (window - 1 if window else -1) and wrapper.kw["sm_scale"] == 0.3
+    # window 3, the decode at position 15 (its window: 13 .. 15) and the chunk of 37 after 100 cached (100 - 3 + 1)
+    first_pages = {1: 13, 3: 4, 16: 0}[page_size], {1: 98, 3: 32, 16: 6}[page_size]
+    assert backend.decode[3].plan_args[2][backend.decode[3].plan_args[1][1]:backend.decode[3].plan_args[1][2]] == \
+        meta.page_tables_host[1][first_pages[0]:-(-16 // page_size)]
+    prefill_indptr = backend.prefill[3].plan_args[1]
+    assert backend.prefill[3].plan_args[2][prefill_indptr[-2]:] == \
+        meta.page_tables_host[6][first_pages[1]:-(-137 // page_size)]
+    for layer in range(len(WINDOWS)):
+        out = backend.forward(layer, q, k, v)
+        assert out.isfinite().all()
+        torch.testing.assert_close(out, reference.forward(layer, q, k, v), atol=1e-5, rtol=0)
+    assert _FakeWrapper.num_plans == 8  # every layer on the step's plans
+
+
+def test_a_graph_backend_has_a_decode_wrapper_and_buffers_per_window(fake_flashinfer):
+    cfg = SimpleNamespace(**{**vars(CFG), "max_position_embeddings": 64, "window": WINDOWS.__getitem__})
+    seen = []
+    init = _FakeWrapper.__init__
+
+    def record(self, workspace, kv_layout="NHD", **kw):
+        seen.append(kw)
+        init(self, workspace, kv_layout, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_FakeWrapper, "__init__", record)
+        backend = fake_flashinfer(_pool(len(WINDOWS), 8, 16), cfg, torch.float32, graph_batch_size=2)
+    assert backend.prefill is None and sorted(backend.decode) == [0, 3, 16, 17]
+    buffers = [kw["paged_kv_indices_buffer"] for kw in seen]
+    assert len(buffers) == 4 and len({b.data_ptr() for b in buffers}) == 4  # a plan never overwrites another's
 
 def test_model_runner_greedy_tokens_equal_torch_backend(fake_flashinfer, loaded_fp32, prompt_ids, one_thread):
     """The real model through ModelRunner: the metadata hook (host page tables, one plan per step) end to end."""
@@ -232,7 +289,7 @@ def test_each_plan_waits_for_the_previous_plans_copies(fake_flashinfer):
     backend = _backends(fake_flashinfer, kv, num_layers=2)[0]
     events = iter(range(100))
     backend._record_plan_event = lambda: Event(next(events))
-    for wrapper in (backend.decode, backend.prefill):
+    for wrapper in (backend.decode[0], backend.prefill[0]):
         plan = wrapper.plan
         wrapper.plan = lambda *args, plan=plan, **kw: (log.append(("plan",)), plan(*args, **kw))[1]
     for seed in (1, 2, 3):  # three steps: three plans (decode + prefill each)

@@ -16,7 +16,8 @@ from nodeserve.runtime.model_runner import ModelRunner
 
 H, KH, D = 8, 2, 32
 SCALE = D ** -0.5  # what the backend derives from head_dim
-CFG = SimpleNamespace(num_layers=1, num_heads=H, num_kv_heads=KH, head_dim=D)
+CFG = SimpleNamespace(num_layers=1, num_heads=H, num_kv_heads=KH, head_dim=D, softmax_scale=SCALE,
+                      window=lambda layer: 0)
 ATOL = 1e-5
 
 # (cached tokens, new tokens) per sequence. q_len 1 is a decode; the rest are prefill chunks.
@@ -27,8 +28,9 @@ PREFILLS = [(0, 7), (0, 64), (20, 13), (3, 64), (63, 2), (1, 2), (100, 37)]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [Lq, H, D], k/v [L, KH, D] (the whole sequence); query i sits at position L - Lq + i. float64."""
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """q [Lq, H, D], k/v [L, KH, D] (the whole sequence); query i sits at position L - Lq + i and sees key j iff
+    j <= i and (a window) i - j < window. float64."""
     q, k, v = q.double(), k.double(), v.double()
     lq, length = q.shape[0], k.shape[0]
     k = k.repeat_interleave(H // KH, dim=1)  # [L, H, D]
@@ -37,20 +39,26 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     q_pos = torch.arange(length - lq, length)[:, None]
     k_pos = torch.arange(length)[None, :]
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    if window:
+        scores = scores.masked_fill(q_pos - k_pos >= window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # [Lq, H, D]
 
 
-def _run(seqs: list[tuple[int, int]], page_size: int, seed: int):
-    """Builds a pool holding each sequence's cached prefix on shuffled pages, runs one step, checks it."""
+def _run(seqs: list[tuple[int, int]], page_size: int, seed: int, windows: tuple[int, ...] = (0,)):
+    """Builds a pool holding each sequence's cached prefix on shuffled pages, runs one step, checks it. One layer
+    per window: a windowed layer's slots before each sequence's first query's window hold NaN (freed pages may be
+    reused and hold anything), and must change nothing."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     seqs = sorted(seqs, key=lambda s: s[1] != 1)  # the backend's contract: decodes first
     pages_needed = [-(-(c + n) // page_size) for c, n in seqs]
     num_pages = sum(pages_needed) + 5
-    pool = KVPool(CFG, num_pages, page_size, torch.float32, torch.device("cpu"))
-    kv_layer = pool.layers[0]
+    cfg = SimpleNamespace(**{**vars(CFG), "num_layers": len(windows), "window": windows.__getitem__})
+    pool = KVPool(cfg, num_pages, page_size, torch.float32, torch.device("cpu"))
     # Garbage everywhere: a read past a sequence's length, or from a page it doesn't own, would show.
-    kv_layer.copy_(torch.randn(num_pages, 2, page_size, KH, D, generator=gen) * 100)
+    garbage = torch.randn(num_pages, 2, page_size, KH, D, generator=gen) * 100
+    for kv_layer in pool.layers:
+        kv_layer.copy_(garbage)
     ids = list(range(num_pages))
     rng.shuffle(ids)
     tables, full_k, full_v, qs, new_k, new_v, slots = [], [], [], [], [], [], []
@@ -64,10 +72,12 @@ def _run(seqs: list[tuple[int, int]], page_size: int, seed: int):
         full_v.append(v)
         qs.append(torch.randn(new, H, D, generator=gen))
         seq_slots = [table[p // page_size] * page_size + p % page_size for p in range(length)]
-        # The cached prefix is already in the pool.
-        for p in range(cached):
-            page, off = divmod(seq_slots[p], page_size)
-            kv_layer[page, 0, off], kv_layer[page, 1, off] = k[p], v[p]
+        # The cached prefix is already in the pool; a windowed layer's slots before the first query's window: NaN.
+        for kv_layer, window in zip(pool.layers, windows):
+            for p in range(cached):
+                page, off = divmod(seq_slots[p], page_size)
+                gone = window and p <= cached - window
+                kv_layer[page, 0, off], kv_layer[page, 1, off] = (float("nan"), float("nan")) if gone else (k[p], v[p])
         new_k.append(k[cached:])
         new_v.append(v[cached:])
         slots.extend(seq_slots[cached:])
@@ -85,25 +95,26 @@ def _run(seqs: list[tuple[int, int]], page_size: int, seed: int):
         num_decodes=sum(1 for _, n in seqs if n == 1),
         page_size=page_size,
     )
-    untouched = set(range(num_pages)) - {p for t in tables for p in t}
-    before = kv_layer[sorted(untouched)].clone()
+    untouched = sorted(set(range(num_pages)) - {p for t in tables for p in t})
     q = torch.cat(qs)
-    backend = TorchAttention(pool, CFG, torch.float32)
+    backend = TorchAttention(pool, cfg, torch.float32)
     backend.prepare(meta)
-    out = backend.forward(0, q, torch.cat(new_k), torch.cat(new_v))
-    assert out.shape == q.shape and out.dtype == torch.float32
-
-    start = 0
-    for b, (cached, new) in enumerate(seqs):
-        expected = _dense(qs[b], full_k[b], full_v[b])
-        torch.testing.assert_close(out[start:start + new].double(), expected, atol=ATOL, rtol=0,
-                                   msg=lambda m: f"seq {b} (cached={cached}, new={new}): {m}")
-        start += new
-        # This step's K/V landed in the pool: the whole sequence reads back from its pages.
-        k_back, v_back = gather_kv(kv_layer, page_tables[b:b + 1, :pages_needed[b]], cached + new)
-        torch.testing.assert_close(k_back[0], full_k[b], atol=0, rtol=0)
-        torch.testing.assert_close(v_back[0], full_v[b], atol=0, rtol=0)
-    assert torch.equal(kv_layer[sorted(untouched)], before), "wrote to pages no sequence owns"
+    for layer, (kv_layer, window) in enumerate(zip(pool.layers, windows)):
+        out = backend.forward(layer, q, torch.cat(new_k), torch.cat(new_v))
+        assert out.shape == q.shape and out.dtype == torch.float32
+        start = 0
+        for b, (cached, new) in enumerate(seqs):
+            expected = _dense(qs[b], full_k[b], full_v[b], window)
+            torch.testing.assert_close(out[start:start + new].double(), expected, atol=ATOL, rtol=0,
+                                       msg=lambda m: f"layer {layer} (window {window}) seq {b} (cached={cached}, "
+                                                     f"new={new}): {m}")
+            start += new
+            # This step's K/V landed in the pool: the sequence reads back from its pages (after any NaN).
+            lo = max(0, cached - window + 1) if window else 0
+            k_back, v_back = gather_kv(kv_layer, page_tables[b:b + 1, :pages_needed[b]], cached + new)
+            torch.testing.assert_close(k_back[0, lo:], full_k[b][lo:], atol=0, rtol=0)
+            torch.testing.assert_close(v_back[0, lo:], full_v[b][lo:], atol=0, rtol=0)
+        assert torch.equal(kv_layer[untouched], garbage[untouched]), "wrote to pages no sequence owns"
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16, 64])
@@ -137,6 +148,56 @@ def test_random_batches(page_size):
                 for _ in range(rng.randint(1, 9))]
         _run(seqs, page_size, seed=1000 * page_size + trial)
 
+
+WINDOWS = (3, 16, 0, 17)  # page_size 16: inside a page, a page exactly, global, one past a page
+
+
+@pytest.fixture(params=["native", "torch"])
+def attention_path(request, monkeypatch):
+    """The native kernels where built, or the PyTorch path (what a GPU or a build without them runs)."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "load", lambda: None)
+    elif native.load() is None:
+        pytest.skip("the native kernels could not be built")
+    return request.param
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_windowed_layers_see_only_their_window_and_never_the_slots_before(attention_path, page_size):
+    """Layers of windows 3, 16, none and 17 in one step: decodes, whole prompts and chunks after a prefix each equal
+    dense attention with the window in its mask, with NaN in every slot before each sequence's first query's
+    window; the global layer next to them is unchanged."""
+    seqs = DECODES + PREFILLS + [(40, 1), (33, 1), (17, 1), (50, 20), (16, 17)]
+    _run(seqs, page_size, seed=300 + page_size, windows=WINDOWS)
+
+
+@pytest.mark.parametrize("page_size", [3, 16])
+def test_windowed_decodes_and_prefills_alone(attention_path, page_size):
+    _run(DECODES + [(40, 1), (170, 1)], page_size, seed=400 + page_size, windows=WINDOWS)
+    _run(PREFILLS + [(50, 20)], page_size, seed=500 + page_size, windows=WINDOWS)
+
+
+def test_a_window_no_row_outgrows_changes_nothing(attention_path):
+    """A window longer than every sequence takes the global path: the same bytes as no window at all."""
+    torch.manual_seed(9)
+    outs = []
+    for window in (0, 1000):
+        cfg = SimpleNamespace(**{**vars(CFG), "window": lambda layer, w=window: w})
+        pool = KVPool(cfg, 32, 16, torch.float32, torch.device("cpu"))
+        pool.layers[0].copy_(torch.randn(32, 2, 16, KH, D, generator=torch.Generator().manual_seed(1)))
+        seq_lens, query_lens = [40, 99, 37, 90], [1, 1, 37, 20]
+        tables = torch.arange(32).view(4, 8)
+        slots = [int(tables[b, p // 16]) * 16 + p % 16 for b, (n, ql) in enumerate(zip(seq_lens, query_lens))
+                 for p in range(n - ql, n)]
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), page_tables=tables,
+                                 seq_lens=torch.tensor(seq_lens), query_lens=query_lens, seq_lens_host=seq_lens,
+                                 num_decodes=2, page_size=16)
+        gen = torch.Generator().manual_seed(2)
+        q, k, v = (torch.randn(len(slots), n, D, generator=gen) for n in (H, KH, KH))
+        backend = TorchAttention(pool, cfg, torch.float32)
+        backend.prepare(meta)
+        outs.append(backend.forward(0, q, k, v))
+    assert torch.equal(outs[0], outs[1])
 
 def test_write_kv_scatters_to_slots():
     page_size = 4

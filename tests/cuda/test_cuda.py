@@ -71,7 +71,8 @@ def _backend(cls, kv: torch.Tensor, num_layers: int = 1, dtype: torch.dtype = to
 
     from nodeserve.kv.pool import KVPool
 
-    cfg = SimpleNamespace(num_layers=num_layers, num_heads=H, num_kv_heads=KH, head_dim=D, max_position_embeddings=4096)
+    cfg = SimpleNamespace(num_layers=num_layers, num_heads=H, num_kv_heads=KH, head_dim=D, max_position_embeddings=4096,
+                          softmax_scale=D ** -0.5, window=lambda layer: 0)
     pool = KVPool(cfg, kv.shape[0], kv.shape[2], dtype, kv.device)
     for layer in pool.layers:
         layer.copy_(kv)
@@ -413,7 +414,7 @@ def test_graph_decode_with_flashinfer_ops_equals_eager(loaded_bf16, prompt_ids):
 
     device = torch.device("cuda", 0)
     model = _replica(loaded_bf16.model, device)
-    model.use_kernels(FlashInferOps(model.rope, model.cfg.max_position_embeddings, device))
+    model.use_kernels(lambda rope: FlashInferOps(rope, model.cfg.max_position_embeddings, device))
     runners = []
     for use_graphs in (False, True):
         backend = FlashInferAttention(KVPool(loaded_bf16.config, 256, 16, torch.bfloat16, device), model.cfg,

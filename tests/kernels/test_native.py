@@ -262,6 +262,54 @@ def test_paged_decode_attention_matches_sdpa_over_gathered_pages(one_thread, pag
         torch.testing.assert_close(got[b:b + 1], want, rtol=1e-5, atol=1e-5)
 
 
+
+def windowed_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, window: int,
+                       scale: float) -> torch.Tensor:
+    """Dense attention in float64 with an explicit mask: q [Lq, H, D] at positions q_pos, k/v [L, KH, D] at
+    positions 0 .. L - 1; query i sees key j iff j <= i and i - j < window (0: no window). Masked keys are
+    dropped, not just weighted 0, so NaN there cannot leak into the reference."""
+    h, kh = q.shape[1], k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, pos in enumerate(q_pos.tolist()):
+        lo = max(0, pos - window + 1) if window else 0
+        ki = k[lo:pos + 1].double().repeat_interleave(h // kh, 1)  # [n, H, D]
+        vi = v[lo:pos + 1].double().repeat_interleave(h // kh, 1)
+        p = (torch.einsum("hd,nhd->hn", q[i].double(), ki) * scale).softmax(-1)
+        out[i] = torch.einsum("hn,nhd->hd", p, vi)
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, pytest.param(torch.float16, marks=needs_f16c)])
+@pytest.mark.parametrize("page_size,d,kh,h", [(16, 64, 3, 9), (4, 128, 2, 8), (16, 96, 1, 2)])
+@pytest.mark.parametrize("window", [1, 3, 16, 17, 40])
+def test_paged_decode_attention_with_a_window_sees_only_it_and_reads_nothing_before(one_thread, page_size, d, kh,
+                                                                                      h, kv_dtype, window):
+    """Each row sees its last `window` positions: every slot before them holds NaN (freed pages get reused), and
+    the rows still match the dense masked reference; rows no longer than the window see everything."""
+    torch.manual_seed(window)
+    seq_lens = [1, 3, 16, 17, 18, 33, 40, 41, 70]
+    num_pages = sum(-(-n // page_size) for n in seq_lens) + 2
+    kv = torch.full((num_pages, 2, page_size, kh, d), float("nan"))
+    perm = torch.randperm(num_pages).tolist()
+    tables = torch.zeros(len(seq_lens), -(-max(seq_lens) // page_size), dtype=torch.int64)
+    ks, vs = [], []
+    for b, n in enumerate(seq_lens):
+        pages = [perm.pop() for _ in range(-(-n // page_size))]
+        tables[b, :len(pages)] = torch.tensor(pages)
+        k, v = torch.randn(n, kh, d), torch.randn(n, kh, d)
+        pos = torch.arange(max(0, n - window), n)  # only the window is written: the rest stays NaN
+        kv[tables[b, pos // page_size], 0, pos % page_size] = k[pos]
+        kv[tables[b, pos // page_size], 1, pos % page_size] = v[pos]
+        ks.append(k.to(kv_dtype).float())
+        vs.append(v.to(kv_dtype).float())
+    kv = kv.to(kv_dtype)
+    q = torch.randn(len(seq_lens), h, d)
+    got = kernels.paged_decode_attention(q, kv, tables, torch.tensor(seq_lens), 0.1, window)
+    assert got.isfinite().all()
+    for b, n in enumerate(seq_lens):
+        want = windowed_reference(q[b:b + 1], ks[b], vs[b], torch.tensor([n - 1]), window, 0.1)
+        torch.testing.assert_close(got[b:b + 1].double(), want, rtol=1e-5, atol=1e-5)
+
 def test_pointwise_kernels_match_torch_ops(one_thread):
     from nodeserve.model.native_ops import NativeOps
     from nodeserve.model.ops import TorchOps
@@ -473,6 +521,42 @@ def test_prefill_attention_in_bf16_stays_within_bf16_rounding_of_exact_attention
     if q_len > 1 or num_prefix:
         assert not torch.equal(out, exact32)
 
+
+
+def _windowed_prefill_case(num_prefix: int, q_len: int, page_size: int, h: int, kh: int, d: int, window: int):
+    """_prefill_case's sequence with NaN in every slot before the first query's window (and its spare pages)."""
+    kv, table, q = _prefill_case(num_prefix, q_len, page_size, h, kh, d, seed=window)
+    seq_len = num_prefix + q_len
+    pos = torch.arange(seq_len)
+    k, v = (kv[table[pos // page_size], i, pos % page_size].clone() for i in (0, 1))  # [L, KH, D] before the NaN
+    gone = pos[:max(0, num_prefix - window + 1)]
+    kv[table[gone // page_size], :, gone % page_size] = float("nan")
+    return kv, table, q, k, v
+
+
+@needs_avx512
+@pytest.mark.parametrize("num_prefix,q_len,page_size,h,kh,d,window", [
+    (0, 40, 16, 9, 3, 64, 1), (0, 40, 16, 9, 3, 64, 3), (0, 70, 16, 9, 3, 64, 16), (0, 70, 16, 9, 3, 64, 17),
+    (47, 30, 16, 9, 3, 64, 3), (47, 30, 16, 9, 3, 64, 16), (47, 30, 16, 9, 3, 64, 17), (100, 33, 7, 8, 2, 128, 40),
+    (300, 257, 16, 9, 3, 64, 64), (5, 70, 16, 4, 4, 128, 500), (16, 1, 16, 9, 3, 64, 16), (17, 1, 16, 9, 3, 64, 17)])
+def test_prefill_attention_with_a_window_sees_only_it_and_reads_nothing_before(one_thread, num_prefix, q_len,
+                                                                              page_size, h, kh, d, window):
+    """Query i sees its last `window` positions; every slot before the first query's window holds NaN and changes
+    nothing. float32 and float16 pools, float32 products; within bf16 rounding with bf16 products."""
+    kv, table, q, k, v = _windowed_prefill_case(num_prefix, q_len, page_size, h, kh, d, window)
+    want = windowed_reference(q, k, v, torch.arange(num_prefix, num_prefix + q_len), window, d ** -0.5)
+    out = torch.full((q_len, h, d), 7.0)
+    assert kernels.prefill_attention(q, kv, table, num_prefix, d ** -0.5, out, window=window)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    kv16 = kv.half()
+    want16 = windowed_reference(q, k.half().float(), v.half().float(), torch.arange(num_prefix, num_prefix + q_len),
+                                window, d ** -0.5)
+    assert kernels.prefill_attention(q, kv16, table, num_prefix, d ** -0.5, out, window=window)
+    torch.testing.assert_close(out.double(), want16, rtol=1e-5, atol=1e-5)
+    if kernels.prefill_bf16:
+        assert kernels.prefill_attention(q, kv, table, num_prefix, d ** -0.5, out, bf16=True, window=window)
+        err = (out.double() - want).abs()
+        assert err.max() < 2e-2 and err.mean() < 3e-3
 
 @needs_avx512
 def test_a_lent_core_takes_prefill_attention_tasks_and_the_result_is_the_same():
@@ -712,3 +796,36 @@ def test_kquant_linear_writes_only_its_columns(name):
     want = x @ gguf_dense(blocks, name, k).T
     torch.testing.assert_close(y[:, 5:11], want[:, 5:11], rtol=1e-5, atol=1e-4)
     assert (y[:, :5] == 7).all() and (y[:, 11:] == 7).all()
+
+
+def test_a_decode_layer_takes_its_window_and_reads_nothing_before_it(one_thread):
+    """ns_decode_layer with the layer's window 5 at lengths 5 and 9 (page size 4): the second row's first page lies
+    wholly before its window and holds NaN; the layer equals the unwindowed one over the same row with that page
+    dropped from its table (the positions, and so RoPE, unchanged)."""
+    import ctypes
+
+    from nodeserve.model.native_decoder import _Layer, _Step
+
+    w, s = _random_layer()
+    q8 = native.Q8_0
+
+    def run(tables: torch.Tensor, seq_lens: list[int], window: int, kv: torch.Tensor) -> torch.Tensor:
+        layer = _Layer(H, NH, KH, D, I, 1e-5, w["input_norm"].data_ptr(), w["post_norm"].data_ptr(),
+                       w["bias"].data_ptr(), w["qkv"].data_ptr(), w["o"].data_ptr(), w["gate_up"].data_ptr(),
+                       w["down"].data_ptr(), q8, q8, q8, q8, window)
+        lens, x = torch.tensor(seq_lens), s["x"].clone()
+        step = _Step(x.shape[0], tables.shape[1], PAGE, s["positions"].data_ptr(), s["slots"].data_ptr(),
+                     tables.data_ptr(), lens.data_ptr(), s["cos_sin"].data_ptr(), D ** -0.5, 0, None, 0)
+        fn = kernels.lib.ns_decode_layer
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p] * 4
+        assert fn(ctypes.byref(layer), ctypes.byref(step), x.data_ptr(), kv.data_ptr()) == 0
+        return x
+
+    kv = s["kv"].clone()
+    kv[3] = float("nan")  # row 1's page of positions 0 .. 3, before its window 4 .. 8
+    windowed = run(s["tables"], SEQ_LENS, 5, kv)
+    shifted = torch.tensor([[0, 1, 2], [4, 5, 5]])  # row 1 from its second page: 5 tokens, at the same slots
+    want = run(shifted, [5, 5], 0, s["kv"].clone())
+    assert windowed.isfinite().all()
+    torch.testing.assert_close(windowed, want, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(windowed, run(s["tables"], SEQ_LENS, 0, s["kv"].clone()))  # the window mattered

@@ -38,7 +38,8 @@ def test_attention_over_a_float16_pool_is_float32_attention_over_its_values(one_
     and what the step wrote is its K/V rounded to float16."""
     page_size, num_pages = 16, 40
     seqs = [(0, 1), (20, 1), (130, 1), (0, 37), (40, 21)]
-    cfg = SimpleNamespace(num_layers=1, num_heads=H, num_kv_heads=KH, head_dim=D)
+    cfg = SimpleNamespace(num_layers=1, num_heads=H, num_kv_heads=KH, head_dim=D, softmax_scale=D ** -0.5,
+                          window=lambda layer: 0)
     meta, all_slots = step_meta(seqs, page_size, list(range(num_pages)))
     g = torch.Generator().manual_seed(0)
     half = KVPool(cfg, num_pages, page_size, torch.float16, torch.device("cpu"))

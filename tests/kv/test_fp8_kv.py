@@ -71,7 +71,8 @@ def _dequantized(layer: torch.Tensor, k_scale: float, v_scale: float) -> torch.T
 
 def _float32_attention(meta: AttentionMetadata, layer: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """TorchAttention over a float32 pool holding `layer`, the step writing what `layer` already holds at its slots."""
-    cfg = SimpleNamespace(num_layers=1, num_heads=H, num_kv_heads=KH, head_dim=D)
+    cfg = SimpleNamespace(num_layers=1, num_heads=H, num_kv_heads=KH, head_dim=D, softmax_scale=D ** -0.5,
+                          window=lambda layer: 0)
     pool = KVPool(cfg, layer.shape[0], meta.page_size, torch.float32, torch.device("cpu"))
     pool.layers[0].copy_(layer)
     pages, offsets = meta.slot_mapping // meta.page_size, meta.slot_mapping % meta.page_size
@@ -86,7 +87,8 @@ def test_torch_backend_reads_fp8_by_layer_index(one_thread, step_meta):
     is read and written with the scales at its index: layers 0 and 1 hold the same cached bytes under different
     scales, and each gives the attention of its own dequantized values."""
     page_size, seqs = 4, [(0, 1), (9, 1), (30, 1), (0, 7), (5, 6)]  # decodes first
-    cfg = SimpleNamespace(num_layers=2, num_heads=H, num_kv_heads=KH, head_dim=D)
+    cfg = SimpleNamespace(num_layers=2, num_heads=H, num_kv_heads=KH, head_dim=D, softmax_scale=D ** -0.5,
+                          window=lambda layer: 0)
     pool = KVPool(cfg, 32, page_size, FP8, torch.device("cpu"))
     pool.k_scales, pool.v_scales = [0.1, 0.05], [0.04, 0.03]  # |x| up to 44.8 / 17.9 in layer 0, 22.4 / 13.4 in 1
     rng = random.Random(0)
@@ -121,11 +123,12 @@ def test_pool_scales_are_per_layer_and_default_to_one():
     pool = KVPool(cfg, 4, 4, FP8, torch.device("cpu"))
     assert pool.is_fp8 and pool.k_scales == [1.0] * 3 and pool.v_scales == [1.0] * 3
     pool.k_scales[2], pool.v_scales[2] = 0.5, 0.25
-    backend = TorchAttention(pool, SimpleNamespace(head_dim=D), torch.float32)
+    attn_cfg = SimpleNamespace(head_dim=D, softmax_scale=D ** -0.5, window=lambda layer: 0)
+    backend = TorchAttention(pool, attn_cfg, torch.float32)
     assert [backend.scales(i) for i in range(3)] == [(1.0, 1.0), (1.0, 1.0), (0.5, 0.25)]
     wide = KVPool(cfg, 4, 4, torch.float32, torch.device("cpu"))
     wide.k_scales[2] = 0.5
-    assert TorchAttention(wide, SimpleNamespace(head_dim=D), torch.float32).scales(2) == (1.0, 1.0)  # stored as is
+    assert TorchAttention(wide, attn_cfg, torch.float32).scales(2) == (1.0, 1.0)  # stored as is
 
 
 # ---- calibration -------------------------------------------------------------------------------------------

@@ -251,7 +251,7 @@ def test_model_with_flashinfer_ops_matches_torch_ops(flashinfer_ops):
     model = _tiny_model(seed=4)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
     want_tokens, want_logits = _greedy(model, prompts, steps=6)
-    model.use_kernels(flashinfer_ops(model.rope, model.cfg.max_position_embeddings, torch.device("cpu")))
+    model.use_kernels(lambda rope: flashinfer_ops(rope, model.cfg.max_position_embeddings, torch.device("cpu")))
     tokens, logits = _greedy(model, prompts, steps=6)
     for got, want in zip(logits, want_logits):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -26,7 +26,7 @@ MODES = {
 
 
 def _config(mode: str, **scheduler):
-    return config_from_dict({"model": {"dtype": "float32"}, "devices": MODES[mode],
+    return config_from_dict({"model": {"dtype": "float32", "quantization": "none"}, "devices": MODES[mode],
                              "kv": {"memory_gib": 0.25, "page_size": 16},
                              "scheduler": {"max_num_batched_tokens": 48, **scheduler}})
 

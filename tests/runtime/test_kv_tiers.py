@@ -21,7 +21,7 @@ PAGE = 16
 
 def _config(mode: str, memory_gib: float, host_gib: float, disk_path: str = "", **kv):
     disk = {"disk_path": disk_path, "disk_gib": 1.0} if disk_path else {}
-    return config_from_dict({"model": {"dtype": "float32"}, "devices": MODES[mode],
+    return config_from_dict({"model": {"dtype": "float32", "quantization": "none"}, "devices": MODES[mode],
                              "kv": {"memory_gib": memory_gib, "page_size": PAGE, "host_memory_gib": host_gib,
                                     **disk, **kv},
                              "scheduler": {"max_num_batched_tokens": 64}, "profile": {"startup": False}})

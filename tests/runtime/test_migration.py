@@ -12,7 +12,7 @@ from nodeserve.config import config_from_dict
 from nodeserve.runtime.engine import Engine
 from tests.runtime.test_engine import _greedy, _tokens, _wait_pools_whole
 
-CONFIG = {"model": {"dtype": "float32"}, "devices": {"mode": "colocated", "devices": ["cpu:0", "cpu:1"]},
+CONFIG = {"model": {"dtype": "float32", "quantization": "none"}, "devices": {"mode": "colocated", "devices": ["cpu:0", "cpu:1"]},
           "kv": {"memory_gib": 0.25, "page_size": 16, "prefix_cache": False},
           "scheduler": {"max_num_batched_tokens": 64}}
 

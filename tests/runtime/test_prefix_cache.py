@@ -14,7 +14,7 @@ from tests.runtime.test_engine import MODES, _greedy, _tokens, _wait_pools_whole
 
 
 def _config(mode: str, prefix_cache: bool, memory_gib: float = 0.25):
-    return config_from_dict({"model": {"dtype": "float32"}, "devices": MODES[mode],
+    return config_from_dict({"model": {"dtype": "float32", "quantization": "none"}, "devices": MODES[mode],
                              "kv": {"memory_gib": memory_gib, "page_size": 16, "prefix_cache": prefix_cache},
                              "scheduler": {"max_num_batched_tokens": 48}})
 

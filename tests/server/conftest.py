@@ -20,7 +20,8 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp_dir, devices: str, extra: str = "", quantization: str = "none", profile: bool = False):
+    def __init__(self, tmp_dir, devices: str, extra: str = "", quantization: str = "none", profile: bool = False,
+                 model: str = "smollm2-135m-instruct", name: str = "smollm2"):
         profile = profile or "adaptive" in devices  # adaptive mode places requests with the profile
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -28,8 +29,8 @@ class Server:
         with open(self.config, "w") as f:
             f.write(f"""
 [model]
-path = "smollm2-135m-instruct"
-name = "smollm2"
+path = "{model}"
+name = "{name}"
 dtype = "float32"
 quantization = "{quantization}"  # "none", the exact path, unless a test asks: its greedy output is transformers'
 [server]

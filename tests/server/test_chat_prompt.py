@@ -63,3 +63,39 @@ def test_template_with_tools_gets_them_as_transformers_passes_them(smollm2_token
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
     assert text.endswith("<|im_start|>assistant\nHi")  # chat_template_kwargs reach the template
     assert "<tools>" not in render_chat(tok, HISTORY, [], HermesFormat(), {})
+
+
+# What Qwen3's template adds to Qwen 2.5's, cut down: a namespace found by walking the messages backwards with
+# string methods, consecutive tool results grouped into one user turn, and enable_thinking from
+# chat_template_kwargs (its empty think block when thinking is off).
+QWEN3_LIKE = (
+    "{% set ns = namespace(last_query=messages|length - 1) %}"
+    "{% for m in messages[::-1] %}{% if m.role == 'user' and not m.content.startswith('<tool_response>') "
+    "and ns.last_query == messages|length - 1 %}{% set ns.last_query = (messages|length - 1) - loop.index0 %}"
+    "{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}{% if messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    "{% if tools %}{{ tools | length }} tools{% endif %}")
+
+
+def test_qwen3_style_template_renders_tool_turns_and_thinking_switch(smollm2_tokenizer):
+    tok = _with_template(smollm2_tokenizer, QWEN3_LIKE)
+    history = HISTORY + [{"role": "tool", "tool_call_id": "call_1", "content": "dry"}]
+    text = render_chat(tok, history, TOOLS, HermesFormat(), {"enable_thinking": False})
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\n18 C\n</tool_response>\n<tool_response>\ndry\n</tool_response>" \
+           "<|im_end|>" in text  # two results, one turn
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n1 tools")
+    assert "<think>" not in render_chat(tok, history, TOOLS, HermesFormat(), {})
+    # what a Qwen3 model answers with parses as a call
+    assert HermesFormat().parse('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
+                                '</tool_call>')[1][0].name == "get_weather"

@@ -39,12 +39,13 @@ int ns_kq_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M
                  int64_t n_begin, int64_t n_end);
 int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
               int64_t n_begin, int64_t n_end);  /* lend.c: splits with a lent core, then ns_linear_local */
-int ns_decode_attend_seq512(const float *q, const void *kv, const int64_t *table, int64_t len, float *out,
-                            int64_t H, int64_t KH, int64_t D, int64_t page_size, float scale, float *m_l,
+int ns_decode_attend_seq512(const float *q, const void *kv, const int64_t *table, int64_t first, int64_t len,
+                            float *out, int64_t H, int64_t KH, int64_t D, int64_t page_size, float scale, float *m_l,
                             int kv_f16);
 int ns_paged_decode_attention(const float *q, const void *kv, const int64_t *block_tables, int64_t max_pages,
                               const int64_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KH, int64_t D,
-                              int64_t page_size, float scale, int kv_f16);  /* lend.c: likewise, by sequences */
+                              int64_t page_size, float scale, int kv_f16,
+                              int64_t window);  /* lend.c: likewise, split by sequences */
 #define QK 32
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8
@@ -501,26 +502,30 @@ void ns_prefetch_page_share(const void *kv, const int64_t *table, int64_t ip, in
     }
 }
 
-/* Every query head of one sequence (H of them, G per KV head), for head_dim 8 * D8, page by page with an
- * online softmax (running max m, running sum l, output rescaled when the max grows): each page's K and V are
- * read from memory once, in address order, and stay in L1 while every head reads its part.
+/* Every query head of one sequence (H of them, G per KV head), for head_dim 8 * D8, over keys first .. len - 1,
+ * page by page with an online softmax (running max m, running sum l, output rescaled when the max grows): each
+ * page's K and V are read from memory once, in address order, and stay in L1 while every head reads its part.
+ * Nothing before key first is read (a sliding window: those slots may be freed and hold anything).
  * p: page_size floats of scratch; m, l: H floats each. */
 static inline __attribute__((always_inline)) void attend_seq(
         const int D8, const int f16, const float *q, int64_t H, int64_t G, const void *kv, const int64_t *table,
-        int64_t len, int64_t page_size, int64_t page_stride, int64_t token_stride, float scale, float *p, float *m,
-        float *l, float *out) {
+        int64_t first, int64_t len, int64_t page_size, int64_t page_stride, int64_t token_stride, float scale,
+        float *p, float *m, float *l, float *out) {
     const int64_t page_bytes = page_stride * (f16 ? 2 : 4);
     for (int64_t g = 0; g < H; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
         memset(out + g * 8 * D8, 0, sizeof(float) * 8 * (size_t)D8);
     }
-    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
-        const int64_t page = table[t0 / page_size] * page_stride;  /* in elements */
-        const int64_t n = len - t0 < page_size ? len - t0 : page_size;
+    const int64_t fp = first / page_size;  /* the window's first page: the prefetch counts from it */
+    for (int64_t t0 = fp * page_size; t0 < len; t0 += page_size) {
+        const int64_t lo = t0 < first ? first - t0 : 0;  /* the page's first key read */
+        const int64_t page = table[t0 / page_size] * page_stride + lo * token_stride;  /* in elements */
+        const int64_t n = (len - t0 < page_size ? len - t0 : page_size) - lo;
         const int64_t ip = t0 / page_size, share = (page_bytes / 64 + H - 1) / H * 64;
         for (int64_t g = 0; g < H; g++) {  /* head g reads KV head g / G */
-            ns_prefetch_page_share(kv, table, ip, len, page_size, page_bytes, g * share, share);
+            ns_prefetch_page_share(kv, table + fp, ip - fp, len - fp * page_size, page_size, page_bytes, g * share,
+                                   share);
             const int64_t k = page + (g / G) * 8 * D8, v = k + page_size * token_stride;
             __m256 vq[16], acc[16];
             for (int c = 0; c < D8; c++)
@@ -551,34 +556,38 @@ static inline __attribute__((always_inline)) void attend_seq(
 }
 #endif
 
-/* Any head_dim, plainly (kv at element offset kh * D: the head's KV head). row: D floats of scratch. */
-static void attend_head_any(const float *q, const void *kv, int64_t kh, const int64_t *table, int64_t len,
-                            int64_t page_size, int64_t page_stride, int64_t token_stride, int64_t D, float scale,
-                            float *p, float *row, float *out, int f16) {
-    for (int64_t t = 0; t < len; t++) {
+/* Any head_dim, plainly, over keys first .. len - 1 (kv at element offset kh * D: the head's KV head).
+ * row: D floats of scratch. */
+static void attend_head_any(const float *q, const void *kv, int64_t kh, const int64_t *table, int64_t first,
+                            int64_t len, int64_t page_size, int64_t page_stride, int64_t token_stride, int64_t D,
+                            float scale, float *p, float *row, float *out, int f16) {
+    for (int64_t t = first; t < len; t++) {
         const int64_t k = table[t / page_size] * page_stride + (t % page_size) * token_stride + kh * D;
         for (int64_t d = 0; d < D; d++) row[d] = kv_at(kv, k + d, f16);
-        p[t] = dot(q, row, D) * scale;
+        p[t - first] = dot(q, row, D) * scale;
     }
-    const float inv = 1.0f / softmax_numerators(p, len);
+    const float inv = 1.0f / softmax_numerators(p, len - first);
     memset(out, 0, sizeof(float) * (size_t)D);
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = first; t < len; t++) {
         const int64_t v = table[t / page_size] * page_stride + (page_size + t % page_size) * token_stride + kh * D;
         for (int64_t d = 0; d < D; d++) row[d] = kv_at(kv, v + d, f16);
-        axpy(p[t] * inv, row, out, D);
+        axpy(p[t - first] * inv, row, out, D);
     }
 }
 
 /* One query token per sequence, K/V read where they lie in the pool: no gather, no padding.
  *   q [B, H, D]; kv [num_pages, 2, page_size, KH, D] (one layer, K at [:, 0], V at [:, 1]), float32 or, with
  *   kv_f16, float16;
- *   block_tables [B, max_pages]; seq_lens [B]; out [B, H, D].
+ *   block_tables [B, max_pages]; seq_lens [B]; out [B, H, D];
+ *   window: each query sees its last `window` positions (its own included), 0 all of them; the pages before
+ *   the window are not read.
  * Flash-decoding's shape on one core: per sequence, page by page, an online softmax for every head, so each
  * K and V byte is read from memory once.
  * Returns 0, or -1 when out of memory or (a float16 pool) this build has no F16C. */
 int ns_paged_decode_attention_local(const float *q, const void *kv, const int64_t *block_tables,
                                     int64_t max_pages, const int64_t *seq_lens, float *out, int64_t B, int64_t H,
-                                    int64_t KH, int64_t D, int64_t page_size, float scale, int kv_f16) {
+                                    int64_t KH, int64_t D, int64_t page_size, float scale, int kv_f16,
+                                    int64_t window) {
     if (kv_f16 && !NS_AVX2) return -1;
     const int64_t G = H / KH, token_stride = KH * D, page_stride = 2 * page_size * token_stride;
     int64_t max_len = 1;
@@ -589,15 +598,16 @@ int ns_paged_decode_attention_local(const float *q, const void *kv, const int64_
         const int64_t *table = block_tables + b * max_pages;
         const float *qb = q + b * H * D;
         float *ob = out + b * H * D;
-        if (ns_decode_attend_seq512(qb, kv, table, seq_lens[b], ob, H, KH, D, page_size, scale,
+        const int64_t first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
+        if (ns_decode_attend_seq512(qb, kv, table, first, seq_lens[b], ob, H, KH, D, page_size, scale,
                                     p + max_len + page_size + 8, kv_f16) == 0)
             continue;
 #if NS_AVX2
         if (D == 64 || D == 128) {
             float *m = p + max_len + page_size + 8, *l = m + H;
             const int64_t len = seq_lens[b];
-#define NS_ATTEND(D8, f16) attend_seq(D8, f16, qb, H, G, kv, table, len, page_size, page_stride, token_stride, \
-                                      scale, p, m, l, ob)
+#define NS_ATTEND(D8, f16) attend_seq(D8, f16, qb, H, G, kv, table, first, len, page_size, page_stride, \
+                                      token_stride, scale, p, m, l, ob)
             if (D == 64) { if (kv_f16) NS_ATTEND(8, 1); else NS_ATTEND(8, 0); }  /* constants: each one compiles */
             else { if (kv_f16) NS_ATTEND(16, 1); else NS_ATTEND(16, 0); }
 #undef NS_ATTEND
@@ -605,8 +615,8 @@ int ns_paged_decode_attention_local(const float *q, const void *kv, const int64_
         }
 #endif
         for (int64_t h = 0; h < H; h++)
-            attend_head_any(qb + h * D, kv, h / G, table, seq_lens[b], page_size, page_stride, token_stride, D, scale,
-                            p, p + max_len + page_size + 8 + 2 * H, ob + h * D, kv_f16);
+            attend_head_any(qb + h * D, kv, h / G, table, first, seq_lens[b], page_size, page_stride, token_stride, D,
+                            scale, p, p + max_len + page_size + 8 + 2 * H, ob + h * D, kv_f16);
     }
     free(p);
     return 0;
@@ -745,6 +755,7 @@ struct ns_layer {
     const float *input_norm, *post_norm, *qkv_bias;  /* qkv_bias may be NULL */
     const uint8_t *qkv, *o, *gate_up, *down;
     int32_t qkv_type, o_type, gate_up_type, down_type;
+    int64_t window;  /* attention's sliding window (0: none), as ns_paged_decode_attention takes it */
 };
 
 /* One decode step's rows and where their KV lives, filled once per step. */
@@ -791,7 +802,7 @@ int ns_decode_layer(const struct ns_layer *L, const struct ns_step *S, float *x,
                        (int)S->kv_f16);
     for (int64_t t = 0; t < T; t++) memcpy(q + t * q_size, qkv + t * n_qkv, sizeof(float) * (size_t)q_size);
     err |= ns_paged_decode_attention(q, kv, S->block_tables, S->max_pages, S->seq_lens, attn, T, NH, KH, D,
-                                     S->page_size, S->scale, (int)S->kv_f16);
+                                     S->page_size, S->scale, (int)S->kv_f16, L->window);
     err |= ns_linear(L->o_type, L->o, attn, y, T, q_size, H, 0, H);
     if (S->group && ns_group_allreduce(S->group, S->rank, y, T * H)) goto failed;
     ns_add_rms_norm(y, x, L->post_norm, T, H, L->eps);  /* x += o; y = norm(x) */

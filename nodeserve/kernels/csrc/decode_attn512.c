@@ -53,11 +53,14 @@ static inline __m512 allmax(__m512 x) {
     return _mm512_max_ps(x, _mm512_shuffle_ps(x, x, 0xb1));
 }
 
-/* One sequence, head_dim 16 * D16: every query head (H, G per KV head) over the len keys of `table`'s pages.
- * q, out [H, D]; m, l: H floats of scratch (running max and sum). */
+/* One sequence, head_dim 16 * D16: every query head (H, G per KV head) over keys first .. len - 1 of `table`'s
+ * pages (first > 0: a sliding window). Pages before first's are never read, nor are the slots before first on
+ * its page: they may be freed and hold anything, NaN included. q, out [H, D]; m, l: H floats of scratch
+ * (running max and sum). */
 static inline __attribute__((always_inline)) void attend_seq(
         const int D16, const int f16, const float *q, int64_t H, int64_t G, const void *kv, const int64_t *table,
-        int64_t len, int64_t page_size, int64_t token_stride, float scale, float *m, float *l, float *out) {
+        int64_t first, int64_t len, int64_t page_size, int64_t token_stride, float scale, float *m, float *l,
+        float *out) {
     const int64_t es = f16 ? 2 : 4, D = 16 * D16, page_stride = 2 * page_size * token_stride;
     const int64_t page_bytes = page_stride * es, row = token_stride * es;  /* bytes */
     const __m512 vscale = _mm512_set1_ps(scale * 1.4426950408889634f);  /* log2 e: softmax in base 2 */
@@ -66,12 +69,14 @@ static inline __attribute__((always_inline)) void attend_seq(
         l[g] = 0.0f;
     }
     memset(out, 0, sizeof(float) * (size_t)(H * D));
-    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+    const int64_t fp = first / page_size;  /* the window's first page: the prefetch counts from it */
+    for (int64_t t0 = fp * page_size; t0 < len; t0 += page_size) {
         const char *page = (const char *)kv + table[t0 / page_size] * page_bytes;
-        const int64_t n_page = len - t0 < page_size ? len - t0 : page_size;
+        const int64_t n_page = len - t0 < page_size ? len - t0 : page_size, j_lo = t0 < first ? first - t0 : 0;
         const int64_t ip = t0 / page_size, share = (page_bytes / 64 + H - 1) / H * 64;
         for (int64_t g = 0; g < H; g++) {  /* head g reads KV head g / G */
-            ns_prefetch_page_share(kv, table, ip, len, page_size, page_bytes, g * share, share);
+            ns_prefetch_page_share(kv, table + fp, ip - fp, len - fp * page_size, page_size, page_bytes, g * share,
+                                   share);
             const char *kh = page + (g / G) * D * es, *vh = kh + page_size * row;
             __m512 vq[8], o[8], o2[8];
             for (int c = 0; c < D16; c++) {
@@ -80,7 +85,7 @@ static inline __attribute__((always_inline)) void attend_seq(
             }
             /* lg: the running sum spread over the lanes (l[g] in lane 0), summed once after the page */
             __m512 mg = _mm512_set1_ps(m[g]), lg = _mm512_maskz_mov_ps(1, _mm512_set1_ps(l[g]));
-            for (int64_t j0 = 0; j0 < n_page; j0 += KEYS) {
+            for (int64_t j0 = j_lo; j0 < n_page; j0 += KEYS) {
                 const int64_t n = n_page - j0 < KEYS ? n_page - j0 : KEYS;
                 __m512 acc[KEYS];
                 for (int j = 0; j < KEYS; j++) {
@@ -132,9 +137,10 @@ static inline __attribute__((always_inline)) void attend_seq(
 /* One function per head size and dtype, each compiled as a loop of its own. */
 #define NS_ATTEND_FN(name, D16, f16)                                                                             \
     static __attribute__((noinline)) void name(const float *q, int64_t H, int64_t G, const void *kv,             \
-                                               const int64_t *table, int64_t len, int64_t page_size, int64_t ts,  \
-                                               float scale, float *m, float *l, float *out) {                    \
-        attend_seq(D16, f16, q, H, G, kv, table, len, page_size, ts, scale, m, l, out);                         \
+                                               const int64_t *table, int64_t first, int64_t len,                 \
+                                               int64_t page_size, int64_t ts, float scale, float *m, float *l,   \
+                                               float *out) {                                                      \
+        attend_seq(D16, f16, q, H, G, kv, table, first, len, page_size, ts, scale, m, l, out);                  \
     }
 NS_ATTEND_FN(attend_d64, 4, 0)
 NS_ATTEND_FN(attend_d64_f16, 4, 1)
@@ -143,23 +149,23 @@ NS_ATTEND_FN(attend_d128_f16, 8, 1)
 #undef NS_ATTEND_FN
 #endif
 
-/* out [H, D] = one query token q [H, D] of a sequence over its len keys in `table`'s pages of one pool layer kv
- * [num_pages, 2, page_size, KH, D], float32 or (kv_f16) float16; m_l: 2 H floats of scratch. Returns 0, or -1
- * when this build or head size has no kernel here (the caller runs its own). */
-int ns_decode_attend_seq512(const float *q, const void *kv, const int64_t *table, int64_t len, float *out,
-                            int64_t H, int64_t KH, int64_t D, int64_t page_size, float scale, float *m_l,
+/* out [H, D] = one query token q [H, D] of a sequence over its keys first .. len - 1 in `table`'s pages of one
+ * pool layer kv [num_pages, 2, page_size, KH, D], float32 or (kv_f16) float16; m_l: 2 H floats of scratch.
+ * Returns 0, or -1 when this build or head size has no kernel here (the caller runs its own). */
+int ns_decode_attend_seq512(const float *q, const void *kv, const int64_t *table, int64_t first, int64_t len,
+                            float *out, int64_t H, int64_t KH, int64_t D, int64_t page_size, float scale, float *m_l,
                             int kv_f16) {
 #if NS_AVX512
     const int64_t G = H / KH, ts = KH * D;
     float *m = m_l, *l = m_l + H;
-    void (*fn)(const float *, int64_t, int64_t, const void *, const int64_t *, int64_t, int64_t, int64_t, float,
-               float *, float *, float *) = D == 64 ? (kv_f16 ? attend_d64_f16 : attend_d64)
-                                          : D == 128 ? (kv_f16 ? attend_d128_f16 : attend_d128) : NULL;
+    void (*fn)(const float *, int64_t, int64_t, const void *, const int64_t *, int64_t, int64_t, int64_t, int64_t,
+               float, float *, float *, float *) = D == 64 ? (kv_f16 ? attend_d64_f16 : attend_d64)
+                                                 : D == 128 ? (kv_f16 ? attend_d128_f16 : attend_d128) : NULL;
     if (!fn) return -1;
-    fn(q, H, G, kv, table, len, page_size, ts, scale, m, l, out);
+    fn(q, H, G, kv, table, first, len, page_size, ts, scale, m, l, out);
     return 0;
 #else
-    (void)q; (void)kv; (void)table; (void)len; (void)out; (void)H; (void)KH; (void)D; (void)page_size;
+    (void)q; (void)kv; (void)table; (void)first; (void)len; (void)out; (void)H; (void)KH; (void)D; (void)page_size;
     (void)scale; (void)m_l; (void)kv_f16;
     return -1;
 #endif

@@ -32,7 +32,8 @@ int ns_linear_local(int type, const uint8_t *w, const float *x, float *y, int64_
                     int64_t n_begin, int64_t n_end);
 int ns_paged_decode_attention_local(const float *q, const void *kv, const int64_t *block_tables,
                                     int64_t max_pages, const int64_t *seq_lens, float *out, int64_t B, int64_t H,
-                                    int64_t KH, int64_t D, int64_t page_size, float scale, int kv_f16);
+                                    int64_t KH, int64_t D, int64_t page_size, float scale, int kv_f16,
+                                    int64_t window);
 
 #define HELPER_NICE 5
 #define MIN_SPLIT_ROWS 64  /* below this many output rows a split costs more than the second core gives */
@@ -61,7 +62,7 @@ struct ns_job {
     int kv_f16;
     const int64_t *block_tables, *seq_lens;
     float *out;
-    int64_t max_pages, B, H, KH, D, page_size;
+    int64_t max_pages, B, H, KH, D, page_size, window;
     float scale;
 };
 
@@ -73,7 +74,7 @@ static int run_job(const struct ns_job *j) {
     if (j->kind == LINEAR)
         return ns_linear_local(j->type, j->w, j->x, j->y, j->M, j->K, j->ldy, j->n_begin, j->n_end);
     return ns_paged_decode_attention_local(j->q, j->kv, j->block_tables, j->max_pages, j->seq_lens, j->out, j->B,
-                                           j->H, j->KH, j->D, j->page_size, j->scale, j->kv_f16);
+                                           j->H, j->KH, j->D, j->page_size, j->scale, j->kv_f16, j->window);
 }
 
 struct ns_helper {
@@ -205,21 +206,25 @@ int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, i
     return split(h, &mine, &theirs);
 }
 
+/* KV tokens decode attention reads of a sequence of len tokens under a sliding window (0: none). */
+#define READ_LEN(len, window) ((window) > 0 && (len) > (window) ? (window) : (len))
+
 /* Decode attention (see ns_paged_decode_attention_local), the later sequences on the borrowed helper when it is
- * lent and idle: split where the KV tokens read are halved, since each sequence's cost is its length. Each
+ * lent and idle: split where the KV tokens read are halved, since each sequence's cost is the keys it reads. Each
  * sequence is computed whole on one thread, so the output is the unsplit one bit for bit. */
 int ns_paged_decode_attention(const float *q, const void *kv, const int64_t *block_tables, int64_t max_pages,
                               const int64_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KH, int64_t D,
-                              int64_t page_size, float scale, int kv_f16) {
+                              int64_t page_size, float scale, int kv_f16, int64_t window) {
     struct ns_helper *h = borrowed;
     int64_t total = 0;
-    for (int64_t b = 0; b < B; b++) total += seq_lens[b];
+    for (int64_t b = 0; b < B; b++) total += READ_LEN(seq_lens[b], window);
     struct ns_job mine = {.kind = ATTENTION, .q = q, .kv = kv, .block_tables = block_tables, .seq_lens = seq_lens,
                           .out = out, .max_pages = max_pages, .B = B, .H = H, .KH = KH, .D = D,
-                          .page_size = page_size, .scale = scale, .kv_f16 = kv_f16};
+                          .page_size = page_size, .scale = scale, .kv_f16 = kv_f16, .window = window};
     if (B < 2 || total < MIN_SPLIT_KV || !can_split(h)) return run_job(&mine);
     int64_t mid = 0, sum = 0;
-    while (mid < B - 1 && 2 * (sum + seq_lens[mid]) <= total) sum += seq_lens[mid++];
+    while (mid < B - 1 && 2 * (sum + READ_LEN(seq_lens[mid], window)) <= total)
+        sum += READ_LEN(seq_lens[mid++], window);
     if (mid == 0) mid = 1;
     struct ns_job theirs = mine;
     mine.B = mid;

@@ -1,6 +1,7 @@
 /* Prefill attention over the paged KV pool with AVX-512: a chunk of Lq query tokens after num_prefix cached ones
- * (0 for a prompt's first chunk), query i seeing every key up to its own position, K/V read where they lie in the
- * pages (no gather, no mask tensor, no score past the diagonal computed).
+ * (0 for a prompt's first chunk), query i seeing every key up to its own position (with a sliding window, only
+ * its last `window` ones), K/V read where they lie in the pages (no gather, no mask tensor, no score past the
+ * diagonal computed, no page before the chunk's first query's window read).
  *
  * Why by hand: torch's CPU flash attention takes no page table (the pages are gathered first) and no causal
  * offset (a chunk after a prefix needs a mask, or two calls merged by their log-sum-exps), and it runs on the
@@ -47,6 +48,11 @@ struct ns_prefill {
     int bf16;                 /* products in bf16 (vdpbf16ps), sums in float32: run_task_bf16 */
     int64_t ldq, ldo, num_prefix, Lq, H, KH, D, page_size;
     float scale;
+    int64_t window;           /* each query sees its last `window` positions, its own included; 0: all */
+    /* [key_lo, num_prefix + Lq) is KV that some query sees: key_lo = the first query's window start (0 without
+     * one). Keys before it are never read (freed pages may hold NaN); packing starts at block b_lo = key_lo / 16,
+     * with the keys of that block before key_lo packed as zeros. */
+    int64_t key_lo, b_lo;
 };
 
 int ns_prefill_supported(void) { return NS_PREFILL; }
@@ -70,10 +76,11 @@ static void widen_row(const void *kv, int64_t at, int f16, int64_t D, float *out
     for (; d < D; d++) out[d] = _mm512_cvtss_f32(_mm512_cvtph_ps(_mm256_set1_epi16((short)h[d])));
 }
 
-/* k, v = key t's K and V rows of KV head kh, as float32; zeros past num_keys (the last block's padding). */
+/* k, v = key t's K and V rows of KV head kh, as float32; zeros past num_keys (the last block's padding) and
+ * before key_lo (outside every query's window: 0 * NaN would be NaN, so they must not even be loaded). */
 static void key_rows(const struct ns_prefill *a, int64_t num_keys, int64_t kh, int64_t t, float *k, float *v) {
     const int64_t D = a->D, ps = a->page_size, token_stride = a->KH * D, page_stride = 2 * ps * token_stride;
-    if (t >= num_keys) {
+    if (t >= num_keys || t < a->key_lo) {
         memset(k, 0, sizeof(float) * (size_t)D);
         memset(v, 0, sizeof(float) * (size_t)D);
         return;
@@ -83,17 +90,18 @@ static void key_rows(const struct ns_prefill *a, int64_t num_keys, int64_t kh, i
     widen_row(a->kv, at + ps * token_stride, a->kv_f16, D, v);
 }
 
-/* K and V of the sequence's first num_keys keys, packed for the tasks: per KV head and block of 16 keys,
- * [D][16] (the 16 keys' value d side by side), so a task's multiply-adds broadcast from one base at constant
- * offsets. Past num_keys: zeros (masked). Shared by the H / KH heads and every task. */
+/* K and V of the sequence's keys in blocks b_lo .. (num_keys - 1) / 16, packed for the tasks: per KV head and
+ * block of 16 keys, [D][16] (the 16 keys' value d side by side), so a task's multiply-adds broadcast from one base
+ * at constant offsets. Past num_keys and before key_lo: zeros (masked). Shared by the H / KH heads and every
+ * task. */
 static void pack_kv(const struct ns_prefill *a, int64_t num_keys, float *kp, float *vp) {
-    const int64_t D = a->D, nb = (num_keys + KEYS - 1) / KEYS;
+    const int64_t D = a->D, nb = (num_keys + KEYS - 1) / KEYS - a->b_lo;
     float k[MAX_D], v[MAX_D];
     for (int64_t kh = 0; kh < a->KH; kh++)
         for (int64_t b = 0; b < nb; b++) {
             float *kb = kp + (kh * nb + b) * KEYS * D, *vb = vp + (kh * nb + b) * KEYS * D;
             for (int64_t j = 0; j < KEYS; j++) {
-                key_rows(a, num_keys, kh, b * KEYS + j, k, v);
+                key_rows(a, num_keys, kh, (a->b_lo + b) * KEYS + j, k, v);
                 for (int64_t d = 0; d < D; d++) {
                     kb[d * KEYS + j] = k[d];
                     vb[d * KEYS + j] = v[d];
@@ -102,29 +110,40 @@ static void pack_kv(const struct ns_prefill *a, int64_t num_keys, float *kp, flo
         }
 }
 
-/* Task t: query tokens r0 .. r0 + nr - 1 (nr <= 16) of head h, reading KV head kh's packed blocks. */
+/* Task t: query tokens r0 .. r0 + nr - 1 (nr <= 16) of head h, reading KV head kh's packed blocks b_first ..
+ * (num_keys - 1) / 16 (absolute block numbers; packed from b_lo, nb_all of them per KV head). */
 struct ns_task {
-    int64_t h, kh, r0, nr, num_keys, nb_all;
+    int64_t h, kh, r0, nr, num_keys, nb_all, b_first;
 };
 
 static struct ns_task task_of(const struct ns_prefill *a, int64_t t) {
     const int64_t nrb = (a->Lq + LANES - 1) / LANES, rb = nrb - 1 - t / a->H, h = t % a->H, r0 = rb * LANES;
     const int64_t nr = a->Lq - r0 < LANES ? a->Lq - r0 : LANES;
+    const int64_t first_key = a->window && a->num_prefix + r0 >= a->window ? a->num_prefix + r0 - a->window + 1 : 0;
     return (struct ns_task){.h = h, .kh = h / (a->H / a->KH), .r0 = r0, .nr = nr,
                             .num_keys = a->num_prefix + r0 + nr,  /* the last token of the task sees them all */
-                            .nb_all = (a->num_prefix + a->Lq + KEYS - 1) / KEYS};
+                            .nb_all = (a->num_prefix + a->Lq + KEYS - 1) / KEYS - a->b_lo,
+                            .b_first = first_key / KEYS};  /* the first token's window starts there */
 }
 
-/* valid[j]: the task's lanes that see key b * 16 + j (those i with num_prefix + r0 + i >= b * 16 + j). */
+/* valid[j]: the task's lanes that see key t = b * 16 + j: those i with num_prefix + r0 + i >= t, and with a
+ * window, num_prefix + r0 + i - t < window too. */
 static void block_masks(const struct ns_prefill *a, const struct ns_task *k, int64_t b, __mmask16 valid[KEYS]) {
     for (int j = 0; j < KEYS; j++) {
-        const int64_t first = b * KEYS + j - a->num_prefix - k->r0;
-        valid[j] = b * KEYS + j >= k->num_keys ? 0 : first <= 0 ? (__mmask16)0xffff : (__mmask16)(0xffffu << first);
+        const int64_t first = b * KEYS + j - a->num_prefix - k->r0;  /* the first lane at or after key t */
+        __mmask16 v = b * KEYS + j >= k->num_keys ? 0 : first <= 0 ? (__mmask16)0xffff : (__mmask16)(0xffffu << first);
+        if (a->window) {
+            const int64_t end = first + a->window;  /* lanes from here on are past key t's window */
+            v &= end <= 0 ? 0 : end >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << end) - 1);
+        }
+        valid[j] = v;
     }
 }
 
 /* The online softmax's step over a block's scores: masked scores to -inf, the running max *m raised to the
- * block's, and the factor alpha that rescales what was summed before. */
+ * block's, and the factor alpha that rescales what was summed before. A lane that has seen no key yet (a window's
+ * start inside the block, or a block before it) keeps m = -inf; its -inf - -inf = NaN becomes exp2_ps's floor
+ * (vmaxps returns its second operand for NaN), a weight of ~1e-38 on its l = 0 and ot = 0. */
 static inline __m512 new_max(__m512 s[KEYS], const __mmask16 valid[KEYS], __m512 *m) {
     __m512 mx = *m;
     for (int j = 0; j < KEYS; j++) {
@@ -158,8 +177,8 @@ static void run_task(const struct ns_prefill *a, int64_t t) {
             ot[d][i] = 0.0f;
         }
     __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
-    for (int64_t b = 0; b * KEYS < k.num_keys; b++) {
-        const int64_t at = (k.kh * k.nb_all + b) * KEYS * D;
+    for (int64_t b = k.b_first; b * KEYS < k.num_keys; b++) {
+        const int64_t at = (k.kh * k.nb_all + b - a->b_lo) * KEYS * D;
         const float *kb = a->kpack + at, *vb = a->vpack + at;
         __mmask16 valid[KEYS];
         block_masks(a, &k, b, valid);
@@ -197,13 +216,13 @@ static inline uint32_t bf16_bits(float x) {
  * in bf16 (the pair a vdpbf16ps lane multiplies with a query's q[2e], q[2e + 1]), and V as [D][8] uint32, value d of
  * keys 2p and 2p + 1 (paired with their two probabilities). */
 static void pack_kv_bf16(const struct ns_prefill *a, int64_t num_keys, uint32_t *kp, uint32_t *vp) {
-    const int64_t D = a->D, nb = (num_keys + KEYS - 1) / KEYS;
+    const int64_t D = a->D, nb = (num_keys + KEYS - 1) / KEYS - a->b_lo;
     float k[MAX_D], v[MAX_D];
     for (int64_t kh = 0; kh < a->KH; kh++)
         for (int64_t b = 0; b < nb; b++) {
             uint32_t *kb = kp + (kh * nb + b) * KEYS * D / 2, *vb = vp + (kh * nb + b) * KEYS * D / 2;
             for (int64_t j = 0; j < KEYS; j++) {
-                key_rows(a, num_keys, kh, b * KEYS + j, k, v);
+                key_rows(a, num_keys, kh, (a->b_lo + b) * KEYS + j, k, v);
                 for (int64_t e = 0; e < D / 2; e++)
                     kb[e * KEYS + j] = bf16_bits(k[2 * e]) | bf16_bits(k[2 * e + 1]) << 16;
                 for (int64_t d = 0; d < D; d++) {
@@ -231,8 +250,8 @@ static void run_task_bf16(const struct ns_prefill *a, int64_t t) {
         }
     memset(ot, 0, sizeof(float) * (size_t)(D * LANES));
     __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
-    for (int64_t b = 0; b * KEYS < k.num_keys; b++) {
-        const int64_t at = (k.kh * k.nb_all + b) * KEYS * D / 2;
+    for (int64_t b = k.b_first; b * KEYS < k.num_keys; b++) {
+        const int64_t at = (k.kh * k.nb_all + b - a->b_lo) * KEYS * D / 2;
         const uint32_t *kb = (const uint32_t *)a->kpack + at, *vb = (const uint32_t *)a->vpack + at;
         __mmask16 valid[KEYS];
         block_masks(a, &k, b, valid);
@@ -286,19 +305,25 @@ static void run_tasks(const void *ctx, atomic_long *next, const atomic_int *lent
 }
 
 /* out = attention of q's Lq tokens (positions num_prefix .. num_prefix + Lq - 1 of the sequence whose pages are
- * `table`) over the keys at positions up to each one's own, split with a lent core when there is enough work.
+ * `table`) over the keys at positions up to each one's own (window > 0: its last `window` ones only, and no page
+ * before the first query's window is read), split with a lent core when there is enough work.
  * q, out: [Lq, H, D] with heads and D contiguous, rows ldq / ldo floats apart; kv: one layer of the pool,
  * [num_pages, 2, page_size, KH, D]. Returns 0, or -1 when this build or these shapes have no kernel (the caller
  * uses torch's). */
 int ns_prefill_attention(const float *q, int64_t ldq, const void *kv, const int64_t *table, int64_t num_prefix,
                          int64_t Lq, float *out, int64_t ldo, int64_t H, int64_t KH, int64_t D, int64_t page_size,
-                         float scale, int kv_f16, int bf16) {
-    if (!NS_PREFILL || D > MAX_D || KH <= 0 || H % KH || Lq <= 0 || (bf16 && (!NS_PREFILL_BF16 || D % 2))) return -1;
+                         float scale, int kv_f16, int bf16, int64_t window) {
+    if (!NS_PREFILL || D > MAX_D || KH <= 0 || H % KH || Lq <= 0 || window < 0
+            || (bf16 && (!NS_PREFILL_BF16 || D % 2)))
+        return -1;
 #if NS_PREFILL
+    const int64_t key_lo = window && num_prefix >= window ? num_prefix - window + 1 : 0;
     struct ns_prefill a = {.q = q, .kv = kv, .table = table, .out = out, .ldq = ldq, .ldo = ldo,
                            .num_prefix = num_prefix, .Lq = Lq, .H = H, .KH = KH, .D = D, .page_size = page_size,
-                           .scale = scale, .kv_f16 = kv_f16, .bf16 = bf16};
-    const int64_t num_keys = num_prefix + Lq, packed = (num_keys + KEYS - 1) / KEYS * KEYS * KH * D;
+                           .scale = scale, .kv_f16 = kv_f16, .bf16 = bf16, .window = window, .key_lo = key_lo,
+                           .b_lo = key_lo / KEYS};
+    const int64_t num_keys = num_prefix + Lq;
+    const int64_t packed = ((num_keys + KEYS - 1) / KEYS - a.b_lo) * KEYS * KH * D;
     float *kp = aligned_alloc(64, sizeof(float) * (size_t)(2 * packed));
     if (!kp) return -1;
 #if NS_PREFILL_BF16
@@ -309,12 +334,12 @@ int ns_prefill_attention(const float *q, int64_t ldq, const void *kv, const int6
     a.kpack = kp;
     a.vpack = bf16 ? kp + packed / 2 : kp + packed;
     /* below ~64 x 64 query-key pairs a head, the post costs more than the second core gives */
-    ns_run_tasks(run_tasks, &a, num_tasks(&a) > 1 && Lq * (num_prefix + Lq) >= MIN_SPLIT_PAIRS);
+    ns_run_tasks(run_tasks, &a, num_tasks(&a) > 1 && Lq * (num_keys - key_lo) >= MIN_SPLIT_PAIRS);
     free(kp);
     return 0;
 #else
     (void)q; (void)ldq; (void)kv; (void)table; (void)num_prefix; (void)out; (void)ldo; (void)page_size; (void)scale;
-    (void)kv_f16; (void)bf16;
+    (void)kv_f16; (void)bf16; (void)window;
     return -1;
 #endif
 }

@@ -1,0 +1,59 @@
+"""The engine's paths with sliding-window layers: a tiny random Gemma 3 (window 20, longer than a page of 16,
+shorter than the prompts) through every mode, the prefix cache and live migration, token for token as
+transformers generates, every page back. The same test bodies as the Llama-layout model's, with this model's
+fixtures: the paths that move or share KV must stay exact when layers see only their window."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from nodeserve.model.loader import load_model
+from tests.model.test_families import build_hf, hf_greedy as transformers_greedy, write_gguf
+from tests.model.test_gguf_loader import VOCAB
+# The bodies below run again here, on this module's fixtures.
+from tests.runtime.test_engine import test_greedy_matches_transformers_in_every_mode  # noqa: F401
+from tests.runtime.test_migration import \
+    test_live_and_stop_and_copy_moves_keep_the_tokens_and_free_every_page  # noqa: F401
+from tests.runtime.test_prefix_cache import _config, _conversation, _run, prompts  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def gemma_hf():
+    hf = build_hf("gemma3", sliding_window=20)
+    assert hf.config.sliding_window == 20
+    return hf
+
+
+@pytest.fixture(scope="module")
+def loaded_fp32(gemma_hf, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma") / "gemma.gguf"
+    write_gguf(path, "gemma3", gemma_hf, QT.Q8_0)
+    loaded = load_model(str(path), torch.float32)
+    assert set(loaded.config.layer_windows) == {20, 0}
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def prompt_ids() -> list[list[int]]:
+    rng = np.random.default_rng(11)
+    return [rng.integers(0, VOCAB, size=n).tolist() for n in (7, 25, 33, 50, 4, 6, 15, 16)]  # [4:] as short as the raw prompts
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(gemma_hf, prompt_ids) -> list[list[int]]:
+    return transformers_greedy(gemma_hf, prompt_ids)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_the_prefix_cache_changes_no_token(mode, loaded_fp32, prompts):  # noqa: F811
+    """Shared, concurrent and aborted prefixes (test_prefix_cache's conversation): the same tokens with the cache
+    on and off, and the later turns start from the earlier ones' pages."""
+    body = lambda engine: _conversation(engine, prompts)  # noqa: E731
+    (on, cached_on), stats, _ = _run(_config(mode, True), loaded_fp32, body)
+    (off, _), _, _ = _run(_config(mode, False), loaded_fp32, body)
+    assert on == off
+    assert cached_on[1] == cached_on[2] == 48 and cached_on[3] == 64
+    assert all(s.num_free == s.num_pages for s in stats)
