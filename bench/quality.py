@@ -13,14 +13,21 @@ sequence) is the reference continuation. Any OpenAI-compatible server is then sc
     (the end of sequence counts as a token: predicting it means finish_reason "stop" with no text token).
     Unlike (a), one early difference does not hide every later position.
 
-Prompts: PROMPTS, 5 chat (rendered with the GGUF's chat template) and 5 raw text, tokenized once here with the
-GGUF's own tokenizer (nodeserve.tokenizer) and sent to every server as token-id lists on /v1/completions, so
-every server sees exactly the same ids whatever it would do with text (nodeserve and llama-server both take a
-list of ids as `prompt`, and neither adds a BOS for this model). Tokens come back through `logprobs: 1`, one
-entry per generated token: as token ids where the server gives them (llama-server), else as token texts; both
-are compared as the GGUF tokenizer's text of the token, and the reference's texts are mapped back to ids
-through that tokenizer's vocabulary (a text that several ids share, e.g. a lone byte of a multi-byte
-character, ends the reference's teacher-forced positions there; the count is reported).
+The model: `--model`, a bundled model name or a .gguf path (default the bundled SmolLM2-135M-Instruct Q4_1);
+nodeserve's [model] path and llama-server's -m are the same file (bench/llama_server.py gguf_path).
+
+Prompts: PROMPTS, 5 chat (rendered with the GGUF's chat template, else its architecture's from
+nodeserve/model/registry.py, as nodeserve serves it: Gemma 3's GGUF carries none) and 5 raw text, tokenized
+once here with the GGUF's own tokenizer (nodeserve.tokenizer), BOS included where that tokenizer adds one
+(Gemma, not SmolLM2), and sent to every server as token-id lists on /v1/completions, so every server sees
+exactly the same ids whatever it would do with text (nodeserve and llama-server both take a list of ids as
+`prompt` as it is, adding no BOS). Tokens come back through `logprobs: 1`, one entry per generated token: as
+token ids where the server gives them (llama-server), else as token texts; both are compared as the GGUF
+tokenizer's text of the token, and the reference's texts are mapped back to ids through that tokenizer's
+vocabulary (a text that several ids share, e.g. a lone byte of a multi-byte character, ends the reference's
+teacher-forced positions there; the count is reported; a SentencePiece byte token whose text a piece also has,
+Gemma's <0x0A> and piece "\\n", counts as the piece). Any of the tokenizer's end ids (Gemma: <eos> and
+<end_of_turn>) is the end of sequence.
 
 Targets: `nodeserve-default` (nodeserve's default config, plus `--default-extra` TOML lines for its [model]
 table), `nodeserve-none` (`quantization = "none"`, dtype auto: float32 on a CPU without hardware bf16, where it
@@ -29,11 +36,13 @@ bench/llama_server.py, with `cache_prompt: false`).
 
     python bench/quality.py                                   # ~10-15 min on the 2-core machine
     python bench/quality.py --num-prompts 2 --max-tokens 16   # a smoke run
+    python bench/quality.py --model gemma-3-270m              # the same on the bundled Gemma 3 270M Q4_K_M
     python bench/quality.py --default-extra 'quantization = "int8"' --targets nodeserve-default \
         --reuse bench/results/quality/quality.json   # one target again; the reference and the rest from before
 
-Writes --out-dir (default $NODESERVE_BENCH_DIR/quality, else ~/.cache/nodeserve/bench/quality): quality.json (command, machine, date, prompts and their
-ids, the reference continuation, every target's outputs and per-position results) and table.md.
+Writes --out-dir (default $NODESERVE_BENCH_DIR/quality, else ~/.cache/nodeserve/bench/quality; quality-<model> for
+another --model, e.g. quality-gemma-3-270m): quality.json (command, machine, date, the model and its file, prompts
+and their ids, the reference continuation, every target's outputs and per-position results) and table.md.
 """
 
 from __future__ import annotations
@@ -88,7 +97,8 @@ def continuation(choice: dict, text_of_id) -> tuple[list[str], bool]:
 
     Reads `logprobs` in either shape servers use: the legacy completions shape (`tokens`: texts) or the chat
     shape (`content`: entries with `token` and, from llama-server, `id`); an id wins over a text, through
-    text_of_id. An end-of-sequence token some servers list last is dropped: the flag says it instead.
+    text_of_id. An end-of-sequence token some servers list last (any of text_of_id.eos_texts) is dropped: the
+    flag says it instead.
     """
     lp = choice.get("logprobs") or {}
     if lp.get("content") is not None:
@@ -96,7 +106,7 @@ def continuation(choice: dict, text_of_id) -> tuple[list[str], bool]:
     else:
         keys = list(lp.get("tokens") or [])
     stopped = choice.get("finish_reason") == "stop"
-    if stopped and keys and keys[-1] in ("", text_of_id.eos_text):
+    if stopped and keys and (keys[-1] == "" or keys[-1] in text_of_id.eos_texts):
         keys.pop()
     return keys, stopped
 
@@ -164,23 +174,27 @@ def table(rows: list[tuple[str, str, dict]]) -> str:
 
 # ---- tokenizer --------------------------------------------------------------------------------------------
 
+BYTE_TOKEN = 6  # tokenizer.ggml.token_type of a SentencePiece byte-fallback token ("<0x0A>")
+
+
 class Vocab:
-    """The GGUF's tokenizer: prompt ids, token id -> text (callable), and text -> id where that is unique."""
+    """The GGUF's tokenizer as nodeserve builds it (the chat template its architecture supplies when the file has
+    none): prompt ids, token id -> text (callable), text -> id where that is unique, and the end-of-sequence texts
+    (every id nodeserve stops on: the file's EOS and end-of-turn ids)."""
 
     def __init__(self, path: str):
+        from nodeserve.model import registry
         from nodeserve.model.gguf_header import read_header
         from nodeserve.tokenizer import Tokenizer
 
         meta = read_header(path).metadata
-        self.tok = Tokenizer.from_gguf_metadata(meta)
+        family = registry.by_gguf_name(meta.get("general.architecture"), path)
+        self.tok = Tokenizer.from_gguf_metadata(meta, family.chat_template)
         size = len(meta["tokenizer.ggml.tokens"])
         texts = [self.tok.token_text(i) for i in range(size)]
         self._text = texts
-        self.ids: dict[str, int | None] = {}
-        for i, t in enumerate(texts):
-            self.ids[t] = None if t in self.ids else i  # None: several ids share this text
-        eos = meta.get("tokenizer.ggml.eos_token_id")
-        self.eos_text = texts[int(eos)] if eos is not None else None
+        self.ids = text_ids(texts, meta.get("tokenizer.ggml.token_type") or [])
+        self.eos_texts = frozenset(texts[i] for i in self.tok.eos_token_ids)
 
     def __call__(self, token_id: int) -> str:
         return self._text[int(token_id)]
@@ -190,6 +204,22 @@ class Vocab:
             text = self.tok.apply_chat_template([{"role": "system", "content": SYSTEM},
                                                  {"role": "user", "content": text}])
         return self.tok.encode(text)
+
+
+def text_ids(texts: list[str], types: list[int]) -> dict[str, int | None]:
+    """Each token text -> its id, None where several ids share it. A byte-fallback token whose text a piece also
+    has (Gemma: <0x0A> and the piece "\\n", both "\\n") leaves it to the piece: SentencePiece falls back to bytes only
+    for characters no piece holds. A byte that is not a whole character ("\\ufffd") stays ambiguous."""
+    ids: dict[str, int | None] = {}
+    fallback = []
+    for i, t in enumerate(texts):
+        if i < len(types) and types[i] == BYTE_TOKEN and t != "\ufffd":
+            fallback.append(i)
+            continue
+        ids[t] = None if t in ids else i  # None: several ids share this text
+    for i in fallback:
+        ids.setdefault(texts[i], i)  # ... unless no piece has it
+    return ids
 
 
 def reference_ids(vocab: Vocab, keys: list[str]) -> list[int]:
@@ -240,13 +270,14 @@ def run_forced(url: str, model: str, prompts: list[dict], refs: list[list[str]],
     return out
 
 
-def _start(target: Target, args, tmp: str, log: str):
-    """(process, url, config text) of a started target."""
+def _start(target: Target, args, gguf: str, tmp: str, log: str):
+    """(process, url, config text) of a started target, serving the model file `gguf`."""
     if target.kind == "llama-server":
-        srv = L.start(slots=4, slot_ctx=1024, threads=args.llama_threads, log_path=log, passive=args.llama_passive)
+        srv = L.start(slots=4, slot_ctx=1024, threads=args.llama_threads, log_path=log, passive=args.llama_passive,
+                      gguf=gguf)
         return srv.proc, srv.url, f"{srv.version}, -t {args.llama_threads}"
     proc, url = start_server(args.mode, target.dtype, tmp, log, model_extra=target.model_extra,
-                             kv_extra=target.kv_extra)
+                             kv_extra=target.kv_extra, model_path=gguf)
     lines = [ln.strip() for ln in target.model_extra.splitlines() if ln.strip()]
     lines += ["kv." + ln.strip() for ln in target.kv_extra.splitlines() if ln.strip()]
     extra = "; ".join(lines)
@@ -256,6 +287,9 @@ def _start(target: Target, args, tmp: str, log: str):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=L.DEFAULT_MODEL,
+                    help="a bundled model name (smollm2-135m-instruct, gemma-3-270m) or a .gguf path; every server, "
+                         "the reference and the prompts' tokenizer use its file")
     ap.add_argument("--targets", default="nodeserve-default,nodeserve-none,llama-server")
     ap.add_argument("--default-extra", default="",
                     help="TOML lines for nodeserve-default's [model] table (default: none, i.e. nodeserve's defaults)")
@@ -271,8 +305,11 @@ def main() -> int:
     ap.add_argument("--reuse", default=None, metavar="QUALITY_JSON",
                     help="take the reference continuations and the targets not in --targets from this earlier "
                          "quality.json (same prompts and --max-tokens), instead of starting the reference again")
-    ap.add_argument("--out-dir", default=out_path("quality"))
+    ap.add_argument("--out-dir", default=None,
+                    help="default $NODESERVE_BENCH_DIR/quality (else ~/.cache/nodeserve/bench/quality), "
+                         "quality-<model> for another --model")
     args = ap.parse_args()
+    args.out_dir = args.out_dir or out_path(L.results_name("quality", args.model))
 
     known = {"nodeserve-default": Target("nodeserve-default", "nodeserve", "auto", args.default_extra,
                                          args.default_kv_extra),
@@ -283,22 +320,27 @@ def main() -> int:
         ap.error(f"--targets must name some of {', '.join(known)}")
     if not 1 <= args.num_prompts <= len(PROMPTS) or args.max_tokens < 1 or args.concurrency < 1:
         ap.error(f"need 1 <= --num-prompts <= {len(PROMPTS)}, --max-tokens >= 1, --concurrency >= 1")
+    try:
+        gguf = L.gguf_path(args.model)
+    except Exception as e:  # nodeserve's LoadError names the bundled models
+        ap.error(f"--model {args.model}: {e}")
     os.makedirs(os.path.join(args.out_dir, "logs"), exist_ok=True)
 
     t_all = time.perf_counter()
-    vocab = Vocab(L.gguf_path())
+    vocab = Vocab(gguf)
     chosen = [PROMPTS[k] for k in sorted(range(len(PROMPTS)), key=lambda k: (k % 5, k))][:args.num_prompts]
     prompts = [{"kind": kind, "text": text, "ids": vocab.encode_prompt(kind, text)} for kind, text in chosen]
     results: dict = {"command": " ".join([os.path.basename(sys.executable)] + [shlex.quote(a) for a in sys.argv]),
                      "machine": serve.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args),
-                     "prompts": prompts, "targets": {}}
+                     "model": {"name": args.model, "file": gguf}, "prompts": prompts, "targets": {}}
     reference = Target("reference", "nodeserve", "float32", 'quantization = "none"')
     runs = [reference] + [known[n] for n in names]
     if args.reuse:
         earlier = load_json(args.reuse)
         if [p["ids"] for p in earlier["prompts"]] != [p["ids"] for p in prompts] or \
-                earlier["args"]["max_tokens"] != args.max_tokens:
-            ap.error(f"{args.reuse} was run on other prompts or another --max-tokens")
+                earlier["args"]["max_tokens"] != args.max_tokens or \
+                earlier["args"].get("model", L.DEFAULT_MODEL) != args.model:
+            ap.error(f"{args.reuse} was run on other prompts, another --max-tokens or another --model")
         results["reference"] = {**earlier["reference"], "reused_from": earlier["command"]}
         refs, ref_ids = results["reference"]["continuations"], results["reference"]["ids"]
         for name, res in earlier["targets"].items():
@@ -308,7 +350,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for target in runs:
             t = time.perf_counter()
-            proc, url, config = _start(target, args, tmp, os.path.join(args.out_dir, "logs", f"{target.name}.log"))
+            proc, url, config = _start(target, args, gguf, tmp,
+                                       os.path.join(args.out_dir, "logs", f"{target.name}.log"))
             try:
                 print(f"{target.name}: {config}, up in {time.perf_counter() - t:.1f} s", flush=True)
                 extra = {"cache_prompt": False} if target.kind == "llama-server" else {}
@@ -338,7 +381,9 @@ def main() -> int:
     results["wall_s"] = time.perf_counter() - t_all
     md = table([(n, r["config"], r["score"]) for n, r in results["targets"].items()])
     reused = [n for n, r in results["targets"].items() if r.get("reused_from")]
-    header = (f"# Quality against the float32 reference, {results['date']}\n\n`{results['command']}`\n\n"
+    named = "" if args.model.lower() == L.DEFAULT_MODEL else f" on {L.model_tag(args.model)}"
+    header = (f"# Quality against the float32 reference{named}, {results['date']}\n\n`{results['command']}`\n\n"
+              + (f"Model: `{gguf}`.\n\n" if named else "")
               + (f"The reference{''.join(', ' + n for n in reused)} come from the earlier run "
                  f"`{results['reference']['reused_from']}`.\n\n" if args.reuse else "")
               + f"Reference: {results['reference']['config']}. {len(prompts)} prompts "
