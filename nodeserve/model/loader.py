@@ -203,7 +203,9 @@ def _build(model: LlamaModel, quantization: str, prompt_activations: str, has_bl
                 log.info("prompt rows of %d projections take %s activations", num_prompt, kind)
         model.use_kernels(lambda rope: NativeOps(native.load(), rope, cfg.max_position_embeddings))
         if NativeDecoder.usable(model):
-            model.native_decoder = NativeDecoder(model, native.load(), cast(NativeOps, model.ops).cos_sin_cache)
+            model.native_decoder = NativeDecoder(
+                model, native.load(), cast(NativeOps, model.ops).cos_sin_cache,
+                None if model.local_ops is None else cast(NativeOps, model.local_ops).cos_sin_cache)
     elif quantization == "fp16":
         from nodeserve.model.quant import quantize_linears
 

@@ -7,9 +7,8 @@ with one call per layer, the way CUDA graphs replay a step on a GPU. LlamaModel.
 every row decodes one token over a float32 pool; prefill chunks and mixed steps take the module path.
 
 The C layer is the Llama layer (plus Qwen2's qkv bias) with the config's softmax scale and each layer's sliding
-window (Mistral's). What the other families add to it (q/k norms, sandwich norms, GeGLU, an embedding scale, a
-second RoPE base for windowed layers: Qwen3, Gemma 3) it does not run, so `usable` declines those models and they
-take the module path.
+window (Mistral's), and what Qwen3 and Gemma 3 add to it as fields of its struct: q/k norms, sandwich norms, GeGLU,
+a second RoPE table for windowed layers (the embedding scale is applied before the first layer).
 
 Under tensor parallelism each rank's decoder holds its shard of every layer and passes `comm` (its rank in a
 native group, device/collectives.py): the layer call all-reduces the o_proj and down_proj outputs in C.
@@ -35,7 +34,8 @@ class _Layer(ctypes.Structure):  # struct ns_layer
     _fields_ = [("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64),
                 ("intermediate", _i64), ("eps", _f32), ("input_norm", _p), ("post_norm", _p), ("qkv_bias", _p),
                 ("qkv", _p), ("o", _p), ("gate_up", _p), ("down", _p), ("qkv_type", _i32), ("o_type", _i32),
-                ("gate_up_type", _i32), ("down_type", _i32), ("window", _i64)]
+                ("gate_up_type", _i32), ("down_type", _i32), ("window", _i64), ("q_norm", _p), ("k_norm", _p),
+                ("attn_out_norm", _p), ("mlp_out_norm", _p), ("cos_sin", _p), ("gelu", _i64)]
 
 
 class _Step(ctypes.Structure):  # struct ns_step
@@ -45,10 +45,12 @@ class _Step(ctypes.Structure):  # struct ns_step
 
 
 class NativeDecoder:
-    def __init__(self, model, kernels: NativeKernels, cos_sin_cache: torch.Tensor):
-        """model: a LlamaModel whose projections are fused QuantLinears (checked by `usable`)."""
+    def __init__(self, model, kernels: NativeKernels, cos_sin_cache: torch.Tensor,
+                 local_cos_sin_cache: torch.Tensor | None = None):
+        """model: a LlamaModel whose projections are fused QuantLinears (checked by `usable`). local_cos_sin_cache:
+        the windowed layers' RoPE table where they have their own base (Gemma 3)."""
         cfg = model.cfg
-        self.kernels, self.cos_sin_cache = kernels, cos_sin_cache
+        self.kernels, self.cos_sin_cache, self.local_cos_sin_cache = kernels, cos_sin_cache, local_cos_sin_cache
         self.scale = cfg.softmax_scale
         self._fn = kernels.lib.ns_decode_layer
         self._fn.restype, self._fn.argtypes = ctypes.c_int, [_p, _p, _p, _p]
@@ -56,26 +58,31 @@ class NativeDecoder:
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             bias = attn.qkv_proj.bias
+            q_norm, k_norm = (attn.q_norm, attn.k_norm) if cfg.qk_norm else (None, None)
+            # sandwich norms (Gemma): post_attention_layernorm is attention's output norm, the MLP's input one
+            # is pre_feedforward_layernorm
+            mlp_in_norm = layer.pre_feedforward_layernorm if cfg.sandwich_norm else layer.post_attention_layernorm
+            attn_out = layer.post_attention_layernorm if cfg.sandwich_norm else None
+            mlp_out = layer.post_feedforward_layernorm if cfg.sandwich_norm else None
+            local = cfg.window(i) and local_cos_sin_cache is not None
             self.layers.append(_Layer(
                 cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                 cfg.rms_norm_eps, layer.input_layernorm.weight.data_ptr(),
-                layer.post_attention_layernorm.weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                mlp_in_norm.weight.data_ptr(), None if bias is None else bias.data_ptr(),
                 attn.qkv_proj.weight.data_ptr(), attn.o_proj.weight.data_ptr(), mlp.gate_up_proj.weight.data_ptr(),
                 mlp.down_proj.weight.data_ptr(), attn.qkv_proj.qtype, attn.o_proj.qtype, mlp.gate_up_proj.qtype,
-                mlp.down_proj.qtype, cfg.window(i)))
+                mlp.down_proj.qtype, cfg.window(i), *(None if n is None else n.weight.data_ptr()
+                                                       for n in (q_norm, k_norm, attn_out, mlp_out)),
+                local_cos_sin_cache.data_ptr() if local else None, int(cfg.hidden_act == "gelu_tanh")))
         self._layer_array = (_Layer * len(self.layers))(*self.layers)
         self._model = model  # keeps the weights the structs point into alive
 
     @staticmethod
     def usable(model) -> bool:
-        """Every projection block-quantized (fused qkv and gate/up), only qkv with a bias (Qwen2), and a layer the C
-        one computes: no q/k norm, no sandwich norms, SiLU, no embedding scale, one RoPE base."""
+        """Every projection block-quantized (fused qkv and gate/up) and only qkv with a bias (Qwen2). The C layer
+        computes every family of model/registry.py: q/k norm, sandwich norms, GeGLU and a local RoPE table are
+        fields of its struct (the embedding scale is applied before it)."""
         from nodeserve.model.block_quant import QuantLinear
-
-        cfg = model.cfg
-        if (cfg.qk_norm or cfg.sandwich_norm or cfg.hidden_act != "silu" or cfg.embed_scale != 1.0
-                or cfg.rope_local_theta not in (None, cfg.rope_theta)):
-            return False
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

@@ -229,3 +229,31 @@ def test_mistral_sliding_window_checkpoint_equals_transformers(tmp_path):
     assert loaded.config.architecture == "llama" and loaded.config.layer_windows == (8, 8)
     prompts = _prompts()
     assert _greedy(loaded, prompts, page_size=4, prefill_chunk=9) == hf_greedy(hf, prompts)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_one_call_decode_layer_computes_every_family(tmp_path, family):
+    """The fast tier's native decode layer (q/k norm, sandwich norms, GeGLU, the local RoPE table as struct
+    fields) gives the module path's logits, decode step after decode step past Gemma's window."""
+    from nodeserve.attention.torch_ref import TorchAttention
+    from nodeserve.kv.pool import KVPool
+    from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
+
+    hf = build_hf(family, **({"sliding_window": 20} if family == "gemma3" else {}))
+    write_gguf(tmp_path / "m.gguf", family, hf, QT.Q8_0)
+    loaded = load_model(str(tmp_path / "m.gguf"), torch.float32, quantization="auto")
+    decoder = loaded.model.native_decoder
+    assert decoder is not None
+
+    def decode(native: bool) -> torch.Tensor:
+        loaded.model.native_decoder = decoder if native else None
+        pool = KVPool(loaded.config, 16, 16, torch.float32, torch.device("cpu"))
+        runner = ModelRunner(loaded.model, TorchAttention(pool, loaded.config, torch.float32))
+        table = pool.manager.allocate(8)
+        runner.run([SeqChunk(list(range(5, 35)), 0, table)])
+        return torch.stack([runner.run([SeqChunk([7 + i], 30 + i, table)]) for i in range(12)])
+
+    native, modules = decode(True), decode(False)
+    loaded.model.native_decoder = decoder
+    # GeGLU's tanhf against torch's tanh: float32 rounding only
+    assert (native - modules).abs().max() <= 1e-4 * (modules.max() - modules.min())

@@ -756,6 +756,12 @@ struct ns_layer {
     const uint8_t *qkv, *o, *gate_up, *down;
     int32_t qkv_type, o_type, gate_up_type, down_type;
     int64_t window;  /* attention's sliding window (0: none), as ns_paged_decode_attention takes it */
+    /* What Qwen3 and Gemma 3 add (model/registry.py), NULL / 0 where a family has none: RMSNorm over each head's
+     * q and k before RoPE; norms of attention's and the MLP's outputs before their residual adds (post_norm is
+     * then the norm before the MLP); this layer's RoPE table when it is not the step's (Gemma's local layers);
+     * the gated MLP's activation, 0 SiLU or 1 GELU (tanh). */
+    const float *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm, *cos_sin;
+    int64_t gelu;
 };
 
 /* One decode step's rows and where their KV lives, filled once per step. */
@@ -768,6 +774,19 @@ struct ns_step {
     void *group;     /* a tensor-parallel group (allreduce.c) whose ranks hold shards of the layer, or NULL */
     int64_t rank;    /* this shard's rank in group */
 };
+
+/* out [T, I] = gelu_tanh(gu[:, :I]) * gu[:, I:] (GeGLU: torch's gelu(approximate="tanh") formula, in float32
+ * with tanhf; decode rows only, a few thousand values a layer). */
+static void gelu_tanh_and_mul(const float *gu, float *out, int64_t T, int64_t I) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;  /* sqrt(2 / pi) */
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        for (int64_t i = 0; i < I; i++) {
+            const float v = g[i];
+            out[t * I + i] = 0.5f * v * (1.0f + tanhf(k0 * (v + k1 * v * v * v))) * u[i];
+        }
+    }
+}
 
 int ns_group_allreduce(void *g, int64_t rank, float *buf, int64_t n);  /* allreduce.c */
 void ns_group_abort(void *g);
@@ -797,7 +816,12 @@ int ns_decode_layer(const struct ns_layer *L, const struct ns_step *S, float *x,
     if (L->qkv_bias)
         for (int64_t t = 0; t < T; t++)
             for (int64_t j = 0; j < n_qkv; j++) qkv[t * n_qkv + j] += L->qkv_bias[j];
-    ns_rope(qkv, n_qkv, qkv + q_size, n_qkv, S->positions, S->cos_sin, T, NH, KH, D);
+    if (L->q_norm)  /* per head, in place: each row's heads are contiguous */
+        for (int64_t t = 0; t < T; t++) {
+            ns_rms_norm(qkv + t * n_qkv, D, L->q_norm, qkv + t * n_qkv, NH, D, L->eps);
+            ns_rms_norm(qkv + t * n_qkv + q_size, D, L->k_norm, qkv + t * n_qkv + q_size, KH, D, L->eps);
+        }
+    ns_rope(qkv, n_qkv, qkv + q_size, n_qkv, S->positions, L->cos_sin ? L->cos_sin : S->cos_sin, T, NH, KH, D);
     err |= ns_write_kv(kv, qkv + q_size, n_qkv, qkv + q_size + kv_size, n_qkv, S->slots, T, KH, D, S->page_size,
                        (int)S->kv_f16);
     for (int64_t t = 0; t < T; t++) memcpy(q + t * q_size, qkv + t * n_qkv, sizeof(float) * (size_t)q_size);
@@ -805,11 +829,14 @@ int ns_decode_layer(const struct ns_layer *L, const struct ns_step *S, float *x,
                                      S->page_size, S->scale, (int)S->kv_f16, L->window);
     err |= ns_linear(L->o_type, L->o, attn, y, T, q_size, H, 0, H);
     if (S->group && ns_group_allreduce(S->group, S->rank, y, T * H)) goto failed;
+    if (L->attn_out_norm) ns_rms_norm(y, H, L->attn_out_norm, y, T, H, L->eps);
     ns_add_rms_norm(y, x, L->post_norm, T, H, L->eps);  /* x += o; y = norm(x) */
     err |= ns_linear(L->gate_up_type, L->gate_up, y, gu, T, H, 2 * I, 0, 2 * I);
-    ns_silu_and_mul(gu, act, T, I);
+    if (L->gelu) gelu_tanh_and_mul(gu, act, T, I);
+    else ns_silu_and_mul(gu, act, T, I);
     err |= ns_linear(L->down_type, L->down, act, y, T, I, H, 0, H);
     if (S->group && ns_group_allreduce(S->group, S->rank, y, T * H)) goto failed;
+    if (L->mlp_out_norm) ns_rms_norm(y, H, L->mlp_out_norm, y, T, H, L->eps);
     for (int64_t i = 0; i < T * H; i++) x[i] += y[i];
     free(buf);
     return err ? -1 : 0;
