@@ -92,11 +92,16 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def cache_root() -> str:
+    """nodeserve's cache folder: $XDG_CACHE_HOME/nodeserve (default ~/.cache/nodeserve)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "nodeserve")
+
+
 def _cache_dir() -> str:
     if os.environ.get("NODESERVE_CACHE_DIR"):
         return os.environ["NODESERVE_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "nodeserve", "kernels")
+    return os.path.join(cache_root(), "kernels")
 
 
 def march() -> str:

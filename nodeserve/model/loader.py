@@ -85,9 +85,7 @@ def _assembled(dist_name: str) -> str:
         import importlib.metadata as md
 
         raise md.PackageNotFoundError(dist_name) from None
-    cache = os.environ.get("NODESERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "nodeserve")
-    target = os.path.join(cache, "models", module.MODEL_NAME)
+    target = os.path.join(os.environ.get("NODESERVE_CACHE_DIR") or native.cache_root(), "models", module.MODEL_NAME)
     try:
         if os.path.exists(target):
             return str(module.assemble(target))  # checked against the sha256, not rewritten
