@@ -97,6 +97,8 @@ class KVSection:
                                           # bytes) | fp8_e4m3 (1 byte a value, any device and backend; per-layer
                                           # scales calibrated at warm-up)
     prefix_cache: bool = True             # reuse the KV of full pages whose prefix was computed before, per device
+    window_pages: str = "free"            # free: sliding-window layers hold their window's pages only (the prefix
+                                          # cache is then off for such models) | keep: every page (kv/window.py)
     host_memory_gib: float = -1.0         # host-memory tier below every pool; -1: auto (2x the pools, at most a
                                           # quarter of the host's RAM); 0: off (docs/kv-tiers.md)
     host_write: str = "back"              # back: pages enter the host tier when a pool evicts them | through: when
@@ -392,8 +394,12 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
         raise ConfigError(f"'kv.host_write' must be back or through, got {kv.host_write!r}")
     if kv.disk_gib < 0:
         raise ConfigError(f"'kv.disk_gib' must be 0 (off) or a size in GiB, got {kv.disk_gib}")
+    if kv.window_pages not in ("free", "keep"):
+        raise ConfigError(f"'kv.window_pages' must be \"free\" or \"keep\", got {kv.window_pages!r}")
     if kv.disk_gib > 0 and not kv.disk_path:
         raise ConfigError("'kv.disk_gib' is set but 'kv.disk_path' is empty: give the directory to keep pages in")
+    if kv.window_pages not in ("free", "keep"):
+        raise ConfigError(f"'kv.window_pages' must be \"free\" or \"keep\", got {kv.window_pages!r}")
     if kv.disk_gib > 0 and (kv.host_memory_gib == 0 or not kv.prefix_cache):
         raise ConfigError("the disk tier ('kv.disk_gib') sits below the host tier and the prefix cache: it needs "
                           "kv.prefix_cache = true and kv.host_memory_gib other than 0")

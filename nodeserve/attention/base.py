@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, Sequence
 
 import torch
@@ -25,6 +25,10 @@ class KVPoolLike(Protocol):
     def k_scales(self) -> Sequence[float]: ...
     @property
     def v_scales(self) -> Sequence[float]: ...
+    @property
+    def window_layers(self) -> frozenset[int]:
+        """Layers whose K/V lie in window pages (kv/window.py): they read AttentionMetadata.for_window()."""
+        ...
 
 
 class ModelConfigLike(Protocol):
@@ -66,10 +70,23 @@ class AttentionMetadata:
     # [B] page lists on the host, when the builder has them: FlashInfer plans from host indices, and reading
     # page_tables back from a GPU would cost a sync per step.
     page_tables_host: Sequence[Sequence[int]] | None = None
+    # The windowed layers' slots and pages where the pool keeps them apart (kv/window.py), else None. Their
+    # tables hold page 0 where a sequence holds no page (before its window: never read).
+    window_slot_mapping: torch.Tensor | None = None
+    window_page_tables: torch.Tensor | None = None
+    window_page_tables_host: Sequence[Sequence[int]] | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    def for_window(self) -> AttentionMetadata:
+        """The step as the windowed layers see it: their own slots and pages where the pool keeps them apart."""
+        if self.window_page_tables is None:
+            return self
+        return replace(self, slot_mapping=self.window_slot_mapping, page_tables=self.window_page_tables,
+                       page_tables_host=self.window_page_tables_host, window_slot_mapping=None,
+                       window_page_tables=None, window_page_tables_host=None)
 
 
 class AttentionBackend(Protocol):
@@ -108,10 +125,11 @@ class PagedAttention:
     def __init__(self, pool: KVPoolLike) -> None:
         self.pool = pool
         self.meta: AttentionMetadata | None = None
+        self.window_meta: AttentionMetadata | None = None  # meta as the pool's window_layers read it
         self._next_layer = 0  # the lowest layer that has not run on `meta`
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        self.meta, self._next_layer = meta, 0
+        self.meta, self.window_meta, self._next_layer = meta, meta.for_window(), 0
 
     def step_for(self, layer_id: int) -> AttentionMetadata:
         """The prepared step's metadata, for a layer that has not run on it yet."""
@@ -120,7 +138,7 @@ class PagedAttention:
         if layer_id < self._next_layer:
             raise RuntimeError(f"layer {layer_id} already ran on the prepared step: a new step needs prepare(meta)")
         self._next_layer = layer_id + 1
-        return self.meta
+        return self.window_meta if layer_id in self.pool.window_layers else self.meta  # type: ignore[return-value]
 
     def scales(self, layer_id: int) -> tuple[float, float]:
         """(k_scale, v_scale) of a layer: the pool's for FP8, 1.0 for a wide pool (which stores values as they are)."""

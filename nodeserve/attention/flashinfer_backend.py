@@ -153,8 +153,9 @@ class FlashInferAttention(PagedAttention):
         if self._plan_event is not None:
             self._plan_event.synchronize()  # the previous plan's copies have run: its host buffers are free
         for window, decode_wrapper in self.decode.items():
+            # windowed layers read their own pages where the pool keeps them apart (kv/window.py)
             decode, prefill = (None if part is None else for_plan(part, self.device)
-                               for part in split_indices(meta, window))
+                               for part in split_indices(meta.for_window() if window else meta, window))
             common = dict(q_data_type=self.dtype, kv_data_type=self.pool.dtype, o_data_type=self.dtype,
                           sm_scale=self.scale, window_left=window - 1 if window else -1)
             if decode is not None:

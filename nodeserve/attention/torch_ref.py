@@ -210,7 +210,9 @@ class TorchAttention(PagedAttention):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
-        self._groups = {w: self._decode_groups(meta, w) for w in set(self.windows)} if self._kernels is None else {}
+        # windowed layers read their own pages where the pool keeps them apart (kv/window.py)
+        self._groups = {w: self._decode_groups(self.window_meta if w else meta, w)  # type: ignore[arg-type]
+                        for w in set(self.windows)} if self._kernels is None else {}
 
     def _decode_groups(self, meta: AttentionMetadata, window: int) -> list[_DecodeGroup]:
         nd, device = meta.num_decodes, self.pool.device

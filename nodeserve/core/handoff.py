@@ -43,6 +43,7 @@ class Handoff:
     target: HandoffTarget
     pages: list[int]
     num_cached_pages: int = 0
+    window: Any = None  # kv.window.WindowPages: its windowed layers' pages on the target, if the model has some
     num_sent_pages: int = field(init=False)  # pages below this are there whole, cached or copied
     num_copied_pages: int = 0  # pages copied so far, counting a partly written page each time it is sent
 
@@ -104,6 +105,7 @@ class Arrival:
     error: str | None
     migrated_at: float | None = None  # a live migration's stop, for its downtime
     num_copied_pages: int = 0
+    window: Any = None  # kv.window.WindowPages: its windowed layers' pages here (Handoff.window)
 
 
 @dataclass
@@ -122,6 +124,7 @@ class FreePages:
 
     pages: list[int]
     read: Any
+    window: Any = None  # kv.window.WindowPages to release with them
 
 
 # ---- which pages a step copies ---------------------------------------------------------------------------

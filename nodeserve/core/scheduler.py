@@ -14,6 +14,7 @@ from typing import Callable, Protocol, Sequence
 
 from nodeserve.core.handoff import Handoff, Migration
 from nodeserve.kv.manager import KVManager, hash_pages
+from nodeserve.kv.window import WindowPages
 from nodeserve.core.request import Request, TokenEvent
 
 FORWARD_FAILED = "the model's forward pass failed for this request (the error is in the server log)"
@@ -47,6 +48,8 @@ class SeqChunk:
     start_pos: int             # tokens of this sequence already in the pool (num_computed_tokens)
     page_table: Sequence[int]  # its pages in this pool, covering at least start_pos + len tokens
     want_logits: bool = True    # whether to return logits for the last token fed
+    # its windowed layers' pages (kv/window.py) where the pool keeps them apart: -1 for pages no query reads
+    window_table: Sequence[int] | None = None
 
 
 class PageLoad(Protocol):
@@ -69,6 +72,7 @@ class Seq:
     num_published: int = -1  # its pages below this are in the prefix cache (-1: those it found there)
     load: PageLoad | None = None  # pages being filled from other devices or tiers first, or None
     ready: bool = True       # False until the load knows how many pages it fills (not scheduled until then)
+    window: WindowPages | None = None  # its windowed layers' pages here (kv/window.py), if the pool has them
 
 
 @dataclass
@@ -79,9 +83,13 @@ class Batch:
 
 
 def chunk_of(seq: Seq, num_tokens: int) -> SeqChunk:
+    """What `seq` feeds in a step of num_tokens tokens; its window pages (if any) advance to that step."""
     req, c = seq.req, seq.req.num_computed_tokens
     ids = req.prompt_ids[c:c + num_tokens] if c < req.num_prompt_tokens else req.output_ids[-1:]
-    return SeqChunk(ids, c, seq.page_table, want_logits=c + num_tokens >= req.num_prompt_tokens)
+    if seq.window is not None:
+        seq.window.advance(c, c + num_tokens)
+    return SeqChunk(ids, c, seq.page_table, want_logits=c + num_tokens >= req.num_prompt_tokens,
+                    window_table=seq.window.table if seq.window is not None else None)
 
 
 @dataclass
@@ -181,6 +189,8 @@ class Scheduler:
     def start_decode(self, seq: Seq, now: float) -> None:
         if seq.req.decode_start is None:
             seq.req.decode_start = now
+        if seq.window is not None:  # prefilled here: one token a step from now on
+            seq.window.shrink(seq.req.max_total_tokens)
         self.running.append(seq)
         self._publish(seq)
 
@@ -230,6 +240,8 @@ class Scheduler:
             return
         self.free(seq.page_table)
         seq.page_table = []
+        if seq.window is not None:
+            seq.window.release()
         out.released.append(seq.req)
 
     def drop_aborted(self) -> StepOutput:

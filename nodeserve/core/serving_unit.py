@@ -17,6 +17,7 @@ from nodeserve.core.load import Role
 from nodeserve.core.request import Request
 from nodeserve.core.scheduler import PageLoad, Scheduler, WorkerLimits
 from nodeserve.kv.manager import KVManager
+from nodeserve.kv.window import WindowKV, WindowPages
 
 
 class StepTiming(Protocol):
@@ -53,6 +54,8 @@ class ServingUnit(Protocol):
     @property
     def kv(self) -> KVManager: ...
     @property
+    def window(self) -> WindowKV | None: ...
+    @property
     def scheduler(self) -> Scheduler: ...
     @property
     def records(self) -> StepRecords: ...
@@ -62,10 +65,10 @@ class ServingUnit(Protocol):
     def failure(self) -> str | None: ...
 
     def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None,
-                    load: PageLoad | None = None, num_own_pages: int = -1) -> None:
+                    load: PageLoad | None = None, num_own_pages: int = -1, window: WindowPages | None = None) -> None:
         """Prefill `req` here on `pages` (reserved by the router): its decode pages, or with a handoff its prompt's
         pages, whose KV then goes to handoff.target. The first num_own_pages were cached here; `load` fills the
-        pages after them from other devices or tiers first."""
+        pages after them from other devices or tiers first; `window`: its windowed layers' pages here, if any."""
 
     def send(self, msg: Arrival | FreePages | Migrate | None) -> None:
         """Migrate: move a request decoding here to msg.handoff.target (pages reserved there). The others are what a

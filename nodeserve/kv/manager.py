@@ -67,6 +67,7 @@ class KVManager:
         self._refcount = [0] * num_pages
         self._lock = threading.Lock()
         self.num_reserved = 0  # pages taken out of circulation for good (reserve)
+        self.num_promised = 0  # free pages promised to requests that draw them later (kv/window.py)
         self._hash_of: dict[int, bytes] = {}      # published page -> its hash
         self._page_of: dict[bytes, int] = {}      # hash -> the page holding that prefix here
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages no one holds, least recent first
@@ -101,17 +102,22 @@ class KVManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    @property
+    def num_available(self) -> int:
+        """Free pages no one was promised: what a new allocation or promise can take."""
+        return self.num_free - self.num_promised
+
     def can_allocate(self, count: int) -> bool:
-        return count <= self.num_free
+        return count <= self.num_available
 
     def allocate(self, count: int) -> list[int]:
         """`count` page ids, each with one holder; raises OutOfPages (allocating nothing) if too few are free."""
         with self._lock:
             return self._allocate(count)
 
-    def _allocate(self, count: int) -> list[int]:
-        if count > self.num_free:
-            raise OutOfPages(f"need {count} pages, {self.num_free} free")
+    def _allocate(self, count: int, promised: bool = False) -> list[int]:
+        if count > (self.num_free if promised else self.num_available):
+            raise OutOfPages(f"need {count} pages, {self.num_available} free")
         num_fresh = min(count, len(self._free))
         pages = [self._free.popleft() for _ in range(num_fresh)]
         if count > num_fresh:
@@ -160,16 +166,50 @@ class KVManager:
         """Drops one holder of each page; a page with none left is free again, or, if published, cached.
         Last page first: a request's tail is then evicted before the prefix others are likelier to share."""
         with self._lock:
-            for b in reversed(list(pages)):
-                if self._refcount[b] <= 0:
-                    raise ValueError(f"page {b} freed twice")
-                self._refcount[b] -= 1
-                if self._refcount[b] == 0:
-                    self._settle(b)
-                    if b in self._hash_of:
-                        self._evictable[b] = None
-                    else:
-                        self._free.append(b)
+            self._free_locked(pages)
+
+    def _free_locked(self, pages: Iterable[int]) -> None:
+        for b in reversed(list(pages)):
+            if self._refcount[b] <= 0:
+                raise ValueError(f"page {b} freed twice")
+            self._refcount[b] -= 1
+            if self._refcount[b] == 0:
+                self._settle(b)
+                if b in self._hash_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    def promise(self, count: int) -> None:
+        """Sets `count` free pages aside for a request that draws them later, one step at a time (draw): what it
+        will need is then there whenever it asks. Raises OutOfPages, promising nothing, if too few are free."""
+        with self._lock:
+            if count > self.num_available:
+                raise OutOfPages(f"need {count} pages, {self.num_available} free")
+            self.num_promised += count
+
+    def draw(self, count: int) -> list[int]:
+        """`count` pages out of a promise made earlier (never fails while the promise covers them)."""
+        with self._lock:
+            if count > self.num_promised:
+                raise ValueError(f"drawing {count} pages, {self.num_promised} promised")
+            pages = self._allocate(count, promised=True)
+            self.num_promised -= count
+            return pages
+
+    def unpromise(self, count: int) -> None:
+        """Gives back `count` promised pages no one will draw."""
+        with self._lock:
+            if count > self.num_promised:
+                raise ValueError(f"unpromising {count} pages, {self.num_promised} promised")
+            self.num_promised -= count
+
+    def free_to_promise(self, pages: Sequence[int], count: int) -> None:
+        """free(pages), `count` of them promised again to the same holder, in one step: a request that gives back
+        pages it may need again later (window pages it slid past) keeps its claim on that many."""
+        with self._lock:
+            self._free_locked(pages)
+            self.num_promised += count
 
     def reserve(self) -> int:
         """Takes one page out of circulation for the manager's lifetime (CUDA graph padding rows write there)."""
@@ -191,8 +231,8 @@ class KVManager:
         Needs `count` free, as if nothing were cached; raises OutOfPages otherwise. Counts the prompt as
         queried and the cached part as hits (in tokens, as vLLM counts them)."""
         with self._lock:  # one step: no eviction between finding the prefix and holding it
-            if count > self.num_free:
-                raise OutOfPages(f"need {count} pages, {self.num_free} free")
+            if count > self.num_available:
+                raise OutOfPages(f"need {count} pages, {self.num_available} free")
             cached = self._match(hashes, num_prompt_tokens)
             self._hold(cached)
             pages = cached + self._allocate(count - len(cached))

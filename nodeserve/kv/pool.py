@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from nodeserve.kv.manager import KVManager, KVObservers
+from nodeserve.kv.window import WindowKV
 from nodeserve.model.config import ModelConfig
 
 
@@ -31,15 +32,20 @@ def kv_pages_for_device(free_bytes: int, headroom_fraction: float, bytes_per_pag
 class KVShard:
     """One rank's K/V: its KV heads of every page. layers[i] is [num_pages, 2, page_size, len(heads), head_dim], K at
     [:, 0] and V at [:, 1]; `heads` are the global KV heads it holds (model/tp_layout.py). What an attention
-    backend reads and writes."""
+    backend reads and writes. The layers in `window_layers` (a pool with window pages, kv/window.py) hold
+    [num_window_pages, ...] instead, indexed by window page ids."""
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
-                 heads: range):
+                 heads: range, window_layers: frozenset[int] = frozenset(), num_window_pages: int = 0):
         self.num_pages, self.page_size, self.dtype, self.device, self.heads = num_pages, page_size, dtype, device, heads
-        # One allocation for all layers; zero-filled so padding reads see finite values.
-        self.data = torch.zeros(cfg.num_layers, num_pages, 2, page_size, len(heads), cfg.head_dim, dtype=dtype,
-                                device=device)
-        self.layers = list(self.data.unbind(0))
+        self.window_layers = window_layers
+        shape = (2, page_size, len(heads), cfg.head_dim)
+        num_full = cfg.num_layers - len(window_layers)
+        # One allocation for all (full) layers; zero-filled so padding reads see finite values.
+        self.data = torch.zeros(num_full, num_pages, *shape, dtype=dtype, device=device)
+        self.window_data = torch.zeros(len(window_layers), num_window_pages, *shape, dtype=dtype, device=device)
+        full, windowed = iter(self.data.unbind(0)), iter(self.window_data.unbind(0))
+        self.layers = [next(windowed) if i in window_layers else next(full) for i in range(cfg.num_layers)]
         self.k_scales = [1.0] * cfg.num_layers
         self.v_scales = [1.0] * cfg.num_layers
 
@@ -65,15 +71,25 @@ class KVPool:
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
                  prefix_cache: bool = False, observers: KVObservers | None = None,
-                 shards: Sequence[tuple[torch.device, range]] | None = None):
-        """shards: (device, global KV heads) per rank of a tensor-parallel group; None: one shard on `device`."""
+                 shards: Sequence[tuple[torch.device, range]] | None = None, num_window_pages: int = 0,
+                 max_chunk: int = 0):
+        """shards: (device, global KV heads) per rank of a tensor-parallel group; None: one shard on `device`.
+        num_window_pages > 0 (a model with windowed layers): those layers keep their window only, in pages of their
+        own (kv/window.py), for requests whose prompt chunks here are at most max_chunk tokens; 0: every layer keeps
+        every page."""
         self.num_pages, self.page_size, self.dtype, self.device = num_pages, page_size, dtype, device
         self.num_layers, self.num_kv_heads = cfg.num_layers, cfg.num_kv_heads
-        self.shards = [KVShard(cfg, num_pages, page_size, dtype, d, heads)
+        windows = [cfg.window(i) for i in range(cfg.num_layers)] if num_window_pages else [0] * cfg.num_layers
+        self.window_layers = frozenset(i for i, w in enumerate(windows) if w)
+        self.num_window_pages = num_window_pages if self.window_layers else 0
+        self.shards = [KVShard(cfg, num_pages, page_size, dtype, d, heads, self.window_layers, self.num_window_pages)
                        for d, heads in (shards or [(device, range(cfg.num_kv_heads))])]
         self.k_scales = [1.0] * cfg.num_layers
         self.v_scales = [1.0] * cfg.num_layers
         self.manager = KVManager(num_pages, page_size, prefix_cache, observers)
+        # the windowed layers' pages, apart; None where every layer keeps every page
+        self.window = WindowKV(KVManager(self.num_window_pages, page_size), max(windows), max_chunk) \
+            if self.window_layers else None
         # Recorded on the owner's stream just before it frees pages: a transfer writing into pages it was handed
         # waits on it, so no earlier compute or copy still touches them (None on CPU, where streams are in order).
         self.freed_event = None

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from nodeserve.kv.manager import KVManager, OutOfPages
+from nodeserve.kv.window import WindowKV, WindowPages, max_window_pages
 
 
 @dataclass
@@ -29,6 +30,9 @@ class Reservation:
     prefill_kv: KVManager | None = None
     prompt_pages: list[int] | None = None
     num_prompt_cached_tokens: int = 0
+    # a model's windowed layers' pages (kv/window.py), on the decode device and on a separate prefill device
+    window: WindowPages | None = None
+    prompt_window: WindowPages | None = None
     released: bool = field(default=False, init=False, repr=False)
 
     @property
@@ -44,27 +48,50 @@ class Reservation:
         self.decode_kv.free(self.pages)
         if self.prefill_kv is not None:
             self.prefill_kv.free(self.prompt_pages)
+        for window in (self.window, self.prompt_window):
+            if window is not None:
+                window.release()
 
 
 def reserve_prompt(decode_kv: KVManager, prefill_kv: KVManager, hashes: Sequence[bytes], num_prompt_tokens: int,
-                   max_total_tokens: int) -> Reservation | None:
+                   max_total_tokens: int, decode_window: WindowKV | None = None,
+                   prefill_window: WindowKV | None = None) -> Reservation | None:
     """Pages for a request that decodes on decode_kv's device and prefills on prefill_kv's (the same manager when
     it prefills where it decodes): max_total_tokens' worth on the decode device, the prompt's on the prefill
-    device, each starting with the prefix cached there. None, holding nothing, if either device is short: another
-    thread may have taken pages since the placer's snapshot, so the caller tries again later."""
+    device, each starting with the prefix cached there; and for a model with windowed layers, their window pages
+    on each (decode_window, prefill_window: the devices' WindowKV), those the prompt's last window is copied into
+    drawn now. None, holding nothing, if either device is short: another thread may have taken pages since the
+    placer's snapshot, so the caller tries again later."""
+    held: list = []
     try:
         pages, num_cached = decode_kv.allocate_prompt(hashes, num_prompt_tokens, decode_kv.pages_for(max_total_tokens))
-    except OutOfPages:
-        return None
-    if prefill_kv is decode_kv:
-        return Reservation(decode_kv, pages, num_cached)
-    try:
+        held.append(lambda: decode_kv.free(pages))
+        window = _reserve_window(decode_window, max_total_tokens, prefill_kv is decode_kv)
+        if window is not None:
+            held.append(window.release)
+            if prefill_kv is not decode_kv:
+                window.advance(num_prompt_tokens, num_prompt_tokens)  # the copy's target
+        if prefill_kv is decode_kv:
+            return Reservation(decode_kv, pages, num_cached, window=window)
         prompt_pages, num_prompt_cached = prefill_kv.allocate_prompt(hashes, num_prompt_tokens,
                                                                      prefill_kv.pages_for(num_prompt_tokens))
+        held.append(lambda: prefill_kv.free(prompt_pages))
+        prompt_window = _reserve_window(prefill_window, num_prompt_tokens, True)
     except OutOfPages:
-        decode_kv.free(pages)
+        for release in reversed(held):
+            release()
         return None
-    return Reservation(decode_kv, pages, num_cached, prefill_kv, prompt_pages, num_prompt_cached)
+    return Reservation(decode_kv, pages, num_cached, prefill_kv, prompt_pages, num_prompt_cached, window, prompt_window)
+
+
+def _reserve_window(kv: WindowKV | None, num_tokens: int, prefills: bool) -> WindowPages | None:
+    """A request's window pages on a device with windowed layers (None where it has none); raises OutOfPages."""
+    if kv is None:
+        return None
+    window = kv.reserve(num_tokens, prefills)
+    if window is None:
+        raise OutOfPages("window pages")
+    return window
 
 
 def reserve_tokens(kv: KVManager, num_tokens: int) -> list[int] | None:
@@ -73,6 +100,28 @@ def reserve_tokens(kv: KVManager, num_tokens: int) -> list[int] | None:
         return kv.allocate_tokens(num_tokens)
     except OutOfPages:
         return None
+
+
+@contextmanager
+def scratch_windows(kv: WindowKV | None, spans: Sequence[tuple[int, int]]) -> Iterator[list[list[int] | None]]:
+    """Window tables (SeqChunk.window_table) for throwaway sequences feeding positions [start, end) each (warm-up,
+    profiling), given back on exit, even on an error; None each where the pool has no window pages. Raises
+    OutOfPages, taking nothing, if too few are free."""
+    if kv is None:
+        yield [None] * len(spans)
+        return
+    windows: list[WindowPages] = []
+    try:
+        for start, end in spans:
+            window = kv.promise_pages(max_window_pages(kv.window, kv.page_size, end - start))
+            if window is None:
+                raise OutOfPages("window pages")
+            windows.append(window)
+            window.advance(start, end)
+        yield [w.table for w in windows]
+    finally:
+        for window in windows:
+            window.release()
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from nodeserve.attention.base import AttentionBackend
+from nodeserve.attention.base import AttentionBackend, AttentionMetadata
 from nodeserve.kernels.native import NativeKernels
 
 if TYPE_CHECKING:
@@ -111,22 +111,32 @@ class NativeDecoder:
         if comm is not None and group is None and comm.num_ranks > 1:
             # the reduce happens inside the C call, so only a native group can do it (not ThreadAllReduce)
             raise ValueError("the native decoder needs a native all-reduce group (CPUAllReduce) to split a layer")
-        meta, kv_layers = backend.meta, backend.pool.layers
+        meta, kv_layers, window_layers = backend.meta, backend.pool.layers, backend.pool.window_layers
         x = x.contiguous()
-        positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
-        tables, seq_lens = meta.page_tables.contiguous(), meta.seq_lens.contiguous()
-        step = _Step(x.shape[0], tables.shape[1], meta.page_size, positions.data_ptr(), slots.data_ptr(),
-                     tables.data_ptr(), seq_lens.data_ptr(), self.cos_sin_cache.data_ptr(), self.scale,
-                     int(kv_layers[0].dtype == torch.float16), group, rank)
-        step_ptr, x_ptr = ctypes.byref(step), x.data_ptr()
-        if on_layer_done is None and _one_allocation(kv_layers):  # the whole step in one call (ns_decode_layers)
+        positions = positions.contiguous()
+        keep = []  # the tensors the C structs point into, alive until the calls return
+
+        def step_of(m: AttentionMetadata) -> object:
+            slots, tables, seq_lens = m.slot_mapping.contiguous(), m.page_tables.contiguous(), m.seq_lens.contiguous()
+            keep.append((slots, tables, seq_lens))
+            step = _Step(x.shape[0], tables.shape[1], m.page_size, positions.data_ptr(), slots.data_ptr(),
+                         tables.data_ptr(), seq_lens.data_ptr(), self.cos_sin_cache.data_ptr(), self.scale,
+                         int(kv_layers[0].dtype == torch.float16), group, rank)
+            keep.append(step)
+            return ctypes.byref(step)
+
+        step_ptr, x_ptr = step_of(meta), x.data_ptr()
+        # windowed layers read their own pages where the pool keeps them apart (kv/window.py)
+        window_step_ptr = step_of(meta.for_window()) if window_layers else step_ptr
+        if on_layer_done is None and not window_layers and _one_allocation(kv_layers):  # one call: ns_decode_layers
             layer_bytes = kv_layers[1].data_ptr() - kv_layers[0].data_ptr() if len(kv_layers) > 1 else 0
             if self.kernels.lib.ns_decode_layers(self._layer_array, len(self.layers), step_ptr, x_ptr,
                                                  kv_layers[0].data_ptr(), layer_bytes):
                 raise RuntimeError("ns_decode_layer failed (out of memory, or a tensor-parallel peer failed)")
             return x
         for i, layer in enumerate(self.layers):
-            if self._fn(ctypes.byref(layer), step_ptr, x_ptr, kv_layers[i].data_ptr()):
+            if self._fn(ctypes.byref(layer), window_step_ptr if i in window_layers else step_ptr, x_ptr,
+                        kv_layers[i].data_ptr()):
                 raise RuntimeError("ns_decode_layer failed (out of memory, or a tensor-parallel peer failed)")
             if on_layer_done is not None:
                 on_layer_done(i)

@@ -44,6 +44,7 @@ from nodeserve.core.roles import RoleChange
 from nodeserve.core.sampling_params import SamplingParams
 from nodeserve.core.scheduler import Batch, PageLoad, Scheduler, Seq, StepOutput, WorkerLimits
 from nodeserve.kv.manager import KVManager
+from nodeserve.kv.window import WindowKV, WindowPages
 from nodeserve.runtime.records import RecordLog
 from nodeserve.runtime.router import Router
 
@@ -124,6 +125,7 @@ class SimDevice:
     def __init__(self, sim: Simulation, name: str, role: Role, limits: WorkerLimits, num_pages: int):
         self.sim, self.name, self.role, self.limits = sim, name, role, limits
         self.kv = KVManager(num_pages, PAGE_SIZE)
+        self.window: WindowKV | None = None  # the simulator models a model's KV as full layers only
         self.scheduler = Scheduler(self.kv, limits, frozenset())
         self.num_outstanding_prefill_tokens = 0
         self.records = RecordLog(StepRecord, 4096)  # prefill_share reads the last 10 s only
@@ -133,8 +135,9 @@ class SimDevice:
         self.failure: str | None = None  # a virtual device never fails
 
     def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None,
-                    load: PageLoad | None = None, num_own_pages: int = -1) -> None:
-        """As Worker.add_prefill; the simulator models no tier below the device pools (load is always None)."""
+                    load: PageLoad | None = None, num_own_pages: int = -1, window: WindowPages | None = None) -> None:
+        """As Worker.add_prefill; the simulator models no tier below the device pools (load is always None), and no
+        window pages (window is always None)."""
         self.num_outstanding_prefill_tokens += req.num_prompt_tokens
         self.scheduler.waiting.append(Seq(req, pages, handoff, num_published=num_own_pages))
         sim = self.sim._sim[req.request_id]

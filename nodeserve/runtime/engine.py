@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
-from nodeserve.config import Config
+from nodeserve.config import Config, ConfigError
 from nodeserve.core.admission import QueueFull, SloAdmission, TooLarge
 from nodeserve.core.handoff import MigrationOutcome
 from nodeserve.core.load import SloTarget, StepLimits
@@ -19,6 +19,7 @@ from nodeserve.core.request import Request, TokenEvent
 from nodeserve.metrics import PoolStats
 from nodeserve.core.sampling_params import SamplingParams, resolve_max_tokens
 from nodeserve.kv.events import event_hash
+from nodeserve.model.config import ModelConfig
 from nodeserve.model.loader import LoadedModel
 from nodeserve.runtime.kv_events import KVEventPublisher
 from nodeserve.runtime.kv_tiers import KVTiers
@@ -45,6 +46,22 @@ class PromptTooLong(Exception):
 PLACEMENT_FAILED = "placing the request on a device failed (the error is in the server log)"
 
 
+def window_config(config: Config, model: ModelConfig) -> Config:
+    """The config a model with sliding-window layers runs under: with kv.window_pages = "free" those layers keep
+    only their window's pages (kv/window.py), which the prefix cache, its tiers and live moves do not handle yet, so
+    they are off (said once at start). Raises ConfigError where [kv_events] asks for the prefix cache."""
+    if config.kv.window_pages != "free" or not any(model.window(i) for i in range(model.num_layers)):
+        return config
+    if config.kv_events.enabled:
+        raise ConfigError("KV events need the prefix cache, which a model with sliding-window layers keeps only with "
+                          "kv.window_pages = \"keep\" (every layer keeps every page)")
+    if config.kv.prefix_cache:
+        log.warning("this model has sliding-window layers, which keep only their window's KV pages "
+                    "(kv.window_pages = \"free\"): the prefix cache, its host and disk tiers and live moves between "
+                    "devices are off; kv.window_pages = \"keep\" keeps every page and them")
+    return replace(config, kv=replace(config.kv, prefix_cache=False))
+
+
 class Engine:
     def __init__(self, config: Config, loaded: LoadedModel,
                  on_transfer: Callable[[float, int, int], None] | None = None,
@@ -52,7 +69,7 @@ class Engine:
         """on_transfer(seconds, bytes copied, bytes the decode device already held) is called from transfer
         threads once per handed-off request; on_migration(outcome, downtime seconds, pages copied) from the event
         loop once per move between devices."""
-        self.config, self.loaded = config, loaded
+        self.config, self.loaded = window_config(config, loaded.config), loaded
         self.on_transfer, self.on_migration = on_transfer, on_migration
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.model.max_model_len or loaded.config.max_position_embeddings,

@@ -120,9 +120,11 @@ def host_tier(kv: KVSection, pool_bytes: int, page_shape: tuple[int, ...], dtype
 
 def tiered_pool(model: ModelConfig, num_pages: int, kv: KVSection, dtype: torch.dtype, device: torch.device,
                 host: HostTier | None, events: KVEventSink | None = None,
-                shards: Sequence[tuple[torch.device, range]] | None = None) -> KVPool:
+                shards: Sequence[tuple[torch.device, range]] | None = None, num_window_pages: int = 0,
+                max_chunk: int = 0) -> KVPool:
     """A device's pool whose cache reports to the host tier (its evictions, or with kv.host_write = "through" its
-    publications) and to the node's KV events; shards: a tensor-parallel group's (KVPool)."""
+    publications) and to the node's KV events; shards: a tensor-parallel group's; num_window_pages, max_chunk: its
+    windowed layers' pages (KVPool)."""
     def on_publish(pages: list[int], hashes: list[bytes]) -> None:
         host.store(pool, pages, hashes)
 
@@ -132,7 +134,8 @@ def tiered_pool(model: ModelConfig, num_pages: int, kv: KVSection, dtype: torch.
     through = kv.host_write == "through"
     observers = KVObservers(on_evict if host is not None and not through else None,
                             on_publish if host is not None and through else None, events)
-    pool = KVPool(model, num_pages, kv.page_size, dtype, device, kv.prefix_cache, observers, shards)
+    pool = KVPool(model, num_pages, kv.page_size, dtype, device, kv.prefix_cache, observers, shards, num_window_pages,
+                  max_chunk)
     return pool
 
 

@@ -33,6 +33,8 @@ from nodeserve.device.cpu import CPUDevice
 from nodeserve.device.group import DeviceGroup
 from nodeserve.kv.events import KVEventLog
 from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
+from nodeserve.kv.window import split_pages
+from nodeserve.model.config import ModelConfig
 from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
 from nodeserve.model.llama import LlamaModel
 from nodeserve.model.loader import LoadedModel
@@ -107,6 +109,8 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
               if isinstance(d, DeviceGroup)}
     kv_dtype = kv_cache_dtype(cfg.kv.dtype, model.dtype)
     num_pages = {n: kv_pages(cfg, loaded, d, kv_dtype) for n, d in devices.items()}
+    chunks = {s.name: s.limits.max_num_batched_tokens for s in starts}
+    window_pages = {n: window_split(cfg, loaded.config, num_pages[n], chunks[n]) for n in names}
     event_log = KVEventLog(cfg.kv.page_size) if cfg.kv_events.enabled else None  # config: needs the prefix cache
     sink = event_log.sink if event_log is not None else lambda name: None
     host = None
@@ -115,8 +119,8 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
         page_shape = (loaded.config.num_layers, 2, cfg.kv.page_size, loaded.config.num_kv_heads, loaded.config.head_dim)
         host = host_tier(cfg.kv, pool_bytes, page_shape, kv_dtype, any(d.torch_device.type == "cuda" for d in
                                                                        devices.values()), sink("host"))
-    pools = {n: tiered_pool(loaded.config, num_pages[n], cfg.kv, kv_dtype, d.torch_device, host, sink(n),
-                            groups[n].kv_shards() if n in groups else None)
+    pools = {n: tiered_pool(loaded.config, window_pages[n][0], cfg.kv, kv_dtype, d.torch_device, host, sink(n),
+                            groups[n].kv_shards() if n in groups else None, *window_pages[n][1:])
              for n, d in devices.items()}
     runners = {s.name: device_runner(cfg, s, devices[s.name], groups.get(s.name) or
                                      replicas[devices[s.name].torch_device], pools[s.name], warnings)
@@ -229,13 +233,27 @@ def kv_pages(cfg: Config, loaded: LoadedModel, device: Device, kv_dtype: torch.d
     return KVPool.num_pages_for_bytes(loaded.config, int(cfg.kv.memory_gib * 2**30), cfg.kv.page_size, kv_dtype)
 
 
+def window_split(cfg: Config, model: ModelConfig, num_pages: int, max_chunk: int) -> tuple[int, int, int]:
+    """(full-layer pages, window pages, the largest prompt chunk) of a device whose whole-model pages would be
+    num_pages: with kv.window_pages = "free" and windowed layers, split (kv/window.py); else (num_pages, 0, 0)."""
+    windows = [model.window(i) for i in range(model.num_layers)]
+    if cfg.kv.window_pages != "free" or not any(windows):
+        return num_pages, 0, 0
+    num_full, num_window = split_pages(num_pages, model.num_layers, sum(1 for w in windows if w), max(windows),
+                                       cfg.kv.page_size, cfg.scheduler.max_num_seqs, max_chunk)
+    return num_full, num_window, max_chunk
+
+
 def device_runner(cfg: Config, start: DeviceStart, device: Device, replica: LlamaModel | TPGroupModel, pool: KVPool,
                   warnings: list[str]) -> ModelRunner:
     """A device's model runner, logged; a warning (once) where its attention backend falls back."""
+    # CUDA graphs bake in one page table per step: a pool with window pages has two
     runner = build_runner(replica, pool, cfg.devices.attention, cfg.devices.cuda_graphs and start.role is not
-                          Role.PREFILL, cfg.scheduler.max_num_seqs, cfg.prompt_attention)
-    log.info("%s: %s attention (prompts: %s), %d KV pages of %s%s", start.name, type(runner.backend).__name__,
-             runner.backend.prompt_kernel, pool.num_pages, pool.dtype,
+                          Role.PREFILL and pool.window is None, cfg.scheduler.max_num_seqs, cfg.prompt_attention)
+    windows = f" + {pool.num_window_pages} window pages ({len(pool.window_layers)} windowed layers)" \
+        if pool.window is not None else ""
+    log.info("%s: %s attention (prompts: %s), %d KV pages%s of %s%s", start.name, type(runner.backend).__name__,
+             runner.backend.prompt_kernel, pool.num_pages, windows, pool.dtype,
              ", CUDA graphs at warm-up" if runner.graphs is not None else "")
     fallback = auto_fallback(cfg.devices.attention, device.torch_device, replica.dtype)
     if fallback is not None and fallback not in warnings:

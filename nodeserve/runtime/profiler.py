@@ -18,7 +18,8 @@ import torch
 
 from nodeserve.core.cost_model import CostModel, LinearKernels, StepModel, StepShape
 from nodeserve.core.scheduler import SeqChunk
-from nodeserve.kv.reservation import scratch_pages
+from nodeserve.kv.manager import OutOfPages
+from nodeserve.kv.reservation import scratch_pages, scratch_windows
 from nodeserve.model.block_quant import gemv_rows
 
 if TYPE_CHECKING:
@@ -67,16 +68,21 @@ def profile_runner(worker: Worker, budget_s: float, steps=PROFILE_STEPS) -> list
         sizes = [kv.pages_for(n) for n in lengths]
         if max(lengths) > limits.max_model_len or not kv.can_allocate(sum(sizes)):
             continue
-        with scratch_pages(kv, sum(sizes)) as pages:
-            starts = [sum(sizes[:k]) for k in range(len(sizes))]
-            tables = [pages[a:a + n] for a, n in zip(starts, sizes)]
-            seqs = [SeqChunk([0], c, t) for c, t in zip(decodes, tables)]
-            seqs += [SeqChunk([0] * n, s, t) for (n, s), t in zip(chunks, tables[len(decodes):])]
-            t0 = time.perf_counter()
-            runner.run(seqs)
-            worker.device.synchronize_event(worker.device.record_event())
-            if i > 0:
-                out.append((StepShape.of(chunks, decodes), time.perf_counter() - t0))
+        spans = [(c, c + 1) for c in decodes] + [(s, s + n) for n, s in chunks]
+        try:
+            with scratch_windows(worker.window, spans) as windows, scratch_pages(kv, sum(sizes)) as pages:
+                starts = [sum(sizes[:k]) for k in range(len(sizes))]
+                tables = [pages[a:a + n] for a, n in zip(starts, sizes)]
+                seqs = [SeqChunk([0] * (end - start), start, t, window_table=w)
+                        for (start, end), t, w in zip(spans, tables, windows)]
+                t0 = time.perf_counter()
+                runner.run(seqs)
+                worker.device.synchronize_event(worker.device.record_event())
+                elapsed = time.perf_counter() - t0
+        except OutOfPages:  # too few window pages free for this shape
+            continue
+        if i > 0:
+            out.append((StepShape.of(chunks, decodes), elapsed))
     return out
 
 

@@ -178,7 +178,8 @@ class Router:
                 self.waiting_for_prefix = True
                 self.on_prefix_wait()
                 return False
-        reservation = reserve_prompt(decode.kv, prefill.kv, hashes, n, req.max_total_tokens)
+        reservation = reserve_prompt(decode.kv, prefill.kv, hashes, n, req.max_total_tokens, decode.window,
+                                     prefill.window)
         if reservation is None:  # a worker's thread freed or took pages since the snapshot: try again later
             return False
         try:
@@ -209,11 +210,13 @@ class Router:
         self.num_prefix_hit_tokens += req.num_cached_tokens
         try:
             if prefill is decode:
-                decode.add_prefill(req, reservation.pages, load=load, num_own_pages=own // self.page_size)
+                decode.add_prefill(req, reservation.pages, load=load, num_own_pages=own // self.page_size,
+                                   window=reservation.window)
             else:
-                handoff = Handoff(decode, reservation.pages, reservation.num_cached_tokens // self.page_size)
+                handoff = Handoff(decode, reservation.pages, reservation.num_cached_tokens // self.page_size,
+                                  reservation.window)
                 prefill.add_prefill(req, reservation.prompt_pages, handoff, load=load,
-                                    num_own_pages=own // self.page_size)
+                                    num_own_pages=own // self.page_size, window=reservation.prompt_window)
         except Exception:
             if load is not None:
                 self.fetch.release(load)

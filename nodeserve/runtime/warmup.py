@@ -14,7 +14,7 @@ import time
 import torch
 
 from nodeserve.core.scheduler import SeqChunk
-from nodeserve.kv.reservation import scratch_pages
+from nodeserve.kv.reservation import scratch_pages, scratch_windows
 from nodeserve.runtime.model_runner import ModelRunner
 from nodeserve.sampling.constrain import warm_masks
 
@@ -30,9 +30,11 @@ def warmup_runner(runner: ModelRunner) -> None:
     start = time.monotonic()
     num_tokens = WARMUP_PROMPT_TOKENS
     kv = runner.pool.manager
-    with scratch_pages(kv, kv.pages_for(num_tokens + 1)) as pages, torch.cuda.device(runner.device):
-        runner.run([SeqChunk([0] * num_tokens, 0, pages)])      # prefill kernels
-        runner.run([SeqChunk([0], num_tokens, pages)])          # decode kernels (eager)
+    spans = [(0, num_tokens), (num_tokens, num_tokens + 1)]
+    with scratch_pages(kv, kv.pages_for(num_tokens + 1)) as pages, torch.cuda.device(runner.device), \
+            scratch_windows(runner.pool.window, spans) as windows:
+        runner.run([SeqChunk([0] * num_tokens, 0, pages, window_table=windows[0])])  # prefill kernels
+        runner.run([SeqChunk([0], num_tokens, pages, window_table=windows[1])])      # decode kernels (eager)
         if runner.graphs is not None:
             runner.graphs.capture()
         try:

@@ -36,6 +36,7 @@ from nodeserve.sampling.constrain import MASK_FILL_BUDGET_S
 from nodeserve.sampling.sampler import Sampler
 
 if TYPE_CHECKING:
+    from nodeserve.kv.window import WindowPages
     from nodeserve.kv.pool import KVPool
     from nodeserve.runtime.kv_loader import KVLoader, LoadJob
     from nodeserve.runtime.lending import SlackLending
@@ -79,6 +80,7 @@ class Worker:
         # runner.pool is attention's view of it (KVPoolLike); the runtime builds every runner over a KVPool (node.py)
         self.pool = cast("KVPool", runner.pool)
         self.kv = self.pool.manager  # this device's pages: the router reserves here, this worker frees
+        self.window = self.pool.window  # its windowed layers' pages, where the pool keeps them apart (kv/window.py)
         self.limits = limits
         self.scheduler = Scheduler(self.kv, limits, eos_token_ids, free=self._give_back)
         self._emit_batch, self._on_released, self._on_migrated = emit_batch, on_released, on_migrated
@@ -127,13 +129,13 @@ class Worker:
         self._thread.join(timeout=10)
 
     def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None,
-                    load: PageLoad | None = None, num_own_pages: int = -1) -> None:
+                    load: PageLoad | None = None, num_own_pages: int = -1, window: WindowPages | None = None) -> None:
         """A request to prefill here on `pages` (taken by the router): its decode pages here, or, when it decodes
         elsewhere (handoff), its prompt's pages in this pool. The first num_own_pages were cached here; `load`
         fills pages after them from other devices or tiers."""
         with self._lock:
             self.num_outstanding_prefill_tokens += req.num_prompt_tokens
-        self._inbox.put(Prefill(Seq(req, pages, handoff, load=load, num_published=num_own_pages)))
+        self._inbox.put(Prefill(Seq(req, pages, handoff, load=load, num_published=num_own_pages, window=window)))
 
     def send(self, msg: Arrival | FreePages | Migrate | None) -> None:
         """From another thread: an Arrival, FreePages or Migrate; None only wakes the loop (e.g. to see an abort)."""
@@ -187,6 +189,8 @@ class Worker:
                 elif isinstance(msg, FreePages):
                     self.device.wait_event(msg.read)
                     self._give_back(msg.pages)
+                    if msg.window is not None:
+                        msg.window.release()
                 elif isinstance(msg, Arrival):
                     self._receive(msg)
                 elif isinstance(msg, Migrate):
@@ -206,13 +210,16 @@ class Worker:
         if msg.error is None and not (req.aborted or req.finished):
             self.device.wait_event(msg.landed)
             now = time.monotonic()
-            self.scheduler.start_decode(Seq(req, msg.pages, num_published=msg.num_cached_pages), now)
+            self.scheduler.start_decode(Seq(req, msg.pages, num_published=msg.num_cached_pages, window=msg.window),
+                                        now)
             if msg.migrated_at is not None:
                 self._on_migrated(req, MigrationOutcome.MOVED, now - msg.migrated_at, msg.num_copied_pages)
             return
         # These pages may be reserved again at once, for a copy on another pair's streams: quiet them first.
         self.device.synchronize_event(msg.landed)
         self._give_back(msg.pages)
+        if msg.window is not None:
+            msg.window.release()
         if msg.error is not None and not (req.aborted or req.finished):
             log.error("worker %s: request %s failed: %s", self.name, req.request_id, msg.error)
             self._emit_batch([(req, TokenEvent(None, finish_reason="error", error=msg.error))])
@@ -225,7 +232,9 @@ class Worker:
     def _migrate(self, msg: Migrate) -> None:
         req, h = msg.req, msg.handoff
         seq = next((s for s in [*self.scheduler.running, *self.scheduler.waiting] if s.req is req), None)
-        if seq is None or seq.handoff is not None or seq.migration is not None or req.aborted or req.finished:
+        # A request with window pages stays: moves copy every page of every layer (kv.window_pages = "keep").
+        if seq is None or seq.handoff is not None or seq.migration is not None or req.aborted or req.finished \
+                or seq.window is not None:
             # Ended (its release is on its way), or not here yet (its KV is on its way from another device): it
             # stays where it is, and the target's pages go back.
             h.target.send(FreePages(h.pages, None))
@@ -429,7 +438,11 @@ class Worker:
                                                                                          tuple(c.request_ids)))
                      for c in plan.copies]
 
+        window_layers = self.pool.window_layers  # their pages go at the handoff, the last window only
+
         def on_layer_done(layer: int) -> None:
+            if layer in window_layers:
+                return
             for transfer, pages in page_maps:
                 transfer.copy_layer(layer, pages)
 
@@ -465,7 +478,26 @@ class Worker:
         if h is None:
             raise RuntimeError(f"request {req.request_id} has no handoff to finish")
         src, seq.page_table = seq.page_table, []
-        self.transfers[h.target.name].finish(
+        transfer = self.transfers[h.target.name]
+        if seq.window is not None:  # the windowed layers' last window, then this device's window pages go back
+            self._copy_window(seq, h, transfer)
+        transfer.finish(
             req.request_id, src, lambda landed, error: h.target.send(
-                Arrival(req, h.pages, h.num_cached_pages, landed, error, migrated_at, h.num_copied_pages)),
+                Arrival(req, h.pages, h.num_cached_pages, landed, error, migrated_at, h.num_copied_pages, h.window)),
             h.num_copied_pages, h.num_cached_pages)
+
+    def _copy_window(self, seq: Seq, h: Handoff, transfer: KVTransfer) -> None:
+        """Copies the windowed layers' pages the target's first query reads (the prompt's last window), then gives
+        this device's window pages back once the copies have read them."""
+        window, target, req = seq.window, h.window, seq.req
+        seq.window = None
+        if window is None:
+            return
+        # Only a prompt prefilled whole goes on: the target drew the pages of that window (kv/reservation.py).
+        if target is not None and req.num_computed_tokens == req.num_prompt_tokens and not req.finished:
+            live = target.live_pages(req.num_computed_tokens)
+            pages = transfer.page_indices([window.table[p] for p in live], [target.table[p] for p in live],
+                                          (req.request_id,))
+            for layer in sorted(self.pool.window_layers):
+                transfer.copy_layer(layer, pages)
+        transfer.after_copies(lambda landed: self.send(FreePages([], landed, window)))

@@ -1,7 +1,10 @@
 """The engine's paths with sliding-window layers: a tiny random Gemma 3 (window 20, longer than a page of 16,
 shorter than the prompts) through every mode, the prefix cache and live migration, token for token as
 transformers generates, every page back. The same test bodies as the Llama-layout model's, with this model's
-fixtures: the paths that move or share KV must stay exact when layers see only their window."""
+fixtures: the paths that move or share KV must stay exact when layers see only their window.
+
+Both settings of kv.window_pages: "free" (the default: windowed layers hold their window's pages only, which the
+handoff copies; the prefix cache and moves are off) and "keep" (every page, the prefix cache and live moves on)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from nodeserve.config import config_from_dict
 from nodeserve.model.loader import load_model
+from tests.runtime import test_engine, test_migration, test_prefix_cache
 from tests.model.test_families import build_hf, hf_greedy as transformers_greedy, write_gguf
 from tests.model.test_gguf_loader import VOCAB
 # The bodies below run again here, on this module's fixtures.
@@ -18,6 +23,20 @@ from tests.runtime.test_engine import test_greedy_matches_transformers_in_every_
 from tests.runtime.test_migration import \
     test_live_and_stop_and_copy_moves_keep_the_tokens_and_free_every_page  # noqa: F401
 from tests.runtime.test_prefix_cache import _config, _conversation, _run, prompts  # noqa: F401
+
+
+def _window_pages(monkeypatch, setting: str) -> None:
+    """The imported test bodies build their configs with config_from_dict: each gets kv.window_pages = setting."""
+    def with_setting(d, *args, **kwargs):
+        return config_from_dict({**d, "kv": {**d.get("kv", {}), "window_pages": setting}}, *args, **kwargs)
+    for module in (test_engine, test_migration, test_prefix_cache):
+        monkeypatch.setattr(module, "config_from_dict", with_setting)
+
+
+@pytest.fixture(autouse=True)
+def keep_windows(monkeypatch):
+    """The bodies below that share or move KV run with every page kept, where those paths are on."""
+    _window_pages(monkeypatch, "keep")
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +76,36 @@ def test_the_prefix_cache_changes_no_token(mode, loaded_fp32, prompts):  # noqa:
     assert on == off
     assert cached_on[1] == cached_on[2] == 48 and cached_on[3] == 64
     assert all(s.num_free == s.num_pages for s in stats)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated", "conditional", "busy-local", "adaptive"])
+def test_window_pages_freed_keep_the_tokens_in_every_mode(mode, monkeypatch, loaded_fp32, prompt_ids, hf_greedy):
+    """kv.window_pages = "free": prompts past the window (25, 33, 50 tokens over a window of 20) prefill in chunks
+    that drop the pages behind them, hand only their last window over, and decode on a window of pages."""
+    _window_pages(monkeypatch, "free")
+    monkeypatch.setitem(test_engine.MODES, "adaptive", {"mode": "adaptive", "devices": ["cpu:0", "cpu:1"]})
+    test_greedy_matches_transformers_in_every_mode(mode, loaded_fp32, prompt_ids, hf_greedy)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_window_pages_freed_turn_the_prefix_cache_off_and_leak_nothing(mode, monkeypatch, loaded_fp32, prompts):
+    """With window pages freed, the prefix cache is off (a hit would need pages that were given back): the same
+    tokens as with the cache off, nothing cached, and every full and window page back, promises included, after
+    the conversation's aborted request too."""
+    _window_pages(monkeypatch, "free")
+    body = lambda engine: _conversation(engine, prompts)  # noqa: E731
+    windows = []
+
+    async def with_windows(engine):
+        result = await body(engine)
+        windows.extend(w.window for w in engine.workers)
+        return result
+
+    (on, cached_on), stats, num_cached = test_prefix_cache._run(test_prefix_cache._config(mode, True), loaded_fp32,
+                                                                with_windows)
+    (off, _), _, _ = test_prefix_cache._run(test_prefix_cache._config(mode, False), loaded_fp32, body)
+    assert on == off
+    assert cached_on[:4] == [0, 0, 0, 0] and num_cached == [0] * len(num_cached)
+    assert all(s.num_free == s.num_pages for s in stats)
+    assert windows and all(w is not None for w in windows)
+    assert all(w.manager.num_used == 0 and w.manager.num_promised == 0 for w in windows)
