@@ -210,6 +210,9 @@ class Scheduler:
         # The pages' tokens go with them: a later prompt matching their hashes is checked against them (scrub).
         token_ids = _token_range(req, first * page_size, num_full * page_size)
         self.kv.publish(seq.page_table[first:num_full], req.page_hashes[first:num_full], parent, token_ids)
+        if seq.window is not None:  # the window pages it still holds of them, for a later prompt's last window
+            held = [(b, h) for b, h in zip(seq.window.table[first:num_full], req.page_hashes[first:num_full]) if b >= 0]
+            seq.window.kv.manager.publish([b for b, _ in held], [h for _, h in held])
         seq.num_published = num_full
 
     def _finish_reason(self, req: Request) -> str | None:

@@ -254,6 +254,17 @@ class KVManager:
             self._hold(pages)
             return pages
 
+    def share_all(self, hashes: Sequence[bytes]) -> list[int] | None:
+        """Adds a holder to the cached pages of every one of `hashes` (not a prefix: any run of a chain, as a
+        sliding window's pages are, kv/window.py), in one step; None, holding nothing, if one is not cached."""
+        with self._lock:
+            pages = [self._page_of.get(h) for h in hashes] if self.prefix_cache else [None]
+            if any(b is None for b in pages):
+                return None
+            held = [b for b in pages if b is not None]
+            self._hold(held)
+            return held
+
     def num_in_flight(self, hashes: Sequence[bytes]) -> int:
         """How many of the leading `hashes` some request here is computing now (allocated, not yet published)."""
         n = 0

@@ -88,7 +88,7 @@ class KVPool:
         self.v_scales = [1.0] * cfg.num_layers
         self.manager = KVManager(num_pages, page_size, prefix_cache, observers)
         # the windowed layers' pages, apart; None where every layer keeps every page
-        self.window = WindowKV(KVManager(self.num_window_pages, page_size), max(windows), max_chunk) \
+        self.window = WindowKV(KVManager(self.num_window_pages, page_size, prefix_cache), max(windows), max_chunk) \
             if self.window_layers else None
         # Recorded on the owner's stream just before it frees pages: a transfer writing into pages it was handed
         # waits on it, so no earlier compute or copy still touches them (None on CPU, where streams are in order).

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from nodeserve.kv.manager import KVManager, OutOfPages
-from nodeserve.kv.window import WindowKV, WindowPages, max_window_pages
+from nodeserve.kv.window import WindowKV, WindowPages, first_window_page, max_window_pages
 
 
 @dataclass
@@ -58,25 +58,23 @@ def reserve_prompt(decode_kv: KVManager, prefill_kv: KVManager, hashes: Sequence
                    prefill_window: WindowKV | None = None) -> Reservation | None:
     """Pages for a request that decodes on decode_kv's device and prefills on prefill_kv's (the same manager when
     it prefills where it decodes): max_total_tokens' worth on the decode device, the prompt's on the prefill
-    device, each starting with the prefix cached there; and for a model with windowed layers, their window pages
-    on each (decode_window, prefill_window: the devices' WindowKV), those the prompt's last window is copied into
-    drawn now. None, holding nothing, if either device is short: another thread may have taken pages since the
-    placer's snapshot, so the caller tries again later."""
+    device, each starting with the prefix cached there. For a model with windowed layers, their window pages on
+    each too (decode_window, prefill_window: the devices' WindowKV): the device that prefills counts a cached
+    prefix only as far as its last window is cached (WindowKV.cached_window), and a decode device the prompt is
+    handed to draws now the pages its last window is copied into. None, holding nothing, if either device is
+    short: another thread may have taken pages since the placer's snapshot, so the caller tries again later."""
+    local = prefill_kv is decode_kv
     held: list = []
     try:
-        pages, num_cached = decode_kv.allocate_prompt(hashes, num_prompt_tokens, decode_kv.pages_for(max_total_tokens))
-        held.append(lambda: decode_kv.free(pages))
-        window = _reserve_window(decode_window, max_total_tokens, prefill_kv is decode_kv)
-        if window is not None:
-            held.append(window.release)
-            if prefill_kv is not decode_kv:
-                window.advance(num_prompt_tokens, num_prompt_tokens)  # the copy's target
-        if prefill_kv is decode_kv:
+        pages, num_cached, window = _allocate_prompt(decode_kv, decode_window if local else None, hashes,
+                                                     num_prompt_tokens, max_total_tokens, held)
+        if not local and decode_window is not None:
+            window = _reserve_window(decode_window, max_total_tokens, False, held)
+            window.advance(num_prompt_tokens, num_prompt_tokens)  # the copy's target
+        if local:
             return Reservation(decode_kv, pages, num_cached, window=window)
-        prompt_pages, num_prompt_cached = prefill_kv.allocate_prompt(hashes, num_prompt_tokens,
-                                                                     prefill_kv.pages_for(num_prompt_tokens))
-        held.append(lambda: prefill_kv.free(prompt_pages))
-        prompt_window = _reserve_window(prefill_window, num_prompt_tokens, True)
+        prompt_pages, num_prompt_cached, prompt_window = _allocate_prompt(
+            prefill_kv, prefill_window, hashes, num_prompt_tokens, num_prompt_tokens, held)
     except OutOfPages:
         for release in reversed(held):
             release()
@@ -84,13 +82,43 @@ def reserve_prompt(decode_kv: KVManager, prefill_kv: KVManager, hashes: Sequence
     return Reservation(decode_kv, pages, num_cached, prefill_kv, prompt_pages, num_prompt_cached, window, prompt_window)
 
 
-def _reserve_window(kv: WindowKV | None, num_tokens: int, prefills: bool) -> WindowPages | None:
-    """A request's window pages on a device with windowed layers (None where it has none); raises OutOfPages."""
-    if kv is None:
-        return None
+def _allocate_prompt(kv: KVManager, window_kv: WindowKV | None, hashes: Sequence[bytes], num_prompt_tokens: int,
+                     num_tokens: int, held: list) -> tuple[list[int], int, WindowPages | None]:
+    """(pages, cached tokens, window pages) for num_tokens on a device, its cached prefix shared; window_kv: that of
+    a device that prefills the prompt, whose cached prefix then ends where its windowed layers' pages do. Appends
+    how to give each part back to `held`; raises OutOfPages."""
+    if window_kv is None:
+        pages, num_cached = kv.allocate_prompt(hashes, num_prompt_tokens, kv.pages_for(num_tokens))
+        held.append(lambda: kv.free(pages))
+        return pages, num_cached, None
+    num_hit, cached = window_kv.cached_window(hashes, len(kv.lookup(hashes, num_prompt_tokens)))
+    try:
+        pages, num_cached = kv.allocate_prompt(hashes[:num_hit], num_prompt_tokens, kv.pages_for(num_tokens))
+        if num_cached < num_hit * kv.page_size:  # evicted meanwhile: no prefix then, rather than a window short
+            kv.free(pages)
+            window_kv.manager.free(cached)
+            cached = []
+            pages, num_cached = kv.allocate_prompt((), num_prompt_tokens, kv.pages_for(num_tokens))
+    except OutOfPages:
+        window_kv.manager.free(cached)
+        raise
+    window = window_kv.reserve_cached(num_tokens, True, first_window_page(num_cached, window_kv.window, kv.page_size),
+                                      cached)
+    if window is None:
+        kv.free(pages)
+        window_kv.manager.free(cached)
+        raise OutOfPages("window pages")
+    held.append(lambda: kv.free(pages))
+    held.append(window.release)
+    return pages, num_cached, window
+
+
+def _reserve_window(kv: WindowKV, num_tokens: int, prefills: bool, held: list) -> WindowPages:
+    """A request's window pages on a device with windowed layers, appended to `held`; raises OutOfPages."""
     window = kv.reserve(num_tokens, prefills)
     if window is None:
         raise OutOfPages("window pages")
+    held.append(window.release)
     return window
 
 

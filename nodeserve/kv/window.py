@@ -18,6 +18,7 @@ largest chunk there; once it decodes, it keeps a window and one token's page (sh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from nodeserve.kv.manager import KVManager, OutOfPages
 
@@ -49,6 +50,28 @@ class WindowKV:
     def reserve(self, num_tokens: int, prefills: bool) -> WindowPages | None:
         """A request's window pages here, promised (none drawn yet); None, promising nothing, if too few are free."""
         return self.promise_pages(self.num_pages_for(num_tokens, prefills))
+
+    def reserve_cached(self, num_tokens: int, prefills: bool, first: int, cached: list[int]) -> WindowPages | None:
+        """reserve(), the request already holding `cached`: its logical pages [first, first + len(cached)), shared
+        from the prefix cache (WindowKV.cached_window)."""
+        count = self.num_pages_for(num_tokens, prefills)
+        try:
+            self.manager.promise(count - len(cached))
+        except OutOfPages:
+            return None
+        return WindowPages(self, count, count - len(cached), [-1] * first + cached, len(cached), first)
+
+    def cached_window(self, hashes: Sequence[bytes], num_cached_pages: int) -> tuple[int, list[int]]:
+        """The longest cached prefix of at most num_cached_pages pages (those the full layers have cached) whose
+        windowed layers' pages are cached too: the window before its end, which its first new query reads. vLLM's
+        rule for sliding-window groups: the full layers need every page of the prefix, the windowed layers only
+        its last window's. Returns (its pages, the window pages of that last window, shared: a holder added)."""
+        for k in range(num_cached_pages, 0, -1):
+            first = first_window_page(k * self.page_size, self.window, self.page_size)
+            pages = self.manager.share_all(hashes[first:k])
+            if pages is not None:
+                return k, pages
+        return 0, []
 
     def promise_pages(self, count: int) -> WindowPages | None:
         """Window pages of which `count` may be held at once, promised; None, promising nothing, if too few are free."""

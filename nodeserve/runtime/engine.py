@@ -48,18 +48,20 @@ PLACEMENT_FAILED = "placing the request on a device failed (the error is in the 
 
 def window_config(config: Config, model: ModelConfig) -> Config:
     """The config a model with sliding-window layers runs under: with kv.window_pages = "free" those layers keep
-    only their window's pages (kv/window.py), which the prefix cache, its tiers and live moves do not handle yet, so
-    they are off (said once at start). Raises ConfigError where [kv_events] asks for the prefix cache."""
+    only their window's pages (kv/window.py). The prefix cache keeps both kinds on each device; the host and disk
+    tiers, the fetch across devices and live moves, which move whole-model pages, are off (said once at start).
+    Raises ConfigError where [kv_events] asks for whole-model pages."""
     if config.kv.window_pages != "free" or not any(model.window(i) for i in range(model.num_layers)):
         return config
     if config.kv_events.enabled:
-        raise ConfigError("KV events need the prefix cache, which a model with sliding-window layers keeps only with "
-                          "kv.window_pages = \"keep\" (every layer keeps every page)")
-    if config.kv.prefix_cache:
+        raise ConfigError("KV events report whole-model pages, which a model with sliding-window layers keeps only "
+                          "with kv.window_pages = \"keep\" (every layer keeps every page)")
+    if config.kv.prefix_cache and (config.kv.host_memory_gib != 0 or config.kv.disk_gib > 0):
         log.warning("this model has sliding-window layers, which keep only their window's KV pages "
-                    "(kv.window_pages = \"free\"): the prefix cache, its host and disk tiers and live moves between "
-                    "devices are off; kv.window_pages = \"keep\" keeps every page and them")
-    return replace(config, kv=replace(config.kv, prefix_cache=False))
+                    "(kv.window_pages = \"free\"): the prefix cache stays on each device, but its host and disk "
+                    "tiers, fetching prefixes across devices and live moves are off; kv.window_pages = \"keep\" "
+                    "keeps every page and them")
+    return replace(config, kv=replace(config.kv, host_memory_gib=0.0, disk_gib=0.0, disk_path=""))
 
 
 class Engine:
@@ -296,7 +298,8 @@ class Engine:
     def flush_cache(self) -> int:
         """Drops every cached page no request holds, in every pool and the host tier (not the disk tier: a
         restart's cache). Returns the pages dropped."""
-        num = sum(w.kv.drop_cached() for w in self.workers)
+        num = sum(w.kv.drop_cached() + (w.window.manager.drop_cached() if w.window is not None else 0)
+                  for w in self.workers)
         if self.tiers is not None and self.tiers.host is not None:
             num += self.tiers.host.index.drop_cached()
         return num

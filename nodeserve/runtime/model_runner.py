@@ -62,21 +62,21 @@ class ModelRunner:
         pos_t = upload(positions, self.device, torch.int64)
         return ids, pos_t, meta, logits_rows
 
-    def _window_tables(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
-        """(slot_mapping, page_tables, host page lists) of the windowed layers' pages (SeqChunk.window_table), with
-        page 0 where a sequence holds none (before its window, never read)."""
+    def _window_tables(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, list[Sequence[int]]]:
+        """(slot_mapping, page_tables, host page lists) of the windowed layers' pages (SeqChunk.window_table); the
+        tables hold page 0 where a sequence holds none (before its window: never read), the host lists -1."""
         page_size, slots, tables = self.pool.page_size, [], []
         for c in chunks:
-            if c.window_table is None:
+            table = c.window_table
+            if table is None:
                 raise ValueError("a pool with window pages needs each chunk's window_table (kv/window.py)")
-            table = [max(b, 0) for b in c.window_table]
             slots.extend(table[p // page_size] * page_size + p % page_size
                          for p in range(c.start_pos, c.start_pos + len(c.token_ids)))
             tables.append(table)
         padded = torch.zeros(len(chunks), max(len(t) for t in tables), dtype=torch.int64)
         for b, t in enumerate(tables):
             padded[b, :len(t)] = torch.as_tensor(t, dtype=torch.int64)
-        return upload(slots, self.device, torch.int64), upload(padded, self.device), tables
+        return upload(slots, self.device, torch.int64), upload(padded.clamp_(min=0), self.device), tables
 
     def run(self, chunks: Sequence[SeqChunk], on_layer_done: Callable[[int], None] | None = None,
             before_layer: Callable[[int], None] | None = None) -> torch.Tensor:

@@ -114,7 +114,9 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
     event_log = KVEventLog(cfg.kv.page_size) if cfg.kv_events.enabled else None  # config: needs the prefix cache
     sink = event_log.sink if event_log is not None else lambda name: None
     host = None
-    if cfg.kv.prefix_cache:
+    # The tiers and the cross-device fetch move whole-model pages: not where windowed layers keep window pages
+    tiered = cfg.kv.prefix_cache and not any(window_pages[n][1] for n in names)
+    if tiered:
         pool_bytes = sum(n * KVPool.bytes_per_page(loaded.config, cfg.kv.page_size, kv_dtype) for n in num_pages.values())
         page_shape = (loaded.config.num_layers, 2, cfg.kv.page_size, loaded.config.num_kv_heads, loaded.config.head_dim)
         host = host_tier(cfg.kv, pool_bytes, page_shape, kv_dtype, any(d.torch_device.type == "cuda" for d in
@@ -128,7 +130,7 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
     inboxes: dict[str, queue.SimpleQueue] = {n: queue.SimpleQueue() for n in names}
     transfers = kv_transfers(starts, devices, pools, inboxes, events.on_transfer)
     wake: dict[str, Callable[[], None]] = {n: functools.partial(inboxes[n].put, None) for n in names}
-    tiers = KVTiers(devices, pools, wake, host, cfg.kv, event_log) if cfg.kv.prefix_cache else None
+    tiers = KVTiers(devices, pools, wake, host, cfg.kv, event_log) if tiered else None
     borrowers = slack_lending(cfg, starts, lending)
     workers: dict[str, Worker] = {}
     for s in starts:  # prefill workers first: a decode worker lending its core reads its borrower's backlog

@@ -31,10 +31,11 @@ class StubWorker:
         self.limits = WorkerLimits(max_num_seqs, 1024, 8192)
         self.num_outstanding_prefill_tokens = 0
         self.failure = None
+        self.window = None  # no windowed layers
         self.prefills: list[tuple[Request, list[int], Handoff | None]] = []
 
     def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None, load=None,
-                    num_own_pages: int = -1) -> None:
+                    num_own_pages: int = -1, window=None) -> None:
         self.num_outstanding_prefill_tokens += req.num_prompt_tokens
         self.prefills.append((req, pages, handoff))
 

@@ -23,6 +23,7 @@ from tests.runtime.test_engine import test_greedy_matches_transformers_in_every_
 from tests.runtime.test_migration import \
     test_live_and_stop_and_copy_moves_keep_the_tokens_and_free_every_page  # noqa: F401
 from tests.runtime.test_prefix_cache import _config, _conversation, _run, prompts  # noqa: F401
+from tests.runtime.test_engine import _greedy, _tokens
 
 
 def _window_pages(monkeypatch, setting: str) -> None:
@@ -88,24 +89,45 @@ def test_window_pages_freed_keep_the_tokens_in_every_mode(mode, monkeypatch, loa
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_window_pages_freed_turn_the_prefix_cache_off_and_leak_nothing(mode, monkeypatch, loaded_fp32, prompts):
-    """With window pages freed, the prefix cache is off (a hit would need pages that were given back): the same
-    tokens as with the cache off, nothing cached, and every full and window page back, promises included, after
-    the conversation's aborted request too."""
+def test_window_pages_freed_keep_prefixes_cached_and_leak_nothing(mode, monkeypatch, loaded_fp32, prompts):
+    """With window pages freed, the prefix cache takes a cached prefix as far as its last window's pages are cached
+    too (they stay cached after the window slides past them): the same tokens as with the cache off, the same
+    prefixes reused as with every page kept, and every full and window page back, promises included, after the
+    conversation's aborted request too."""
     _window_pages(monkeypatch, "free")
     body = lambda engine: _conversation(engine, prompts)  # noqa: E731
     windows = []
 
     async def with_windows(engine):
-        result = await body(engine)
         windows.extend(w.window for w in engine.workers)
-        return result
+        return await body(engine)
 
-    (on, cached_on), stats, num_cached = test_prefix_cache._run(test_prefix_cache._config(mode, True), loaded_fp32,
-                                                                with_windows)
+    (on, cached_on), stats, _ = test_prefix_cache._run(test_prefix_cache._config(mode, True), loaded_fp32,
+                                                       with_windows)
     (off, _), _, _ = test_prefix_cache._run(test_prefix_cache._config(mode, False), loaded_fp32, body)
     assert on == off
-    assert cached_on[:4] == [0, 0, 0, 0] and num_cached == [0] * len(num_cached)
+    assert cached_on[1] == cached_on[2] == 48 and cached_on[3] == 64
     assert all(s.num_free == s.num_pages for s in stats)
     assert windows and all(w is not None for w in windows)
     assert all(w.manager.num_used == 0 and w.manager.num_promised == 0 for w in windows)
+    assert any(w.manager.num_cached for w in windows)
+
+
+def test_a_prefix_whose_last_window_was_evicted_is_computed_again(monkeypatch, loaded_fp32, prompts):
+    """The full layers' pages of a prefix alone are no hit: with the window pages dropped from the cache, the next
+    turn computes its prompt whole, and its tokens stay those of a cold run."""
+    _window_pages(monkeypatch, "free")
+
+    async def body(engine):
+        first = await _tokens(engine.add_request(prompts[0], _greedy(max_tokens=8)))
+        for w in engine.workers:
+            w.window.manager.drop_cached()
+        again = engine.add_request(prompts[1], _greedy(max_tokens=8))
+        return [first[0], (await _tokens(again))[0]], again.request.num_cached_tokens
+
+    (tokens, num_cached), stats, num_main_cached = test_prefix_cache._run(
+        test_prefix_cache._config("colocated", True), loaded_fp32, body)
+    (cold, _), _, _ = test_prefix_cache._run(test_prefix_cache._config("colocated", False), loaded_fp32, body)
+    assert num_cached == 0 and sum(num_main_cached) > 0
+    assert tokens == cold
+    assert all(s.num_free == s.num_pages for s in stats)
