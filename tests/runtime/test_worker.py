@@ -22,7 +22,7 @@ class FakeRunner:
     """Greedy picks last token + 1; a chunk holding POISON raises. Records every step's chunks."""
 
     def __init__(self, num_pages: int):
-        self.pool = SimpleNamespace(manager=KVManager(num_pages, 16), page_size=16)
+        self.pool = SimpleNamespace(manager=KVManager(num_pages, 16), page_size=16, window=None, window_layers=frozenset())
         self.steps: list[list[tuple[int, int]]] = []  # per run: (start_pos, num_tokens) per chunk
 
     def run(self, chunks, on_layer_done=None, before_layer=None) -> torch.Tensor:
@@ -185,7 +185,7 @@ class Target:
 
 def _migrating_worker():
     worker, runner, events, released = _worker(num_pages=64)
-    worker.pool = SimpleNamespace(layers=[0, 1, 2], num_layers=3, page_size=16)
+    worker.pool = SimpleNamespace(layers=[0, 1, 2], num_layers=3, page_size=16, window_layers=frozenset())
     jobs, outcomes = [], []
     worker._on_migrated = lambda req, outcome, downtime, pages: outcomes.append((req.request_id, outcome))
     target = Target()
