@@ -109,11 +109,15 @@ class KVSection:
 class KVEventsSection:
     """vLLM's KV events (docs/kv-events.md): every page entering or leaving a device pool or tier, for routers."""
     enabled: bool = False
-    endpoint: str = "tcp://*:5557"        # the PUB socket: bound if it has * or :: (or is ipc/inproc), else
-                                          # connected to a subscriber that binds, as vLLM does
+    endpoint: str = ""                    # the PUB socket. "": bound on server.host's interface, port 5557. Else
+                                          # vLLM's rule: bound if it has * or :: (or is ipc/inproc), else
+                                          # connected to a subscriber that binds
     replay_endpoint: str = ""             # the ROUTER socket that replays batches from a sequence number ("": none)
+    include_tokens: bool = False          # BlockStored carries each page's token ids (vLLM always does; Dynamo's
+                                          # router needs them): they are the prompts' and completions' text
     buffer_steps: int = 10_000            # batches kept for replay
-    hwm: int = 100_000                    # batches queued per subscriber; past it a batch is dropped and counted
+    hwm: int = 100_000                    # batches queued per subscriber; past it that subscriber loses batches
+    max_queue_size: int = 100_000         # events waiting for the publisher; past it they are dropped and counted
     topic: str = ""                       # "": kv@<server.host>:<server.port>@<served model name>
 
 
@@ -323,11 +327,11 @@ ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 def _validate_kv_events(cfg: Config) -> None:
     ev = cfg.kv_events
     for key, value in (("endpoint", ev.endpoint), ("replay_endpoint", ev.replay_endpoint)):
-        if (value or key == "endpoint") and not value.startswith(ZMQ_SCHEMES):
+        if value and not value.startswith(ZMQ_SCHEMES):
             raise ConfigError(f"'kv_events.{key}' must be a ZMQ address like \"tcp://*:5557\", got {value!r}")
-    if ev.buffer_steps < 1 or ev.hwm < 1:
-        raise ConfigError(f"'kv_events.buffer_steps' and 'kv_events.hwm' must be at least 1, got "
-                          f"{ev.buffer_steps} and {ev.hwm}")
+    if ev.buffer_steps < 1 or ev.hwm < 1 or ev.max_queue_size < 1:
+        raise ConfigError(f"'kv_events.buffer_steps', 'kv_events.hwm' and 'kv_events.max_queue_size' must be at "
+                          f"least 1, got {ev.buffer_steps}, {ev.hwm} and {ev.max_queue_size}")
     if ev.enabled and not cfg.kv.prefix_cache:
         raise ConfigError("KV events ('kv_events.enabled') report the prefix cache's pages: they need "
                           "kv.prefix_cache = true")

@@ -171,7 +171,7 @@ class KVTiers:
         fingerprint = model_fingerprint(loaded.path, loaded.config.architecture, str(loaded.model.dtype),
                                         str(pool.dtype), str(pool.page_size), config.quantization, scales)
         self.disk = DiskTier(path, int(gib * 2**30), fingerprint, self.host.page_nbytes,
-                             events=self.events.sink("disk") if self.events is not None else None)
+                             events=self.events.sink("disk", False) if self.events is not None else None)
         self.disk.start()
         self.host.use_disk(self.disk)
         self.fetch.use_disk(self.disk)

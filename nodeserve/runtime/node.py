@@ -107,14 +107,15 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
               if isinstance(d, DeviceGroup)}
     kv_dtype = kv_cache_dtype(cfg.kv.dtype, model.dtype)
     num_pages = {n: kv_pages(cfg, loaded, d, kv_dtype) for n, d in devices.items()}
-    event_log = KVEventLog(cfg.kv.page_size) if cfg.kv_events.enabled else None  # config: needs the prefix cache
-    sink = event_log.sink if event_log is not None else lambda name: None
+    event_log = (KVEventLog(cfg.kv.page_size, cfg.kv_events.include_tokens, cfg.kv_events.max_queue_size)
+                 if cfg.kv_events.enabled else None)  # config: needs the prefix cache
+    sink = event_log.sink if event_log is not None else lambda name, chained=True: None
     host = None
     if cfg.kv.prefix_cache:
         pool_bytes = sum(n * KVPool.bytes_per_page(loaded.config, cfg.kv.page_size, kv_dtype) for n in num_pages.values())
         page_shape = (loaded.config.num_layers, 2, cfg.kv.page_size, loaded.config.num_kv_heads, loaded.config.head_dim)
         host = host_tier(cfg.kv, pool_bytes, page_shape, kv_dtype, any(d.torch_device.type == "cuda" for d in
-                                                                       devices.values()), sink("host"))
+                                                                       devices.values()), sink("host", False))
     pools = {n: tiered_pool(loaded.config, num_pages[n], cfg.kv, kv_dtype, d.torch_device, host, sink(n),
                             groups[n].kv_shards() if n in groups else None)
              for n, d in devices.items()}
@@ -147,7 +148,7 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
     if event_log is not None:
         host_name = cfg.server.host if cfg.server.host not in ("", "0.0.0.0", "::") else socket.gethostname()
         topic = cfg.kv_events.topic or default_topic(host_name, cfg.server.port, cfg.served_model_name)
-        publisher = KVEventPublisher(cfg.kv_events, topic, event_log)
+        publisher = KVEventPublisher(cfg.kv_events, topic, event_log, cfg.server.host)
     return Node(prefill, decode, [t for ts in transfers.values() for t in ts.values()], router, tiers, publisher,
                 lending, warnings)
 

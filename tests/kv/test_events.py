@@ -33,7 +33,7 @@ def _cached(kv: KVManager) -> set[int]:
 
 
 def test_the_wire_layout_is_vllms_arrays():
-    log = KVEventLog(16)
+    log = KVEventLog(16, include_tokens=True)
     log.sink("cpu:0").stored([b"\x00" * 7 + b"\x05" + b"x" * 8], None, list(range(16)))
     log.sink("host").removed([b"\x00" * 7 + b"\x05" + b"y" * 8])
     log.cleared()
@@ -46,7 +46,7 @@ def test_the_wire_layout_is_vllms_arrays():
 
 def test_a_publication_is_reported_with_its_parent_and_tokens_and_an_eviction_as_removed():
     kv = KVManager(4, PAGE, prefix_cache=True)
-    log = KVEventLog(PAGE)
+    log = KVEventLog(PAGE, include_tokens=True)
     kv.events = log.sink("cpu:0")
     tokens = list(range(12))
     hashes = hash_pages(tokens, PAGE)
@@ -67,7 +67,7 @@ def test_a_publication_is_reported_with_its_parent_and_tokens_and_an_eviction_as
 
 def test_a_page_already_cached_elsewhere_splits_the_run():
     kv = KVManager(8, PAGE, prefix_cache=True)
-    log = KVEventLog(PAGE)
+    log = KVEventLog(PAGE, include_tokens=True)
     kv.events = log.sink("d")
     tokens = list(range(12))
     hashes = hash_pages(tokens, PAGE)
