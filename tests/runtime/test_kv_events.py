@@ -38,6 +38,8 @@ def _publisher(hwm: int = 1000, buffer_steps: int = 1000, interval_ms: float = B
     p = KVEventPublisher(settings, "kv@127.0.0.1:8000@m", KVEventLog(16, include_tokens=True, max_events=max_events),
                          interval_ms=interval_ms)
     p.start()
+    while p.num_batches == 0:  # AllBlocksCleared numbered: every later event makes batches of its own
+        time.sleep(0.001)
     return p, pub, replay
 
 
