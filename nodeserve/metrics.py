@@ -32,7 +32,9 @@ Exposed names (histograms add _bucket/_count/_sum, counters add _total):
               {model_name, tier}: tier "device" is every pool (hits: fetched from another device),
               "host" and "disk" the tiers below (runtime/kv_tiers.py)
   KV events   counters nodeserve:kv_events_batches_total, nodeserve:kv_events_total,
-              nodeserve:kv_events_dropped_batches_total, nodeserve:kv_events_replays_total {model_name}
+              nodeserve:kv_events_dropped_batches_total, nodeserve:kv_events_replays_total,
+              nodeserve:kv_events_replays_refused_total, nodeserve:kv_events_replays_abandoned_total,
+              nodeserve:kv_events_lost_total {model_name}
               (only with [kv_events] on)
   vLLM's names, for routers in front of several nodes (SMG, the Inference Extension's endpoint picker,
   production-stack): each ONE series labelled model_name only, the node seen as one worker
@@ -236,9 +238,15 @@ class _KVEventsCollector(Collector):
 
     FIELDS = (("kv_events_batches", "num_batches", "KV-event batches numbered, sent or dropped."),
               ("kv_events", "num_events", "KV events (BlockStored, BlockRemoved, AllBlocksCleared) published."),
-              ("kv_events_dropped_batches", "num_dropped_batches", "KV-event batches dropped at a subscriber's "
-               "high-water mark (replay still has them)."),
-              ("kv_events_replays", "num_replays", "Replay requests served."))
+              ("kv_events_dropped_batches", "num_dropped_batches", "KV-event batches some subscriber lost at its "
+               "high-water mark (the others got them; replay still has them)."),
+              ("kv_events_replays", "num_replays", "Replay requests served."),
+              ("kv_events_replays_refused", "num_replays_refused", "Replay requests answered with the end marker "
+               "alone: a peer asking too often, or too many replays under way."),
+              ("kv_events_replays_abandoned", "num_replays_abandoned", "Replays given up: their peer stopped "
+               "reading or left."),
+              ("kv_events_lost", "num_lost_events", "KV events dropped before publishing (the event log was full): "
+               "subscribers see a sequence gap that replay cannot fill."))
 
     def __init__(self, model_name: str):
         self.model_name = model_name
