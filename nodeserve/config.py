@@ -63,6 +63,7 @@ class ServerSection:
     default_max_tokens: int = 2048        # chat requests that give no max_tokens (rule: core resolve_max_tokens)
     max_n: int = 16
     max_stop: int = 16
+    max_stop_bytes: int = 1024            # all of a request's stop strings together (UTF-8)
     max_logprobs: int = 20
     max_body_bytes: int = 4 * 1024 * 1024
     stall_dumps: bool = False             # log every thread's stack 0.3 s into an event-loop stall (diagnostic:
@@ -362,7 +363,8 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
         raise ConfigError("'model.path' is empty: give a .gguf file, an HF checkpoint directory or a bundled model name")
     for key, value, low in (("server.port", s.port, 0), ("server.max_waiting", s.max_waiting, 1),
                             ("server.default_max_tokens", s.default_max_tokens, 1), ("server.max_n", s.max_n, 1),
-                            ("server.max_stop", s.max_stop, 0), ("server.max_logprobs", s.max_logprobs, 0),
+                            ("server.max_stop", s.max_stop, 0), ("server.max_stop_bytes", s.max_stop_bytes, 1),
+                            ("server.max_logprobs", s.max_logprobs, 0),
                             ("server.max_body_bytes", s.max_body_bytes, 1024), ("kv.page_size", kv.page_size, 1),
                             ("server.max_queued_tokens", s.max_queued_tokens, 1),
                             ("server.max_tokens_limit", s.max_tokens_limit, 1),

@@ -52,7 +52,8 @@ class ServerState:
         self.model_names = (self.model_name, *(a for a in config.model.aliases if a != self.model_name))
         self.created = int(time.time())
         s = config.server
-        self.limits = P.Limits(max_n=s.max_n, max_stop=max(s.max_stop, 1), max_logprobs=s.max_logprobs,
+        self.limits = P.Limits(max_n=s.max_n, max_stop=max(s.max_stop, 1), max_stop_bytes=s.max_stop_bytes,
+                               max_logprobs=s.max_logprobs,
                                max_tokens=s.max_tokens_limit)
         self.metrics = Metrics(self.model_name)
         self.api_key = config.api_key.encode()
