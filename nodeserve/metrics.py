@@ -49,6 +49,7 @@ Exposed names (histograms add _bucket/_count/_sum, counters add _total):
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -271,6 +272,14 @@ class _VllmCollector(Collector):
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.source: Callable[[], Any] | None = None
+        self._snapshot: Any = None  # read on the event loop just before a scrape (the router is the loop's)
+
+    def snapshot(self) -> None:
+        try:
+            self._snapshot = self.source() if self.source is not None else None
+        except Exception:
+            log.exception("metrics: node source failed")
+            self._snapshot = None
 
     def _families(self) -> tuple[GaugeMetricFamily | CounterMetricFamily, ...]:
         m = ["model_name"]
@@ -298,11 +307,12 @@ class _VllmCollector(Collector):
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         fams = self._families()
-        try:
-            node = self.source() if self.source is not None else None
-        except Exception:
-            log.exception("metrics: node source failed")
-            node = None
+        node = self._snapshot
+        if node is None and threading.current_thread() is threading.main_thread():  # a scrape without snapshot()
+            try:
+                node = self.source() if self.source is not None else None
+            except Exception:
+                log.exception("metrics: node source failed")
         if node is None:
             return fams
         running, waiting, usage, gpu_usage, info, queries, hits, gpu_queries, gpu_hits = fams
@@ -500,21 +510,22 @@ class Metrics:
 
     # ---- exposition --------------------------------------------------------------------------------------
     def handler(self):
-        """An aiohttp handler for GET /metrics serving this registry."""
-        try:
-            # Negotiates OpenMetrics vs text format from Accept, and compression.
-            from prometheus_client.aiohttp import make_aiohttp_handler
-        except ImportError:  # prometheus_client < 0.24
-            make_aiohttp_handler = None
-        if make_aiohttp_handler is not None:
-            return make_aiohttp_handler(self.registry)
+        """An aiohttp handler for GET /metrics serving this registry. The scrape (every collector, the text
+        encoding) runs in the loop's default executor, so a slow one never stalls streams or /health: only the
+        node's load, which reads the router's loop-owned state, is read on the loop first."""
+        import asyncio
 
         from aiohttp import web
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        registry = self.registry
+        from prometheus_client.exposition import choose_encoder
 
         async def metrics_handler(request: web.Request) -> web.Response:
-            return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+            self._node.snapshot()
+            names = request.query.getall("name[]", [])
+            registry = self.registry.restricted_registry(names) if names else self.registry
+            encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+            body = await asyncio.get_running_loop().run_in_executor(None, encoder, registry)
+            response = web.Response(body=body, headers={"Content-Type": content_type})
+            response.enable_compression()
+            return response
 
         return metrics_handler

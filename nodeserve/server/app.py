@@ -178,15 +178,18 @@ async def auth_middleware(request: web.Request, handler):
     if state.api_key:
         open_paths = {"/health": state.config.server.open_health, "/metrics": state.config.server.open_metrics}
         if not open_paths.get(request.path, False) and not console.is_open_path(request):
-            given = request.headers.get("Authorization", "")
-            scheme, _, token = given.partition(" ")
-            # aiohttp keeps a header's non-UTF-8 bytes as surrogates, which .encode() refuses: such a key is
-            # simply wrong, not a server error. compare_digest: the time taken does not depend on how much of
-            # the key matched.
-            given_key = token.strip().encode("utf-8", "surrogateescape")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given_key, state.api_key):
+            if not has_key(request, state.api_key):
                 raise P.APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'")
     return await handler(request)
+
+
+def has_key(request: web.Request, api_key: bytes) -> bool:
+    """Authorization: Bearer <api_key>."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    # aiohttp keeps a header's non-UTF-8 bytes as surrogates, which .encode() refuses: such a key is simply
+    # wrong, not a server error. compare_digest: the time taken does not depend on how much of the key matched.
+    given_key = token.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given_key, api_key)
 
 
 def _state(request: web.Request) -> ServerState:
@@ -219,11 +222,17 @@ def _ready_engine(state: ServerState, model: str | None) -> Engine:
 # ---- routes --------------------------------------------------------------------------------------------
 
 async def health(request: web.Request) -> web.Response:
+    """200 when ready, else 503. With a key set, a caller without it (server.open_health) gets the status alone:
+    failure texts, warnings and KV figures describe the node's internals, for its operator."""
     state = _state(request)
     body: dict[str, Any] = {"status": state.status}
     dead = state.engine.dead_threads() if state.engine is not None else []
     if dead:
-        body.update(status="unhealthy", dead_threads=dead)
+        body["status"] = "unhealthy"
+    if state.api_key and not has_key(request, state.api_key):
+        return web.json_response(body, status=200 if body["status"] == "ready" else 503)
+    if dead:
+        body["dead_threads"] = dead
     if state.engine is not None and state.engine.router is not None:
         body["kv"] = [asdict(s) for s in state.engine.pool_stats()]
         body["num_pending"] = state.engine.num_pending

@@ -166,6 +166,23 @@ def test_health_shows_the_engines_warnings(tokenizer):
     assert status == 200 and loud["warnings"] == engine.warnings
 
 
+def test_health_without_the_key_tells_only_the_status(tokenizer):
+    engine = FakeEngine(tokenizer)
+    engine.warnings.append("the disk tier at /srv/kv is full")
+    state = make_state(engine, api_key="sekrit", open_health=True)
+
+    async def body(client):
+        out = []
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer sekrit"}):
+            async with client.get("/health", headers=headers) as r:
+                out.append((r.status, await r.json()))
+        return out
+    (anon_status, anon), (wrong_status, wrong), (keyed_status, keyed) = run(state, body)
+    assert anon_status == wrong_status == keyed_status == 200
+    assert anon == wrong == {"status": "ready"}  # no warnings, KV figures or failure texts for strangers
+    assert keyed["warnings"] == engine.warnings and "kv" in keyed
+
+
 # ---- content type and cross-site requests ------------------------------------------------------------------
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
