@@ -107,8 +107,18 @@ class AccessLogger(AbstractAccessLogger):
     the log). For a stream the line comes when it ends, so the duration is the whole stream's."""
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
-        self.logger.info("%s %s %d %.1fms rid=%s", request.method, request.path, response.status, time * 1e3,
-                         response.headers.get(REQUEST_ID, "-"))
+        self.logger.info("%s %s %d %.1fms rid=%s", request.method, log_safe(request.path), response.status,
+                         time * 1e3, response.headers.get(REQUEST_ID, "-"))
+
+
+MAX_LOGGED_PATH = 256
+
+
+def log_safe(text: str, limit: int = MAX_LOGGED_PATH) -> str:
+    """Client-chosen text as one log line's worth: control characters, line separators, backslashes and
+    non-ASCII escaped as Python writes them (a decoded path /%0Afake cannot start a forged line), then cut."""
+    safe = text.encode("unicode_escape").decode("ascii")
+    return safe if len(safe) <= limit else safe[:limit] + "..."
 
 
 @web.middleware

@@ -183,6 +183,34 @@ def test_health_without_the_key_tells_only_the_status(tokenizer):
     assert keyed["warnings"] == engine.warnings and "kv" in keyed
 
 
+def test_the_access_log_cannot_be_forged_through_the_path():
+    import logging
+    from nodeserve.server.app import AccessLogger
+    records: list[logging.LogRecord] = []
+    logger = logging.getLogger("test.access")
+    logger.setLevel(logging.INFO)
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+
+    async def main():
+        server = TestServer(create_app(make_state()), host="127.0.0.1")
+        await server.start_server(access_log=logger, access_log_class=AccessLogger)
+        async with TestClient(server) as client:
+            for path in ("/%0Afake%20200%20OK", "/%0D%0AGET%20/admin", "/\u2028x%E2%80%A8y%1B[31m", "/" + "a" * 5000):
+                async with client.get(path) as r:
+                    await r.read()
+            await asyncio.sleep(0.1)
+    asyncio.run(main())
+    logger.removeHandler(handler)
+    lines = [r.getMessage() for r in records]
+    assert len(lines) == 4
+    for line in lines:
+        assert line.isprintable() and line.isascii() and len(line) < 400, line  # one line, whatever the path
+    assert lines[0].startswith("GET /\\nfake 200 OK ") and lines[1].startswith("GET /\\r\\nGET /admin ")
+    assert "\\u2028" in lines[2] and "\\x1b" in lines[2] and lines[3].split()[1].endswith("...")
+
+
 # ---- content type and cross-site requests ------------------------------------------------------------------
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
