@@ -154,6 +154,7 @@ class KVTiers:
         self.disk_settings: tuple[str, float] = (kv.disk_path, kv.disk_gib)
         self.num_loaded_pages: Counter[str] = Counter()  # by source kind: device, host, disk
         self.load_seconds: Counter[str] = Counter()
+        self._count_lock = threading.Lock()  # count() runs on every device's loader thread
 
     def start(self) -> None:
         if self.store_ahead is not None:
@@ -189,10 +190,11 @@ class KVTiers:
 
     def count(self, job: LoadJob, seconds: float) -> None:
         """A loader finished a job (from its thread)."""
-        for run in job.load.runs:
-            kind = run.source.split(":")[0]
-            self.num_loaded_pages[kind] += len(run.src)
-            self.load_seconds[kind] += seconds
+        with self._count_lock:
+            for run in job.load.runs:
+                kind = run.source.split(":")[0]
+                self.num_loaded_pages[kind] += len(run.src)
+                self.load_seconds[kind] += seconds
 
     def stats(self) -> list[TierStats]:
         pools = list(self.pools.values())

@@ -25,7 +25,7 @@ from nodeserve.server import console
 from nodeserve.server import protocol as P
 from nodeserve.server.chat_prompt import render_chat
 from nodeserve.server.generation import Generation, GenerationError, Piece
-from nodeserve.server.offload import offload_executor
+from nodeserve.server.offload import OffloadFull, OffloadQueue, offload_executor
 from nodeserve.server.structured import Grammars, grammar_spec
 from nodeserve.server.tool_parsers import ToolFormat, pick_format
 from nodeserve.tokenizer import TemplateError
@@ -36,6 +36,7 @@ ERROR_WRITE_TIMEOUT_S = 5.0  # how long a final error event may wait for a clien
 PROBE_CHARS_PER_TOKEN = 8  # texts longer than this per context token are measured on a prefix first
 PROBE_MARGIN = 16          # tokens a prefix's cut may add or merge at its end
 MAX_TOKENIZE_THREADS = 2  # more would only queue CPU work on a small node; a megabyte prompt holds one for ~1 s
+MAX_TOKENIZE_JOBS = 64    # tokenizations queued or running, before admission; past it a request gets a 503
 DEBUG_STEPS_MAX_RECORDS = 5_000  # per device and per transfer in one /debug/steps answer (~20 ms of JSON each)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -60,6 +61,7 @@ class ServerState:
         self._chat_tools: tuple[ToolFormat | None, Grammars] | None = None
         # tokenization and template rendering, below the loop (server/offload.py); threads start on first use
         self.offload = offload_executor("tokenize", MAX_TOKENIZE_THREADS)
+        self.offload_jobs = OffloadQueue(self.offload, MAX_TOKENIZE_JOBS)
 
     def chat_tools(self, engine: Engine) -> tuple[ToolFormat | None, Grammars]:
         """The model's tool-call format (model.tool_parser) and its grammar compiler, made on first use."""
@@ -487,8 +489,13 @@ async def openapi(request: web.Request) -> web.Response:
 
 async def _off_loop(state: ServerState, fn):
     """Runs fn (template rendering, tokenization: seconds for a long prompt) in a thread below the loop's
-    priority, so that streams, /health and the watchdog keep going meanwhile."""
-    return await asyncio.get_running_loop().run_in_executor(state.offload, fn)
+    priority, so that streams, /health and the watchdog keep going meanwhile. At most MAX_TOKENIZE_JOBS wait or
+    run: a flood of large prompts gets 503s (the client retries) instead of queueing memory and time unbounded."""
+    try:
+        return await state.offload_jobs.run(fn)
+    except OffloadFull:
+        raise P.APIError(503, f"the server is busy: {state.offload_jobs.max_jobs} requests are being tokenized; "
+                         "retry shortly", reject_reason="queue_full") from None
 
 
 def _check_logit_bias(engine: Engine, params) -> None:

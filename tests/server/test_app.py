@@ -309,6 +309,28 @@ def test_tokenizing_a_prompt_does_not_stall_the_event_loop(tokenizer, path, body
     assert health_status == 200 and health_seconds < 1.0, health_seconds  # answered while tokenizing
 
 
+def test_tokenization_jobs_are_bounded_before_admission_with_a_503(tokenizer, monkeypatch):
+    monkeypatch.setattr(app_module, "MAX_TOKENIZE_JOBS", 3)
+    tok = SlowTokenizer(tokenizer, delay=0.5)
+    state = make_state(FakeEngine(tok, script=[42, 43]))
+
+    async def run_body(client):
+        async def post():
+            async with client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 2}) as r:
+                return r.status, r.headers.get("Retry-After"), await r.json()
+        first = await asyncio.gather(*(post() for _ in range(5)))
+        again = await post()  # the jobs are done: room again
+        return first, again
+    first, again = run(state, run_body)
+    statuses = sorted(s for s, _, _ in first)
+    assert statuses == [200, 200, 200, 503, 503] and again[0] == 200
+    busy = [(retry, body) for s, retry, body in first if s == 503]
+    assert all(retry == "1" and body["error"]["type"] == "ServiceUnavailableError" and
+               "being tokenized" in body["error"]["message"] for retry, body in busy)
+    assert tok.num_encodes == 4 and state.offload_jobs.num_jobs == 0
+    assert rejected(state)["queue_full"] == 2
+
+
 @pytest.mark.parametrize("path, field, make", [
     ("/v1/completions", "prompt", lambda text: {"prompt": text}),
     ("/v1/completions", "prompt", lambda text: {"prompt": ["short", text]}),
