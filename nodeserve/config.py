@@ -110,9 +110,10 @@ class KVSection:
 class KVEventsSection:
     """vLLM's KV events (docs/kv-events.md): every page entering or leaving a device pool or tier, for routers."""
     enabled: bool = False
-    endpoint: str = ""                    # the PUB socket. "": bound on server.host's interface, port 5557. Else
+    endpoint: str = ""                    # the PUB socket. "": bound on server.host's interface, on `port`. Else
                                           # vLLM's rule: bound if it has * or :: (or is ipc/inproc), else
                                           # connected to a subscriber that binds
+    port: int = 5557                      # the PUB socket's port when endpoint is "" (vLLM's default port)
     replay_endpoint: str = ""             # the ROUTER socket that replays batches from a sequence number ("": none)
     include_tokens: bool = False          # BlockStored carries each page's token ids (vLLM always does; Dynamo's
                                           # router needs them): they are the prompts' and completions' text
@@ -330,6 +331,8 @@ def _validate_kv_events(cfg: Config) -> None:
     for key, value in (("endpoint", ev.endpoint), ("replay_endpoint", ev.replay_endpoint)):
         if value and not value.startswith(ZMQ_SCHEMES):
             raise ConfigError(f"'kv_events.{key}' must be a ZMQ address like \"tcp://*:5557\", got {value!r}")
+    if not 0 < ev.port < 65536:
+        raise ConfigError(f"'kv_events.port' must be a TCP port (1-65535), got {ev.port}")
     if ev.buffer_steps < 1 or ev.hwm < 1 or ev.max_queue_size < 1:
         raise ConfigError(f"'kv_events.buffer_steps', 'kv_events.hwm' and 'kv_events.max_queue_size' must be at "
                           f"least 1, got {ev.buffer_steps}, {ev.hwm} and {ev.max_queue_size}")

@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 
 BATCH_INTERVAL_MS = 10  # events gathered into one batch; also how often replay requests are looked at
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-DEFAULT_PORT = 5557  # vLLM's
 MAX_REPLAYS = 8                    # replays under way at once; a request past it gets the end marker alone
 REPLAY_CHUNK = 256                 # batches a replay sends per tick: 5,000 batches take ~20 ticks
 MAX_REQUESTS_PER_TICK = 64         # replay requests read per tick; the rest wait in the socket (RCVHWM bounds them)
@@ -48,15 +47,15 @@ def default_topic(host: str, port: int, model: str) -> str:
     return f"kv@{host}:{port}@{model}"
 
 
-def resolve_endpoint(endpoint: str, server_host: str) -> tuple[str, bool]:
-    """(address, bind) of the PUB socket. "" (the default): bound on server.host's interface, port 5557, so a
+def resolve_endpoint(endpoint: str, server_host: str, port: int = 5557) -> tuple[str, bool]:
+    """(address, bind) of the PUB socket. "" (the default): bound on server.host's interface, on `port`, so a
     server on 127.0.0.1 publishes on 127.0.0.1 only. An explicit address keeps vLLM's rule: bound if it has * or
     :: (or is ipc/inproc), else connected to a subscriber that binds (llm-d's indexer)."""
     if not endpoint:
         host = server_host if server_host not in ("", "0.0.0.0") else "*"
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
-        return f"tcp://{host}:{DEFAULT_PORT}", True
+        return f"tcp://{host}:{port}", True
     return endpoint, "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
@@ -80,7 +79,7 @@ class KVEventPublisher:
     def __init__(self, settings: KVEventsSection, topic: str, events: KVEventLog, server_host: str = "127.0.0.1",
                  interval_ms: float = BATCH_INTERVAL_MS):
         self.settings, self.topic, self.events, self.interval_ms = settings, topic, events, interval_ms
-        self.endpoint, self.bind = resolve_endpoint(settings.endpoint, server_host)
+        self.endpoint, self.bind = resolve_endpoint(settings.endpoint, server_host, settings.port)
         self.num_batches = 0          # batches numbered (sent, dropped, or lost in an overflowing log)
         self.num_events = 0
         self.num_dropped_batches = 0  # batches at least one subscriber lost at its high-water mark: replay has them

@@ -16,7 +16,6 @@ import zmq
 
 from nodeserve.config import KVEventsSection
 from nodeserve.kv.events import AllBlocksCleared, BlockStored, KVEventBatch, KVEventLog
-from nodeserve.runtime import kv_events
 from nodeserve.runtime.kv_events import (BATCH_INTERVAL_MS, END_SEQ, REPLAY_MIN_INTERVAL_S, KVEventPublisher,
                                           resolve_endpoint)
 
@@ -140,16 +139,16 @@ def test_an_address_in_use_fails_the_start_with_its_reason():
         p.stop()
 
 
-def test_the_default_address_is_server_hosts_interface_and_a_wildcard_is_warned_about(monkeypatch, caplog):
+def test_the_default_address_is_server_hosts_interface_and_a_wildcard_is_warned_about(caplog):
     assert resolve_endpoint("", "127.0.0.1") == ("tcp://127.0.0.1:5557", True)
     assert resolve_endpoint("", "::1") == ("tcp://[::1]:5557", True)
     assert resolve_endpoint("", "0.0.0.0") == ("tcp://*:5557", True)
     assert resolve_endpoint("tcp://router:5557", "127.0.0.1") == ("tcp://router:5557", False)  # vLLM's rule
     assert resolve_endpoint("tcp://*:6000", "127.0.0.1") == ("tcp://*:6000", True)
+    assert resolve_endpoint("", "10.0.0.5", 6001) == ("tcp://10.0.0.5:6001", True)
     port = _port()
-    monkeypatch.setattr(kv_events, "DEFAULT_PORT", port)
     ctx = zmq.Context()
-    p = KVEventPublisher(KVEventsSection(enabled=True), "kv@t", KVEventLog(16), "127.0.0.1")
+    p = KVEventPublisher(KVEventsSection(enabled=True, port=port), "kv@t", KVEventLog(16), "127.0.0.1")
     caplog.set_level(logging.WARNING, logger="nodeserve.runtime.kv_events")
     p.start()
     try:
@@ -206,13 +205,13 @@ class _Reader(threading.Thread):
 
 
 @pytest.mark.slow
-def test_a_stalled_subscriber_loses_its_own_batches_never_a_healthy_ones(monkeypatch):
+def test_a_stalled_subscriber_loses_its_own_batches_never_a_healthy_ones():
     """Over TCP, with small buffers and high-water marks on both sides, so the stalled peer's kernel buffers fill
     in seconds (against the real server they hid it for hours)."""
     port = _port()
-    monkeypatch.setattr(kv_events, "DEFAULT_PORT", port)
     replay = f"tcp://127.0.0.1:{_port()}"
-    p = KVEventPublisher(KVEventsSection(enabled=True, replay_endpoint=replay, hwm=4, buffer_steps=1000), "kv@t",
+    p = KVEventPublisher(KVEventsSection(enabled=True, port=port, replay_endpoint=replay, hwm=4, buffer_steps=1000),
+                         "kv@t",
                          KVEventLog(16, include_tokens=True), "127.0.0.1", interval_ms=2)
     p.start()
     ctx = zmq.Context()
