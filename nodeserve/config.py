@@ -119,6 +119,8 @@ class KVEventsSection:
                                           # router needs them): they are the prompts' and completions' text
     buffer_steps: int = 10_000            # batches kept for replay
     hwm: int = 100_000                    # batches queued per subscriber; past it that subscriber loses batches
+    sndbuf: int = 0                       # kernel send buffer per subscriber connection, bytes (0: the OS's); with
+                                          # hwm, bounds what a stalled subscriber holds before it loses batches
     max_queue_size: int = 100_000         # events waiting for the publisher; past it they are dropped and counted
     topic: str = ""                       # "": kv@<server.host>:<server.port>@<served model name>
 
@@ -331,6 +333,8 @@ def _validate_kv_events(cfg: Config) -> None:
     for key, value in (("endpoint", ev.endpoint), ("replay_endpoint", ev.replay_endpoint)):
         if value and not value.startswith(ZMQ_SCHEMES):
             raise ConfigError(f"'kv_events.{key}' must be a ZMQ address like \"tcp://*:5557\", got {value!r}")
+    if ev.sndbuf < 0:
+        raise ConfigError(f"'kv_events.sndbuf' must be 0 (the OS default) or a size in bytes, got {ev.sndbuf}")
     if not 0 < ev.port < 65536:
         raise ConfigError(f"'kv_events.port' must be a TCP port (1-65535), got {ev.port}")
     if ev.buffer_steps < 1 or ev.hwm < 1 or ev.max_queue_size < 1:

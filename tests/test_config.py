@@ -295,6 +295,7 @@ def test_kv_tier_defaults():
     ({"kv_events": {"buffer_steps": 0}}, "kv_events.buffer_steps"),
     ({"kv_events": {"max_queue_size": 0}}, "kv_events.max_queue_size"),
     ({"kv_events": {"port": 0}}, "kv_events.port"),
+    ({"kv_events": {"sndbuf": -1}}, "kv_events.sndbuf"),
     ({"kv_events": {"enabled": True}, "kv": {"prefix_cache": False}}, "kv.prefix_cache = true"),
 ])
 def test_kv_event_settings_are_checked(raw, match):

@@ -108,6 +108,8 @@ class KVEventPublisher:
             self._pub.setsockopt(zmq.XPUB_NODROP, 1)
             self._pub.setsockopt(zmq.SNDHWM, s.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
+            if s.sndbuf:
+                self._pub.setsockopt(zmq.SNDBUF, s.sndbuf)
             if "[" in self.endpoint or self.endpoint.count(":") > 2:
                 self._pub.setsockopt(zmq.IPV6, 1)
             (self._pub.bind if self.bind else self._pub.connect)(self.endpoint)
