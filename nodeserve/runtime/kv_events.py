@@ -156,7 +156,7 @@ class KVEventPublisher:
             self._ctx.term()
             self._ctx = None
 
-    def _warn(self, kind: str, msg: str, *args) -> None:
+    def _warn(self, kind: str, msg: str, *args: object) -> None:
         now = time.monotonic()
         if now - self._last_warned.get(kind, -WARN_EVERY_S) >= WARN_EVERY_S:
             self._last_warned[kind] = now
@@ -164,25 +164,27 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         try:
-            self._loop()
+            if self._pub is not None:  # start() opened it
+                self._loop(self._pub, self._replay)
         finally:
             self._close()
 
-    def _loop(self) -> None:
+    def _loop(self, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
         encode = msgspec.msgpack.Encoder().encode
         poller = zmq.Poller()
-        poller.register(self._pub, zmq.POLLIN)  # subscription messages: read so they do not pile up
-        if self._replay is not None:
-            poller.register(self._replay, zmq.POLLIN)
+        poller.register(pub, zmq.POLLIN)  # subscription messages: read so they do not pile up
+        if replay is not None:
+            poller.register(replay, zmq.POLLIN)
+        interval_ms = max(1, round(self.interval_ms))
         topic, max_buffered = self.topic.encode(), self.settings.buffer_steps
         while True:
             stopping = self._stopping.is_set()
             try:
-                ready = dict(poller.poll(0 if stopping else self.interval_ms))
+                ready = dict(poller.poll(0 if stopping else interval_ms))
                 for _ in range(MAX_REQUESTS_PER_TICK):
-                    if not (self._pub in ready and self._pub.poll(0)):
+                    if not (pub in ready and pub.poll(0)):
                         break
-                    self._pub.recv(zmq.NOBLOCK)
+                    pub.recv(zmq.NOBLOCK)
                 events, num_lost = self.events.take_batch()
                 if num_lost:  # a sequence number no one gets: subscribers see a gap replay cannot fill
                     self.num_lost_events += num_lost
@@ -195,44 +197,44 @@ class KVEventPublisher:
                     payload = encode(EventBatch(time.time(), events, 0))
                     self.num_batches, self.num_events = seq + 1, self.num_events + len(events)
                     self._buffer.append(payload)
-                    self._send_live((topic, seq.to_bytes(8, "big"), payload))
+                    self._send_live(pub, (topic, seq.to_bytes(8, "big"), payload))
                 if len(self._buffer) > 2 * max_buffered:  # trimmed in steps: amortized O(1) per batch
                     cut = len(self._buffer) - max_buffered
                     del self._buffer[:cut]
                     self._first_seq += cut
-                if self._replay is not None:
-                    if self._replay in ready:
-                        self._take_requests()
+                if replay is not None:
+                    if replay in ready:
+                        self._take_requests(replay)
                     if self._replays:
-                        self._serve_replays()
+                        self._serve_replays(replay)
             except zmq.ZMQError as e:  # a socket fault must not end the thread: later batches still go out
                 log.warning("KV events: %s", e)
                 time.sleep(self.interval_ms / 1000)
             if stopping:
                 return
 
-    def _send_live(self, frames: tuple[bytes, bytes, bytes]) -> None:
+    def _send_live(self, pub: zmq.Socket, frames: tuple[bytes, bytes, bytes]) -> None:
         try:
-            self._pub.send_multipart(frames, zmq.NOBLOCK)
+            pub.send_multipart(frames, zmq.NOBLOCK)
             return
         except zmq.Again:  # some subscriber is at its high-water mark: it alone loses this batch
             pass
         self.num_dropped_batches += 1
         self._warn("behind", "a subscriber is at its high-water mark and loses batches (%d so far; the replay "
                    "socket has them); the others get every batch", self.num_dropped_batches)
-        self._pub.setsockopt(zmq.XPUB_NODROP, 0)
+        pub.setsockopt(zmq.XPUB_NODROP, 0)
         try:
-            self._pub.send_multipart(frames, zmq.NOBLOCK)
+            pub.send_multipart(frames, zmq.NOBLOCK)
         finally:
-            self._pub.setsockopt(zmq.XPUB_NODROP, 1)
+            pub.setsockopt(zmq.XPUB_NODROP, 1)
 
-    def _take_requests(self) -> None:
+    def _take_requests(self, replay: zmq.Socket) -> None:
         """Reads at most MAX_REQUESTS_PER_TICK requests; each becomes a cursor, or is refused with the end marker
         alone (too soon after this peer's last one, or too many replays under way)."""
         now = time.monotonic()
         for _ in range(MAX_REQUESTS_PER_TICK):
             try:
-                frames = self._replay.recv_multipart(zmq.NOBLOCK)
+                frames = replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
             if len(frames) != 3 or len(frames[2]) != 8:
@@ -249,16 +251,16 @@ class KVEventPublisher:
                 self.num_replays_refused += 1
                 self._warn("refused", "replay requests refused (%d so far): %s", self.num_replays_refused,
                            "a peer asks too often" if too_soon else f"{MAX_REPLAYS} replays under way")
-                self._send_end(identity)
+                self._send_end(replay, identity)
                 continue
             self.num_replays += 1
             self._replays[identity] = _Replay(identity, max(start, self._first_seq), self.num_batches, now)
         if len(self._last_request) > 4 * MAX_REQUESTS_PER_TICK:  # peers come and go: keep the recent ones
             self._last_request = {i: t for i, t in self._last_request.items() if now - t < REPLAY_MIN_INTERVAL_S}
 
-    def _send_end(self, identity: bytes) -> bool:
+    def _send_end(self, replay: zmq.Socket, identity: bytes) -> bool:
         try:
-            self._replay.send_multipart((identity, b"", END_SEQ, b""), zmq.NOBLOCK)
+            replay.send_multipart((identity, b"", END_SEQ, b""), zmq.NOBLOCK)
             return True
         except zmq.Again:  # its queue is full: it is not reading
             return False
@@ -267,11 +269,11 @@ class KVEventPublisher:
                 return True
             raise
 
-    def _serve_replays(self) -> None:
+    def _serve_replays(self, replay: zmq.Socket) -> None:
         """A chunk of each replay under way, then its end marker once every batch is out."""
         now = time.monotonic()
         for r in list(self._replays.values()):
-            done = self._advance(r, now)
+            done = self._advance(replay, r, now)
             if not done and now - r.last_progress > REPLAY_STALL_S:
                 done = True
                 self.num_replays_abandoned += 1
@@ -280,19 +282,18 @@ class KVEventPublisher:
             if done:
                 del self._replays[r.identity]
 
-    def _advance(self, r: _Replay, now: float) -> bool:
+    def _advance(self, replay: zmq.Socket, r: _Replay, now: float) -> bool:
         """Sends up to REPLAY_CHUNK batches of r; True when r is over (end marker sent, or its peer left)."""
         r.next_seq = max(r.next_seq, self._first_seq)  # batches trimmed meanwhile: the peer sees the gap
         try:
             for _ in range(REPLAY_CHUNK):
                 if r.next_seq >= r.end_seq:
-                    if self._send_end(r.identity):
+                    if self._send_end(replay, r.identity):
                         return True
                     return False
                 payload = self._buffer[r.next_seq - self._first_seq]
                 if payload is not None:
-                    self._replay.send_multipart((r.identity, b"", r.next_seq.to_bytes(8, "big"), payload),
-                                                zmq.NOBLOCK)
+                    replay.send_multipart((r.identity, b"", r.next_seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
                 r.next_seq += 1
                 r.last_progress = now
         except zmq.Again:  # its queue is full: more on a later tick

@@ -204,7 +204,6 @@ class _Reader(threading.Thread):
         sub.close(0)
 
 
-@pytest.mark.slow
 def test_a_stalled_subscriber_loses_its_own_batches_never_a_healthy_ones():
     """Over TCP, with small buffers and high-water marks on both sides, so the stalled peer's kernel buffers fill
     in seconds (against the real server they hid it for hours)."""
@@ -252,9 +251,8 @@ def test_a_stalled_subscriber_loses_its_own_batches_never_a_healthy_ones():
         ctx.destroy(0)
 
 
-@pytest.mark.slow
 def test_a_replay_of_5000_batches_delivers_every_one_then_the_end_marker():
-    p, pub, replay = _publisher(buffer_steps=6000, interval_ms=0.2)
+    p, pub, replay = _publisher(buffer_steps=6000, interval_ms=1)
     ctx = zmq.Context()
     try:
         sink = p.events.sink("cpu:0")
@@ -329,7 +327,7 @@ def test_a_flood_of_replay_requests_never_delays_live_batches():
         assert sent[0] > 10_000, sent  # it was a flood
         assert p.num_replays_refused > 0 and p.num_replays <= 200 * 10  # rate-limited per peer
         delays.sort()
-        assert delays[-1] < 0.25, delays[-5:]  # live delivery never waited on the flood
+        assert delays[-1] < 1.0, delays[-5:]  # live delivery never waited on the flood (before: never came in 5 s)
         first = p.num_batches - 10  # and once it is over, replay serves a fresh peer in full
         time.sleep(REPLAY_MIN_INTERVAL_S)
         assert [s for s, _ in _replay(ctx, replay, first)] == list(range(first, p.num_batches))
