@@ -97,17 +97,20 @@ class Healthy(threading.Thread):
         return sum(b != a + 1 for a, b in zip(self.seqs, self.seqs[1:]))
 
 
-def _replay(ctx: zmq.Context, endpoint: str, start: int) -> list[int]:
+def _replay(ctx: zmq.Context, endpoint: str, start: int, batches: list | None = None) -> list[int]:
+    """The sequence numbers a replay from `start` returns before its end marker; their batches into `batches`."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(endpoint)
     dealer.send_multipart((b"", start.to_bytes(8, "big")))
     seqs = []
     try:
         while dealer.poll(10_000):
-            _, seq, _ = dealer.recv_multipart()
+            _, seq, payload = dealer.recv_multipart()
             if seq == END_SEQ:
                 return seqs
             seqs.append(int.from_bytes(seq, "big"))
+            if batches is not None:
+                batches.append(msgspec.msgpack.decode(payload, type=KVEventBatch))
         raise AssertionError(f"no end marker after {len(seqs)} batches")
     finally:
         dealer.close(0)
@@ -204,7 +207,11 @@ def test_a_replay_flood_never_stops_live_delivery(fault_server, baseline):
         assert refused > refused_before
         assert len(re.findall("replay requests refused", s.full_log())) == 1
         time.sleep(0.6)
-        assert _replay(ctx, s.replay, last - 3) == list(range(last - 3, last + 1))  # replay serves again
+        batches: list[KVEventBatch] = []
+        assert _replay(ctx, s.replay, 0, batches) == list(range(last + 1))  # replay serves again, in full
+        stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+        assert stored and all(e.token_ids == [] for e in stored)  # by default no event carries a user's text
+        assert s.get("/debug/kv")["kv_events"]["endpoint"] == s.events  # bound on server.host, 127.0.0.1
         _assert_drained(s)
     finally:
         stop.set()
