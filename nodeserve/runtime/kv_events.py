@@ -186,18 +186,18 @@ class KVEventPublisher:
                         break
                     pub.recv(zmq.NOBLOCK)
                 events, num_lost = self.events.take_batch()
-                if num_lost:  # a sequence number no one gets: subscribers see a gap replay cannot fill
-                    self.num_lost_events += num_lost
-                    self._buffer.append(None)
-                    self.num_batches += 1
-                    self._warn("lost", "the event log overflowed (%d events lost, %d in all): subscribers see a "
-                               "gap that replay cannot fill and should resynchronise", num_lost, self.num_lost_events)
                 if events:
                     seq = self.num_batches
                     payload = encode(EventBatch(time.time(), events, 0))
                     self.num_batches, self.num_events = seq + 1, self.num_events + len(events)
                     self._buffer.append(payload)
                     self._send_live(pub, (topic, seq.to_bytes(8, "big"), payload))
+                if num_lost:  # appends refused while the log was full, so after those events: a sequence number
+                    self.num_lost_events += num_lost  # no one gets, a gap that replay cannot fill
+                    self._buffer.append(None)
+                    self.num_batches += 1
+                    self._warn("lost", "the event log overflowed (%d events lost, %d in all): subscribers see a "
+                               "gap that replay cannot fill and should resynchronise", num_lost, self.num_lost_events)
                 if len(self._buffer) > 2 * max_buffered:  # trimmed in steps: amortized O(1) per batch
                     cut = len(self._buffer) - max_buffered
                     del self._buffer[:cut]

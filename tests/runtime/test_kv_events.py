@@ -364,6 +364,8 @@ def test_an_overflowing_event_log_is_counted_and_shows_as_a_gap_replay_cannot_fi
         for i in range(3):
             p.events.sink("d").removed([bytes([i]) * 16])
         time.sleep(0.1)
+        p.events.sink("d").removed([b"\x09" * 16])  # the next batch shows the gap before it
+        time.sleep(0.1)
         seqs = []
         while sub.poll(200):
             seqs.append(int.from_bytes(sub.recv_multipart()[1], "big"))
