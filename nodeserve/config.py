@@ -63,6 +63,7 @@ class ServerSection:
     default_max_tokens: int = 2048        # chat requests that give no max_tokens (rule: core resolve_max_tokens)
     max_n: int = 16
     max_stop: int = 16
+    max_stop_bytes: int = 1024            # all of a request's stop strings together (UTF-8)
     max_logprobs: int = 20
     max_body_bytes: int = 4 * 1024 * 1024
     stall_dumps: bool = False             # log every thread's stack 0.3 s into an event-loop stall (diagnostic:
@@ -111,11 +112,18 @@ class KVSection:
 class KVEventsSection:
     """vLLM's KV events (docs/kv-events.md): every page entering or leaving a device pool or tier, for routers."""
     enabled: bool = False
-    endpoint: str = "tcp://*:5557"        # the PUB socket: bound if it has * or :: (or is ipc/inproc), else
-                                          # connected to a subscriber that binds, as vLLM does
+    endpoint: str = ""                    # the PUB socket. "": bound on server.host's interface, on `port`. Else
+                                          # vLLM's rule: bound if it has * or :: (or is ipc/inproc), else
+                                          # connected to a subscriber that binds
+    port: int = 5557                      # the PUB socket's port when endpoint is "" (vLLM's default port)
     replay_endpoint: str = ""             # the ROUTER socket that replays batches from a sequence number ("": none)
+    include_tokens: bool = False          # BlockStored carries each page's token ids (vLLM always does; Dynamo's
+                                          # router needs them): they are the prompts' and completions' text
     buffer_steps: int = 10_000            # batches kept for replay
-    hwm: int = 100_000                    # batches queued per subscriber; past it a batch is dropped and counted
+    hwm: int = 100_000                    # batches queued per subscriber; past it that subscriber loses batches
+    sndbuf: int = 0                       # kernel send buffer per subscriber connection, bytes (0: the OS's); with
+                                          # hwm, bounds what a stalled subscriber holds before it loses batches
+    max_queue_size: int = 100_000         # events waiting for the publisher; past it they are dropped and counted
     topic: str = ""                       # "": kv@<server.host>:<server.port>@<served model name>
 
 
@@ -325,11 +333,15 @@ ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 def _validate_kv_events(cfg: Config) -> None:
     ev = cfg.kv_events
     for key, value in (("endpoint", ev.endpoint), ("replay_endpoint", ev.replay_endpoint)):
-        if (value or key == "endpoint") and not value.startswith(ZMQ_SCHEMES):
+        if value and not value.startswith(ZMQ_SCHEMES):
             raise ConfigError(f"'kv_events.{key}' must be a ZMQ address like \"tcp://*:5557\", got {value!r}")
-    if ev.buffer_steps < 1 or ev.hwm < 1:
-        raise ConfigError(f"'kv_events.buffer_steps' and 'kv_events.hwm' must be at least 1, got "
-                          f"{ev.buffer_steps} and {ev.hwm}")
+    if ev.sndbuf < 0:
+        raise ConfigError(f"'kv_events.sndbuf' must be 0 (the OS default) or a size in bytes, got {ev.sndbuf}")
+    if not 0 < ev.port < 65536:
+        raise ConfigError(f"'kv_events.port' must be a TCP port (1-65535), got {ev.port}")
+    if ev.buffer_steps < 1 or ev.hwm < 1 or ev.max_queue_size < 1:
+        raise ConfigError(f"'kv_events.buffer_steps', 'kv_events.hwm' and 'kv_events.max_queue_size' must be at "
+                          f"least 1, got {ev.buffer_steps}, {ev.hwm} and {ev.max_queue_size}")
     if ev.enabled and not cfg.kv.prefix_cache:
         raise ConfigError("KV events ('kv_events.enabled') report the prefix cache's pages: they need "
                           "kv.prefix_cache = true")
@@ -360,7 +372,8 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
         raise ConfigError("'model.path' is empty: give a .gguf file, an HF checkpoint directory or a bundled model name")
     for key, value, low in (("server.port", s.port, 0), ("server.max_waiting", s.max_waiting, 1),
                             ("server.default_max_tokens", s.default_max_tokens, 1), ("server.max_n", s.max_n, 1),
-                            ("server.max_stop", s.max_stop, 0), ("server.max_logprobs", s.max_logprobs, 0),
+                            ("server.max_stop", s.max_stop, 0), ("server.max_stop_bytes", s.max_stop_bytes, 1),
+                            ("server.max_logprobs", s.max_logprobs, 0),
                             ("server.max_body_bytes", s.max_body_bytes, 1024), ("kv.page_size", kv.page_size, 1),
                             ("server.max_queued_tokens", s.max_queued_tokens, 1),
                             ("server.max_tokens_limit", s.max_tokens_limit, 1),

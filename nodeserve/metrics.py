@@ -32,7 +32,9 @@ Exposed names (histograms add _bucket/_count/_sum, counters add _total):
               {model_name, tier}: tier "device" is every pool (hits: fetched from another device),
               "host" and "disk" the tiers below (runtime/kv_tiers.py)
   KV events   counters nodeserve:kv_events_batches_total, nodeserve:kv_events_total,
-              nodeserve:kv_events_dropped_batches_total, nodeserve:kv_events_replays_total {model_name}
+              nodeserve:kv_events_dropped_batches_total, nodeserve:kv_events_replays_total,
+              nodeserve:kv_events_replays_refused_total, nodeserve:kv_events_replays_abandoned_total,
+              nodeserve:kv_events_lost_total {model_name}
               (only with [kv_events] on)
   vLLM's names, for routers in front of several nodes (SMG, the Inference Extension's endpoint picker,
   production-stack): each ONE series labelled model_name only, the node seen as one worker
@@ -47,6 +49,7 @@ Exposed names (histograms add _bucket/_count/_sum, counters add _total):
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -236,9 +239,15 @@ class _KVEventsCollector(Collector):
 
     FIELDS = (("kv_events_batches", "num_batches", "KV-event batches numbered, sent or dropped."),
               ("kv_events", "num_events", "KV events (BlockStored, BlockRemoved, AllBlocksCleared) published."),
-              ("kv_events_dropped_batches", "num_dropped_batches", "KV-event batches dropped at a subscriber's "
-               "high-water mark (replay still has them)."),
-              ("kv_events_replays", "num_replays", "Replay requests served."))
+              ("kv_events_dropped_batches", "num_dropped_batches", "KV-event batches some subscriber lost at its "
+               "high-water mark (the others got them; replay still has them)."),
+              ("kv_events_replays", "num_replays", "Replay requests served."),
+              ("kv_events_replays_refused", "num_replays_refused", "Replay requests answered with the end marker "
+               "alone: a peer asking too often, or too many replays under way."),
+              ("kv_events_replays_abandoned", "num_replays_abandoned", "Replays given up: their peer stopped "
+               "reading or left."),
+              ("kv_events_lost", "num_lost_events", "KV events dropped before publishing (the event log was full): "
+               "subscribers see a sequence gap that replay cannot fill."))
 
     def __init__(self, model_name: str):
         self.model_name = model_name
@@ -263,6 +272,14 @@ class _VllmCollector(Collector):
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.source: Callable[[], Any] | None = None
+        self._snapshot: Any = None  # read on the event loop just before a scrape (the router is the loop's)
+
+    def snapshot(self) -> None:
+        try:
+            self._snapshot = self.source() if self.source is not None else None
+        except Exception:
+            log.exception("metrics: node source failed")
+            self._snapshot = None
 
     def _families(self) -> tuple[GaugeMetricFamily | CounterMetricFamily, ...]:
         m = ["model_name"]
@@ -290,11 +307,12 @@ class _VllmCollector(Collector):
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         fams = self._families()
-        try:
-            node = self.source() if self.source is not None else None
-        except Exception:
-            log.exception("metrics: node source failed")
-            node = None
+        node = self._snapshot
+        if node is None and threading.current_thread() is threading.main_thread():  # a scrape without snapshot()
+            try:
+                node = self.source() if self.source is not None else None
+            except Exception:
+                log.exception("metrics: node source failed")
         if node is None:
             return fams
         running, waiting, usage, gpu_usage, info, queries, hits, gpu_queries, gpu_hits = fams
@@ -492,21 +510,22 @@ class Metrics:
 
     # ---- exposition --------------------------------------------------------------------------------------
     def handler(self):
-        """An aiohttp handler for GET /metrics serving this registry."""
-        try:
-            # Negotiates OpenMetrics vs text format from Accept, and compression.
-            from prometheus_client.aiohttp import make_aiohttp_handler
-        except ImportError:  # prometheus_client < 0.24
-            make_aiohttp_handler = None
-        if make_aiohttp_handler is not None:
-            return make_aiohttp_handler(self.registry)
+        """An aiohttp handler for GET /metrics serving this registry. The scrape (every collector, the text
+        encoding) runs in the loop's default executor, so a slow one never stalls streams or /health: only the
+        node's load, which reads the router's loop-owned state, is read on the loop first."""
+        import asyncio
 
         from aiohttp import web
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        registry = self.registry
+        from prometheus_client.exposition import choose_encoder
 
         async def metrics_handler(request: web.Request) -> web.Response:
-            return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+            self._node.snapshot()
+            names = request.query.getall("name[]", [])
+            registry = self.registry.restricted_registry(names) if names else self.registry
+            encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+            body = await asyncio.get_running_loop().run_in_executor(None, encoder, registry)
+            response = web.Response(body=body, headers={"Content-Type": content_type})
+            response.enable_compression()
+            return response
 
         return metrics_handler

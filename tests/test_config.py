@@ -293,6 +293,9 @@ def test_kv_tier_defaults():
     ({"kv_events": {"replay_endpoint": "localhost:5558"}}, "kv_events.replay_endpoint"),
     ({"kv_events": {"hwm": 0}}, "kv_events.hwm"),
     ({"kv_events": {"buffer_steps": 0}}, "kv_events.buffer_steps"),
+    ({"kv_events": {"max_queue_size": 0}}, "kv_events.max_queue_size"),
+    ({"kv_events": {"port": 0}}, "kv_events.port"),
+    ({"kv_events": {"sndbuf": -1}}, "kv_events.sndbuf"),
     ({"kv_events": {"enabled": True}, "kv": {"prefix_cache": False}}, "kv.prefix_cache = true"),
 ])
 def test_kv_event_settings_are_checked(raw, match):
@@ -302,8 +305,10 @@ def test_kv_event_settings_are_checked(raw, match):
 
 def test_kv_events_are_off_by_default_with_vllms_settings():
     ev = config_from_dict({}, check_devices=False).kv_events
-    assert not ev.enabled and ev.endpoint == "tcp://*:5557" and ev.replay_endpoint == "" and ev.topic == ""
-    assert ev.buffer_steps == 10_000 and ev.hwm == 100_000
+    # not vLLM's tcp://*:5557: bound on server.host's interface (127.0.0.1 by default), and no token ids
+    assert not ev.enabled and ev.endpoint == "" and ev.replay_endpoint == "" and ev.topic == ""
+    assert not ev.include_tokens and ev.port == 5557
+    assert ev.buffer_steps == 10_000 and ev.hwm == 100_000 and ev.max_queue_size == 100_000
 
 
 def test_prompt_attention_is_bf16_where_weights_are_quantized_and_float32_on_the_exact_path():

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import generate_latest
+from prometheus_client.registry import Collector
 from prometheus_client.parser import text_string_to_metric_families
 
 from nodeserve.metrics import Metrics, PoolStats
@@ -216,3 +219,33 @@ def test_kv_tiers_read_at_scrape_time():
     assert value(f, "nodeserve:kv_tier_dropped_pages", "nodeserve:kv_tier_dropped_pages_total", tier="host") == 5
     m.set_tier_source(lambda: 1 / 0)  # a failing source empties the families, never the scrape
     assert scrape(m)["nodeserve:kv_tier_hit_tokens"] == []
+
+
+def test_a_scrape_runs_off_the_event_loop_so_a_slow_collector_never_stalls_it():
+    m = Metrics(MODEL)
+    threads = []
+
+    class Slow(Collector):
+        def collect(self):
+            threads.append(threading.current_thread())
+            time.sleep(0.5)  # a collector taking half a second (a large registry, a slow source)
+            return []
+
+    m.registry.register(Slow())
+    m.set_node_source(lambda: None)
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/metrics", m.handler())
+        async with TestClient(TestServer(app)) as client:
+            scrape = asyncio.ensure_future(client.get("/metrics"))
+            await asyncio.sleep(0.1)  # the scrape is under way
+            t0 = time.monotonic()
+            await asyncio.sleep(0.01)  # the loop answers meanwhile
+            ticked = time.monotonic() - t0
+            resp = await scrape
+            return resp.status, ticked
+
+    status, ticked = asyncio.run(main())
+    assert status == 200 and threads and threads[0] is not threading.main_thread()
+    assert ticked < 0.2, ticked  # on the loop, the scrape would have held it for ~0.4 s more

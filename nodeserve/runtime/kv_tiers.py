@@ -157,6 +157,7 @@ class KVTiers:
         self.disk_settings: tuple[str, float] = (kv.disk_path, kv.disk_gib)
         self.num_loaded_pages: Counter[str] = Counter()  # by source kind: device, host, disk
         self.load_seconds: Counter[str] = Counter()
+        self._count_lock = threading.Lock()  # count() runs on every device's loader thread
 
     def start(self) -> None:
         if self.store_ahead is not None:
@@ -174,7 +175,7 @@ class KVTiers:
         fingerprint = model_fingerprint(loaded.path, loaded.config.architecture, str(loaded.model.dtype),
                                         str(pool.dtype), str(pool.page_size), config.quantization, scales)
         self.disk = DiskTier(path, int(gib * 2**30), fingerprint, self.host.page_nbytes,
-                             events=self.events.sink("disk") if self.events is not None else None)
+                             events=self.events.sink("disk", False) if self.events is not None else None)
         self.disk.start()
         self.host.use_disk(self.disk)
         self.fetch.use_disk(self.disk)
@@ -192,10 +193,11 @@ class KVTiers:
 
     def count(self, job: LoadJob, seconds: float) -> None:
         """A loader finished a job (from its thread)."""
-        for run in job.load.runs:
-            kind = run.source.split(":")[0]
-            self.num_loaded_pages[kind] += len(run.src)
-            self.load_seconds[kind] += seconds
+        with self._count_lock:
+            for run in job.load.runs:
+                kind = run.source.split(":")[0]
+                self.num_loaded_pages[kind] += len(run.src)
+                self.load_seconds[kind] += seconds
 
     def stats(self) -> list[TierStats]:
         pools = list(self.pools.values())

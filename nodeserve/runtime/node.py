@@ -111,8 +111,9 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
     num_pages = {n: kv_pages(cfg, loaded, d, kv_dtype) for n, d in devices.items()}
     chunks = {s.name: s.limits.max_num_batched_tokens for s in starts}
     window_pages = {n: window_split(cfg, loaded.config, num_pages[n], chunks[n]) for n in names}
-    event_log = KVEventLog(cfg.kv.page_size) if cfg.kv_events.enabled else None  # config: needs the prefix cache
-    sink = event_log.sink if event_log is not None else lambda name: None
+    event_log = (KVEventLog(cfg.kv.page_size, cfg.kv_events.include_tokens, cfg.kv_events.max_queue_size)
+                 if cfg.kv_events.enabled else None)  # config: needs the prefix cache
+    sink = event_log.sink if event_log is not None else lambda name, chained=True: None
     host = None
     # The tiers and the cross-device fetch move whole-model pages: not where windowed layers keep window pages
     tiered = cfg.kv.prefix_cache and not any(window_pages[n][1] for n in names)
@@ -120,7 +121,7 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
         pool_bytes = sum(n * KVPool.bytes_per_page(loaded.config, cfg.kv.page_size, kv_dtype) for n in num_pages.values())
         page_shape = (loaded.config.num_layers, 2, cfg.kv.page_size, loaded.config.num_kv_heads, loaded.config.head_dim)
         host = host_tier(cfg.kv, pool_bytes, page_shape, kv_dtype, any(d.torch_device.type == "cuda" for d in
-                                                                       devices.values()), sink("host"))
+                                                                       devices.values()), sink("host", False))
     pools = {n: tiered_pool(loaded.config, window_pages[n][0], cfg.kv, kv_dtype, d.torch_device, host, sink(n),
                             groups[n].kv_shards() if n in groups else None, *window_pages[n][1:])
              for n, d in devices.items()}
@@ -153,7 +154,7 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
     if event_log is not None:
         host_name = cfg.server.host if cfg.server.host not in ("", "0.0.0.0", "::") else socket.gethostname()
         topic = cfg.kv_events.topic or default_topic(host_name, cfg.server.port, cfg.served_model_name)
-        publisher = KVEventPublisher(cfg.kv_events, topic, event_log)
+        publisher = KVEventPublisher(cfg.kv_events, topic, event_log, cfg.server.host)
     return Node(prefill, decode, [t for ts in transfers.values() for t in ts.values()], router, tiers, publisher,
                 lending, warnings)
 

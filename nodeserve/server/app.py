@@ -25,7 +25,7 @@ from nodeserve.server import console
 from nodeserve.server import protocol as P
 from nodeserve.server.chat_prompt import render_chat
 from nodeserve.server.generation import Generation, GenerationError, Piece
-from nodeserve.server.offload import offload_executor
+from nodeserve.server.offload import OffloadFull, OffloadQueue, offload_executor
 from nodeserve.server.structured import Grammars, grammar_spec
 from nodeserve.server.tool_parsers import ToolFormat, pick_format
 from nodeserve.tokenizer import TemplateError
@@ -36,6 +36,7 @@ ERROR_WRITE_TIMEOUT_S = 5.0  # how long a final error event may wait for a clien
 PROBE_CHARS_PER_TOKEN = 8  # texts longer than this per context token are measured on a prefix first
 PROBE_MARGIN = 16          # tokens a prefix's cut may add or merge at its end
 MAX_TOKENIZE_THREADS = 2  # more would only queue CPU work on a small node; a megabyte prompt holds one for ~1 s
+MAX_TOKENIZE_JOBS = 64    # tokenizations queued or running, before admission; past it a request gets a 503
 DEBUG_STEPS_MAX_RECORDS = 5_000  # per device and per transfer in one /debug/steps answer (~20 ms of JSON each)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -52,13 +53,15 @@ class ServerState:
         self.model_names = (self.model_name, *(a for a in config.model.aliases if a != self.model_name))
         self.created = int(time.time())
         s = config.server
-        self.limits = P.Limits(max_n=s.max_n, max_stop=max(s.max_stop, 1), max_logprobs=s.max_logprobs,
+        self.limits = P.Limits(max_n=s.max_n, max_stop=max(s.max_stop, 1), max_stop_bytes=s.max_stop_bytes,
+                               max_logprobs=s.max_logprobs,
                                max_tokens=s.max_tokens_limit)
         self.metrics = Metrics(self.model_name)
         self.api_key = config.api_key.encode()
         self._chat_tools: tuple[ToolFormat | None, Grammars] | None = None
         # tokenization and template rendering, below the loop (server/offload.py); threads start on first use
         self.offload = offload_executor("tokenize", MAX_TOKENIZE_THREADS)
+        self.offload_jobs = OffloadQueue(self.offload, MAX_TOKENIZE_JOBS)
 
     def chat_tools(self, engine: Engine) -> tuple[ToolFormat | None, Grammars]:
         """The model's tool-call format (model.tool_parser) and its grammar compiler, made on first use."""
@@ -106,8 +109,18 @@ class AccessLogger(AbstractAccessLogger):
     the log). For a stream the line comes when it ends, so the duration is the whole stream's."""
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
-        self.logger.info("%s %s %d %.1fms rid=%s", request.method, request.path, response.status, time * 1e3,
-                         response.headers.get(REQUEST_ID, "-"))
+        self.logger.info("%s %s %d %.1fms rid=%s", request.method, log_safe(request.path), response.status,
+                         time * 1e3, response.headers.get(REQUEST_ID, "-"))
+
+
+MAX_LOGGED_PATH = 256
+
+
+def log_safe(text: str, limit: int = MAX_LOGGED_PATH) -> str:
+    """Client-chosen text as one log line's worth: control characters, line separators, backslashes and
+    non-ASCII escaped as Python writes them (a decoded path /%0Afake cannot start a forged line), then cut."""
+    safe = text.encode("unicode_escape").decode("ascii")
+    return safe if len(safe) <= limit else safe[:limit] + "..."
 
 
 @web.middleware
@@ -177,15 +190,18 @@ async def auth_middleware(request: web.Request, handler):
     if state.api_key:
         open_paths = {"/health": state.config.server.open_health, "/metrics": state.config.server.open_metrics}
         if not open_paths.get(request.path, False) and not console.is_open_path(request):
-            given = request.headers.get("Authorization", "")
-            scheme, _, token = given.partition(" ")
-            # aiohttp keeps a header's non-UTF-8 bytes as surrogates, which .encode() refuses: such a key is
-            # simply wrong, not a server error. compare_digest: the time taken does not depend on how much of
-            # the key matched.
-            given_key = token.strip().encode("utf-8", "surrogateescape")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given_key, state.api_key):
+            if not has_key(request, state.api_key):
                 raise P.APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'")
     return await handler(request)
+
+
+def has_key(request: web.Request, api_key: bytes) -> bool:
+    """Authorization: Bearer <api_key>."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    # aiohttp keeps a header's non-UTF-8 bytes as surrogates, which .encode() refuses: such a key is simply
+    # wrong, not a server error. compare_digest: the time taken does not depend on how much of the key matched.
+    given_key = token.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given_key, api_key)
 
 
 def _state(request: web.Request) -> ServerState:
@@ -218,11 +234,17 @@ def _ready_engine(state: ServerState, model: str | None) -> Engine:
 # ---- routes --------------------------------------------------------------------------------------------
 
 async def health(request: web.Request) -> web.Response:
+    """200 when ready, else 503. With a key set, a caller without it (server.open_health) gets the status alone:
+    failure texts, warnings and KV figures describe the node's internals, for its operator."""
     state = _state(request)
     body: dict[str, Any] = {"status": state.status}
     dead = state.engine.dead_threads() if state.engine is not None else []
     if dead:
-        body.update(status="unhealthy", dead_threads=dead)
+        body["status"] = "unhealthy"
+    if state.api_key and not has_key(request, state.api_key):
+        return web.json_response(body, status=200 if body["status"] == "ready" else 503)
+    if dead:
+        body["dead_threads"] = dead
     if state.engine is not None and state.engine.router is not None:
         body["kv"] = [asdict(s) for s in state.engine.pool_stats()]
         body["num_pending"] = state.engine.num_pending
@@ -467,8 +489,13 @@ async def openapi(request: web.Request) -> web.Response:
 
 async def _off_loop(state: ServerState, fn):
     """Runs fn (template rendering, tokenization: seconds for a long prompt) in a thread below the loop's
-    priority, so that streams, /health and the watchdog keep going meanwhile."""
-    return await asyncio.get_running_loop().run_in_executor(state.offload, fn)
+    priority, so that streams, /health and the watchdog keep going meanwhile. At most MAX_TOKENIZE_JOBS wait or
+    run: a flood of large prompts gets 503s (the client retries) instead of queueing memory and time unbounded."""
+    try:
+        return await state.offload_jobs.run(fn)
+    except OffloadFull:
+        raise P.APIError(503, f"the server is busy: {state.offload_jobs.max_jobs} requests are being tokenized; "
+                         "retry shortly", reject_reason="queue_full") from None
 
 
 def _check_logit_bias(engine: Engine, params) -> None:

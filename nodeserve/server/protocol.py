@@ -173,12 +173,13 @@ class Limits:
 
     max_n: int = 16
     max_stop: int = 16
+    max_stop_bytes: int = 1024   # all stop strings together, UTF-8: every token re-searches the held-back text
     max_logprobs: int = 20
     max_tokens: int = 1_000_000  # a larger max_tokens is a 400; below it resolve_max_tokens decides
     max_prompts: int = 64        # prompts in one completions batch
 
     def __post_init__(self):
-        for name in ("max_n", "max_stop", "max_tokens", "max_prompts"):
+        for name in ("max_n", "max_stop", "max_stop_bytes", "max_tokens", "max_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_logprobs < 0:
@@ -241,6 +242,9 @@ def _parse_stop(value: object, limits: Limits) -> list[str]:
         # An empty stop string would match at every position and end generation at once.
         if type(s) is not str or not s:
             raise _bad("stop", "'stop' must be a non-empty string or an array of non-empty strings")
+    num_bytes = sum(len(s.encode("utf-8", "surrogatepass")) for s in stops)
+    if num_bytes > limits.max_stop_bytes:  # held-back text is re-searched for every stop string on every token
+        raise _bad("stop", f"'stop' strings may total at most {limits.max_stop_bytes} bytes (UTF-8), got {num_bytes}")
     return stops
 
 

@@ -10,6 +10,7 @@ import msgspec
 import torch
 
 from nodeserve.kv.disk import DiskTier
+from nodeserve.kv.host import HostTier
 from nodeserve.kv.events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventBatch, KVEventLog,
                                  event_hash)
 from nodeserve.kv.manager import KVManager, hash_pages
@@ -33,7 +34,7 @@ def _cached(kv: KVManager) -> set[int]:
 
 
 def test_the_wire_layout_is_vllms_arrays():
-    log = KVEventLog(16)
+    log = KVEventLog(16, include_tokens=True)
     log.sink("cpu:0").stored([b"\x00" * 7 + b"\x05" + b"x" * 8], None, list(range(16)))
     log.sink("host").removed([b"\x00" * 7 + b"\x05" + b"y" * 8])
     log.cleared()
@@ -46,7 +47,7 @@ def test_the_wire_layout_is_vllms_arrays():
 
 def test_a_publication_is_reported_with_its_parent_and_tokens_and_an_eviction_as_removed():
     kv = KVManager(4, PAGE, prefix_cache=True)
-    log = KVEventLog(PAGE)
+    log = KVEventLog(PAGE, include_tokens=True)
     kv.events = log.sink("cpu:0")
     tokens = list(range(12))
     hashes = hash_pages(tokens, PAGE)
@@ -67,7 +68,7 @@ def test_a_publication_is_reported_with_its_parent_and_tokens_and_an_eviction_as
 
 def test_a_page_already_cached_elsewhere_splits_the_run():
     kv = KVManager(8, PAGE, prefix_cache=True)
-    log = KVEventLog(PAGE)
+    log = KVEventLog(PAGE, include_tokens=True)
     kv.events = log.sink("d")
     tokens = list(range(12))
     hashes = hash_pages(tokens, PAGE)
@@ -117,7 +118,7 @@ def test_the_disk_tier_reports_its_scan_its_writes_and_its_evictions(tmp_path):
     fp = "ab" * 16
     log = KVEventLog(PAGE)
     disk = DiskTier(str(tmp_path), 3 * (page_nbytes + 64), fp, page_nbytes)
-    disk.events = log.sink("disk")
+    disk.events = log.sink("disk", chained=False)
     disk.start()
     hashes = [bytes([i]) * 16 for i in range(5)]
     for h in hashes:
@@ -129,10 +130,65 @@ def test_the_disk_tier_reports_its_scan_its_writes_and_its_evictions(tmp_path):
     assert index["disk"] == {event_hash(h) for h in disk.hashes()} and disk.num_evictions > 0
 
     again = DiskTier(str(tmp_path), 3 * (page_nbytes + 64), fp, page_nbytes)
-    again.events = log.sink("disk")
+    again.events = log.sink("disk", chained=False)
     log.cleared()  # a restart: the publisher starts with AllBlocksCleared, then the scan reports what is there
     again.start()
     index = {}
-    apply(index, log.take())
+    events = log.take()
+    apply(index, events)
+    scan = [e for e in events if isinstance(e, BlockStored)]
+    assert len(scan) == again.num_files > 1  # files in no particular order: one page an event, no chain claimed
+    assert all(len(e.block_hashes) == 1 and e.parent_block_hash is None for e in scan)
     assert index["disk"] == {event_hash(h) for h in again.hashes()} and len(index["disk"]) == again.num_files > 0
     again.stop()
+
+
+def test_token_ids_are_sent_only_when_asked_for():
+    tokens = list(range(8))
+    hashes = hash_pages(tokens, PAGE)
+    quiet, loud = KVEventLog(PAGE), KVEventLog(PAGE, include_tokens=True)
+    for log in (quiet, loud):
+        log.sink("cpu:0").stored(hashes, None, tokens)
+    (q,), (l,) = quiet.take(), loud.take()
+    assert q.token_ids == [] and q.block_hashes == l.block_hashes  # the default: hashes, never the text
+    assert l.token_ids == tokens
+
+
+def _claimed_links(events) -> set[tuple[int | None, int]]:
+    """(parent, page) pairs the BlockStored events claim: each page follows the one before it in its list."""
+    links = set()
+    for e in events:
+        if isinstance(e, BlockStored):
+            for parent, h in zip([e.parent_block_hash] + e.block_hashes[:-1], e.block_hashes):
+                if parent is not None:
+                    links.add((parent, h))
+    return links
+
+
+def _true_links(*prompts: list[int]) -> set[tuple[int, int]]:
+    links = set()
+    for tokens in prompts:
+        hashes = [event_hash(h) for h in hash_pages(tokens, PAGE)]
+        links |= set(zip(hashes, hashes[1:]))
+    return links
+
+
+def test_host_tier_events_claim_no_prefix_chain_that_does_not_exist():
+    from tests.kv.test_host import _pool, _publish
+    pool = _pool(8)
+    host = HostTier.like(32, pool)
+    log = KVEventLog(PAGE)
+    pool.manager.events, host.index.events = log.sink("cpu:0"), log.sink("host", chained=False)
+    pool.manager.on_evict = lambda evicted: host.store_evicted(pool, evicted)
+    a, b = list(range(16)), list(range(100, 116))
+    _publish(pool, a)
+    _publish(pool, b)
+    taken = pool.manager.allocate(8)  # evicts all eight, least recently used first: not in prefix order
+    events = log.take()
+    stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "host"]
+    assert len(stored) == host.num_stored_pages == 8
+    assert _claimed_links(events) <= _true_links(a, b)  # the pool's chains are real; the host claims none
+    index: dict[str, set[int]] = {}
+    apply(index, events)
+    assert index["host"] == {event_hash(h) for h in hash_pages(a, PAGE) + hash_pages(b, PAGE)}
+    pool.manager.free(taken)

@@ -21,7 +21,9 @@ def _free_port() -> int:
 
 class Server:
     def __init__(self, tmp_dir, devices: str, extra: str = "", quantization: str = "none", profile: bool = False,
-                 model: str = "smollm2-135m-instruct", name: str = "smollm2"):
+                 model: str = "smollm2-135m-instruct", name: str = "smollm2",
+                 launcher: tuple[str, ...] = ("-m", "nodeserve")):
+        """launcher: what runs nodeserve's command line under this Python (tests/faults wraps it to inject faults)."""
         profile = profile or "adaptive" in devices  # adaptive mode places requests with the profile
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -43,7 +45,7 @@ port = {self.port}
 memory_gib = 1.0
 """ + ("" if "[profile]" in extra + devices else f"[profile]\nstartup = {str(profile).lower()}\n"))
         self.log = open(os.path.join(tmp_dir, "server.log"), "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "nodeserve", "run", "--config", self.config],
+        self.proc = subprocess.Popen([sys.executable, *launcher, "run", "--config", self.config],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:

@@ -166,6 +166,51 @@ def test_health_shows_the_engines_warnings(tokenizer):
     assert status == 200 and loud["warnings"] == engine.warnings
 
 
+def test_health_without_the_key_tells_only_the_status(tokenizer):
+    engine = FakeEngine(tokenizer)
+    engine.warnings.append("the disk tier at /srv/kv is full")
+    state = make_state(engine, api_key="sekrit", open_health=True)
+
+    async def body(client):
+        out = []
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer sekrit"}):
+            async with client.get("/health", headers=headers) as r:
+                out.append((r.status, await r.json()))
+        return out
+    (anon_status, anon), (wrong_status, wrong), (keyed_status, keyed) = run(state, body)
+    assert anon_status == wrong_status == keyed_status == 200
+    assert anon == wrong == {"status": "ready"}  # no warnings, KV figures or failure texts for strangers
+    assert keyed["warnings"] == engine.warnings and "kv" in keyed
+
+
+def test_the_access_log_cannot_be_forged_through_the_path():
+    import logging
+    from nodeserve.server.app import AccessLogger
+    records: list[logging.LogRecord] = []
+    logger = logging.getLogger("test.access")
+    logger.setLevel(logging.INFO)
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+
+    async def main():
+        server = TestServer(create_app(make_state()), host="127.0.0.1")
+        await server.start_server(access_log=logger, access_log_class=AccessLogger)
+        async with TestClient(server) as client:
+            for path in ("/%0Afake%20200%20OK", "/%0D%0AGET%20/admin", "/\u2028x%E2%80%A8y%1B[31m", "/" + "a" * 5000):
+                async with client.get(path) as r:
+                    await r.read()
+            await asyncio.sleep(0.1)
+    asyncio.run(main())
+    logger.removeHandler(handler)
+    lines = [r.getMessage() for r in records]
+    assert len(lines) == 4
+    for line in lines:
+        assert line.isprintable() and line.isascii() and len(line) < 400, line  # one line, whatever the path
+    assert lines[0].startswith("GET /\\nfake 200 OK ") and lines[1].startswith("GET /\\r\\nGET /admin ")
+    assert "\\u2028" in lines[2] and "\\x1b" in lines[2] and lines[3].split()[1].endswith("...")
+
+
 # ---- content type and cross-site requests ------------------------------------------------------------------
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
@@ -262,6 +307,28 @@ def test_tokenizing_a_prompt_does_not_stall_the_event_loop(tokenizer, path, body
     (health_status, health_seconds), status, total = run(state, run_body)
     assert status == 200 and tok.num_encodes == 1 and total >= 1.5
     assert health_status == 200 and health_seconds < 1.0, health_seconds  # answered while tokenizing
+
+
+def test_tokenization_jobs_are_bounded_before_admission_with_a_503(tokenizer, monkeypatch):
+    monkeypatch.setattr(app_module, "MAX_TOKENIZE_JOBS", 3)
+    tok = SlowTokenizer(tokenizer, delay=0.5)
+    state = make_state(FakeEngine(tok, script=[42, 43]))
+
+    async def run_body(client):
+        async def post():
+            async with client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 2}) as r:
+                return r.status, r.headers.get("Retry-After"), await r.json()
+        first = await asyncio.gather(*(post() for _ in range(5)))
+        again = await post()  # the jobs are done: room again
+        return first, again
+    first, again = run(state, run_body)
+    statuses = sorted(s for s, _, _ in first)
+    assert statuses == [200, 200, 200, 503, 503] and again[0] == 200
+    busy = [(retry, body) for s, retry, body in first if s == 503]
+    assert all(retry == "1" and body["error"]["type"] == "ServiceUnavailableError" and
+               "being tokenized" in body["error"]["message"] for retry, body in busy)
+    assert tok.num_encodes == 4 and state.offload_jobs.num_jobs == 0
+    assert rejected(state)["queue_full"] == 2
 
 
 @pytest.mark.parametrize("path, field, make", [

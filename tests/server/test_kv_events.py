@@ -94,7 +94,8 @@ def test_a_subscriber_rebuilds_the_servers_page_index_through_loss_and_replay(ma
     pub, replay = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}"
     sub = Subscriber(ctx, pub, replay)
     try:
-        server = make_server(extra=f'[kv_events]\nenabled = true\nendpoint = "{pub}"\nreplay_endpoint = "{replay}"\n',
+        server = make_server(extra=f'[kv_events]\nenabled = true\nendpoint = "{pub}"\nreplay_endpoint = "{replay}"\n'
+                                   'include_tokens = true\n',
                              # ~27 pages a device, ~40 host slots, a disk tier of ~60 pages: all of them evict
                              env={"NODESERVE_KV_MEMORY_GIB": "0.02", "NODESERVE_KV_HOST_MEMORY_GIB": "0.03",
                                   "NODESERVE_KV_DISK_PATH": str(tmp_path / "kv"), "NODESERVE_KV_DISK_GIB": "0.045"})

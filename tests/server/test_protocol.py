@@ -136,6 +136,17 @@ def test_floats_accept_ints_and_bounds():
     assert chat(stop=["x"] * LIMITS.max_stop).params.stop == ["x"] * LIMITS.max_stop
 
 
+def test_stop_strings_are_capped_in_total_bytes_with_a_400_naming_stop():
+    at_cap = ["é" * (LIMITS.max_stop_bytes // 4)] * 2  # two bytes a character: exactly the cap
+    assert chat(stop=at_cap).params.stop == at_cap
+    for stop in ("x" * (LIMITS.max_stop_bytes + 1), ["ab"] * 8 + ["x" * (LIMITS.max_stop_bytes - 15)],
+                 "x" * 1_000_000):  # a 1 MB stop string re-copied and re-searched on every token
+        with pytest.raises(APIError) as info:
+            chat(stop=stop)
+        assert info.value.status == 400 and info.value.param == "stop"
+        assert f"at most {LIMITS.max_stop_bytes} bytes" in info.value.message
+
+
 def test_greedy_with_n_allowed():
     assert chat(temperature=0, n=4).n == 4
 
