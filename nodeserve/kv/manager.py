@@ -288,6 +288,11 @@ class KVManager:
             self._evictable.clear()
             return num
 
+    def tokens_of(self, pages: Sequence[int]) -> list[array | None]:
+        """Each page's tokens as publish() was told them (None: not told)."""
+        with self._lock:
+            return [self._tokens_of.get(b) for b in pages]
+
     def cached_pages(self) -> list[tuple[int, bytes]]:
         """Every published page with its hash, least recently used first among those no one holds."""
         with self._lock:
