@@ -307,7 +307,7 @@ class DiskTier:
             raise RuntimeError("DiskTier.start() called twice")
         t0 = time.perf_counter()
         found: list[tuple[float, bytes, int]] = []
-        num_bad = 0
+        num_bad = num_tmp = 0
         try:
             self._take_lock()
         except DiskTierLocked:
@@ -325,6 +325,7 @@ class DiskTier:
                         continue
                     if e.name.endswith(".tmp") and e.is_file(follow_symlinks=False):
                         _remove(e.path)  # half-written by a killed owner: the lock says none writes now
+                        num_tmp += 1
                         continue
                     h, st = _parse_name(e.name), e.stat(follow_symlinks=False)
                     # Size only: contents are checked on get, so 10,000 files scan without reading any. A link or
@@ -348,8 +349,8 @@ class DiskTier:
             if self.events is not None and self._index:
                 self.events.stored(list(self._index))
         self._evict(0)
-        log.info("KV disk tier %s: %d files, %d bytes, %d bad files removed, scanned in %.3f s",
-                 self.dir, self.num_files, self.num_bytes, num_bad, time.perf_counter() - t0)
+        log.info("KV disk tier %s: %d files, %d bytes, %d bad files and %d half-written ones removed, scanned in "
+                 "%.3f s", self.dir, self.num_files, self.num_bytes, num_bad, num_tmp, time.perf_counter() - t0)
         if self.num_foreign_bytes:
             log.warning("KV disk tier: %d bytes of other fingerprints' pages (another model or KV layout) in %s "
                         "count against kv.disk_gib; remove those directories to reclaim the space",

@@ -296,10 +296,10 @@ def test_a_fifo_in_place_of_a_page_file_is_removed_and_the_prompt_computed(loade
     a, follow = convo[0], convo[3]
     files = {f: os.path.join(dp, f) for dp, _, fs in os.walk(disk) for f in fs if f.endswith(".kvp")}
     fifo = files[hash_pages(a, PAGE)[3].hex() + ".kvp"]
-    os.remove(fifo)
-    os.mkfifo(fifo)
 
     async def body(engine):
+        os.remove(fifo)  # after the start's scan (which would remove it): get() meets it
+        os.mkfifo(fifo)
         stream = engine.add_request(follow, _greedy(max_tokens=8))
         tokens = (await asyncio.wait_for(_tokens(stream), 30))[0]
         return tokens, dict(stream.request.cached_from), engine.tiers.disk.num_bad_files
