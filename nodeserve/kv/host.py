@@ -10,6 +10,7 @@ On CUDA nodes the slots are pinned, so copies to and from a GPU are asynchronous
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from array import array
@@ -119,7 +120,7 @@ class HostTier:
         for s, h, t in zip(slots, hashes, tokens):
             if t is not None and h not in disk and disk.room:
                 self.index.share([s])
-                disk.put(h, self.page_bytes(s), t, lambda s=s: self.index.free([s]))
+                disk.put(h, self.page_bytes(s), t, functools.partial(self.index.free, [s]))
 
     def store_evicted(self, pool: KVPool, evicted: list[tuple[int, bytes, array | None]],
                       max_bytes: int | None = None) -> None:
