@@ -1,5 +1,6 @@
 """Faults at the disk tier, driven through real servers (subprocesses, the real openai client): files forged,
-truncated, from another cache, a symlink and a FIFO in the cache directory, a second server on the same
+truncated, from another cache, a symlink and a FIFO in the cache directory (one met by the scan, one by a load,
+where it used to hang the read forever), a second server on the same
 directory, SIGKILL during the stop's flush then a restart. Each asserts: the server keeps answering, nothing is
 served wrong (greedy text equals the cold run's), no page is held once idle, and a metric and a log line say what
 happened. A full disk and a hung read are injected into a real engine (a server subprocess cannot take an
@@ -36,7 +37,7 @@ def _prompt(topic: str, n: int) -> str:
                                             for i in range(n)) + "\nQuestion: which bay had item 3?\nAnswer:"
 
 
-P, Q = _prompt("harbor", 30), _prompt("granary", 30)
+P, Q, R = _prompt("harbor", 30), _prompt("granary", 30), _prompt("orchard", 30)
 
 
 def _start(tmp, disk: str) -> Server:
@@ -97,10 +98,10 @@ def filled(tmp_path_factory):
     disk = str(root / "kv")
     s = _start(root / "a", disk)
     try:
-        cold = {p: _complete(s, p) for p in (P, Q)}
+        cold = {p: _complete(s, p) for p in (P, Q, R)}
         ids = {p: json.loads(urllib.request.urlopen(urllib.request.Request(
             s.url + "/tokenize", data=json.dumps({"model": "smollm2", "prompt": p}).encode(),
-            headers={"Content-Type": "application/json"}), timeout=10).read())["tokens"] for p in (P, Q)}
+            headers={"Content-Type": "application/json"}), timeout=10).read())["tokens"] for p in (P, Q, R)}
     finally:
         s.stop()
     assert s.proc.returncode == 0, s.output()
@@ -145,9 +146,19 @@ def test_forged_truncated_foreign_files_a_symlink_a_fifo_and_a_second_server(fil
         assert warm_p.choices[0].text == cold[P] and warm_q.choices[0].text == cold[Q]
         assert warm_p.usage.prompt_tokens_details.cached_tokens == 2 * PAGE  # pages 0-1; the forged 2 ends it
         assert warm_q.usage.prompt_tokens_details.cached_tokens == 1 * PAGE
-        assert _metric(s, "kv_tier_bad_files") == 5
+        # R: its page 2 turned into a FIFO after the start's scan, so a load meets it (the issue's hung read: no
+        # writer ever opens it, and a blocking open waited forever).
+        r_page = files[hash_pages(ids[R], PAGE)[2].hex() + ".kvp"]
+        os.remove(r_page)
+        os.mkfifo(r_page)
+        t0 = time.monotonic()
+        warm_r = _complete(s, R)
+        assert time.monotonic() - t0 < 30 and warm_r.choices[0].text == cold[R]
+        assert warm_r.usage.prompt_tokens_details.cached_tokens == 2 * PAGE
+        assert _metric(s, "kv_tier_bad_files") == 6
         log = _log(s)
         assert log.count("its MAC does not match") == 2, log[-3000:]
+        assert log.count("cannot be opened as a regular file") == 1
         for path in p_pages[6:8]:  # removed at the scan; maybe written again since, as a regular file
             assert not os.path.lexists(path) or stat.S_ISREG(os.lstat(path).st_mode)
         _idle_and_whole(s)
