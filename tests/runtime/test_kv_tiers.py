@@ -15,6 +15,7 @@ import pytest
 from nodeserve.config import config_from_dict
 from nodeserve.kv.manager import hash_pages
 from nodeserve.runtime.engine import Engine
+from nodeserve.server.systemd import workers_healthy
 from tests.runtime.test_engine import MODES, _greedy, _tokens, _wait_pools_whole
 
 PAGE = 16
@@ -257,7 +258,8 @@ def test_a_hung_disk_read_times_out_the_load_and_fails_the_loader_until_it_retur
         await asyncio.sleep(1.2)  # the read still hangs past stuck_after: the loader is failed
         dead = engine.dead_threads()
         assert len(dead) == 1 and "disk read has hung" in dead[0], dead
-        assert any(not (x.last_progress and x.failure is None) for x in engine.watched())
+        watchdog = workers_healthy(engine.watched(), 30.0)  # the check serve.py's watchdog pings by
+        assert not watchdog() and "disk read has hung" in watchdog.last_reason
         # Meanwhile another request skips the disk instead of queueing behind the hung read.
         engine.flush_cache()  # the first computed the prefix: out of the pools, it is on disk only again
         again = engine.add_request(follow, _greedy(max_tokens=8))
@@ -269,7 +271,7 @@ def test_a_hung_disk_read_times_out_the_load_and_fails_the_loader_until_it_retur
             if not engine.dead_threads():
                 break
             await asyncio.sleep(0.05)
-        assert engine.dead_threads() == [], "the loader recovers once the read returns"
+        assert engine.dead_threads() == [] and watchdog(), "the loader recovers once the read returns"
     _run(_config("colocated", 0.25, 0.05, disk, disk_timeout=0.5), loaded_fp32, body, warmup=True)
 
 
