@@ -297,7 +297,7 @@ class DiskTier:
             for e in entries:
                 if e.name != os.path.basename(self.dir) and len(e.name) == 32 and set(e.name) <= HEX_DIGITS \
                         and e.is_dir(follow_symlinks=False):
-                    with os.scandir(e.path) as files:
+                    with contextlib.suppress(OSError), os.scandir(e.path) as files:  # unreadable: not counted
                         total += sum(f.stat(follow_symlinks=False).st_size for f in files
                                      if f.is_file(follow_symlinks=False))
         return total
@@ -392,12 +392,6 @@ class DiskTier:
 
     def __contains__(self, h: bytes) -> bool:
         return self.match((h,)) == 1
-
-    @property
-    def room(self) -> int:
-        """Pages put() would queue now."""
-        return 0 if self.disabled or self._thread is None or self.paused and time.monotonic() < self.retry_at \
-            else self.max_queued - self._queue.qsize()
 
     def put(self, h: bytes, page: torch.Tensor, tokens: Sequence[int],
             done: Callable[[], None] = lambda: None) -> bool:

@@ -118,7 +118,7 @@ class HostTier:
         if disk is None:
             return
         for s, h, t in zip(slots, hashes, tokens):
-            if t is not None and h not in disk and disk.room:
+            if t is not None and h not in disk:  # put() counts what it refuses (queue full, writes paused)
                 self.index.share([s])
                 disk.put(h, self.page_bytes(s), t, functools.partial(self.index.free, [s]))
 

@@ -85,10 +85,10 @@ class DiskReads:
             r.given_up = not r.done
             return list(r.slots), r.given_up
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 1.0) -> None:
         if self._thread is not None:
             self._reads.put(None)
-            self._thread.join(timeout=1)
+            self._thread.join(timeout=timeout)  # a read that hangs keeps it: a daemon thread, left to the exit
 
     def _run(self) -> None:
         while (r := self._reads.get()) is not None:
@@ -145,11 +145,13 @@ class KVLoader:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Joins the loader's thread and its disk reader's, both within `timeout`."""
+        deadline = time.monotonic() + timeout
         self._stopped = True
         self._jobs.put(None)
         self._thread.join(timeout=timeout)
         if self._disk is not None:
-            self._disk.stop()
+            self._disk.stop(max(0.0, deadline - time.monotonic()))
 
     @property
     def failure(self) -> str | None:
