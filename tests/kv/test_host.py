@@ -5,6 +5,7 @@ relies on."""
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -252,3 +253,28 @@ def test_pages_carry_their_tokens_into_the_host_tier_so_a_colliding_prompt_canno
     other = tokens[:8] + [99] * 8                         # the same hashes (forced), other tokens from page 2 on
     assert host.index.scrub(hashes, other, stop_at_miss=False) == 1
     assert len(host.index.lookup(hashes)) == 2 and host.index.num_collisions == 1
+
+
+def test_the_stop_flush_is_bounded_and_writes_the_most_recently_used_pages_first(tmp_path, monkeypatch):
+    pool = _pool(16)
+    host = HostTier.like(16, pool)
+    disk = DiskTier(str(tmp_path), 1 << 20, "ab" * 16, host.page_nbytes, page_size=PAGE,
+                    max_queued_bytes=2 * host.page_nbytes)
+    written: list[bytes] = []
+    real = disk._write
+
+    def slow(h, page, tokens):
+        time.sleep(0.2)  # a slow disk: 0.2 s a page
+        written.append(h)
+        return real(h, page, tokens)
+    monkeypatch.setattr(disk, "_write", slow)
+    disk.start()
+    host.disk = disk
+    _, old = _publish(pool, list(range(16)))         # 4 pages, used first
+    _, new = _publish(pool, list(range(100, 116)))   # 4 more, used last
+    t0 = time.monotonic()
+    host.flush([pool], timeout=0.5)
+    assert time.monotonic() - t0 < 0.5 + 0.3  # the timeout, and at most the page being written
+    disk.stop(timeout=0)
+    assert 1 <= len(written) <= 4 and written == new[:len(written)]  # the recent request first, prefix first
+    assert host.index.num_used == 0  # every slot the writer held is let go, written or not
