@@ -442,7 +442,8 @@ class DiskTier:
             size = os.fstat(fd).st_size
             num_read = os.readv(fd, [head, out.numpy(), mac]) if size == self.file_nbytes else 0
             if num_read == self.file_nbytes:
-                os.utime(fd)  # mtime orders the LRU after a restart, so a read counts as a use there too
+                with contextlib.suppress(OSError):  # a read-only mount: the file is still good
+                    os.utime(fd)  # mtime orders the LRU after a restart, so a read counts as a use there too
         except OSError as e:
             return self._bad(h, path, f"read failed ({e.strerror})")
         finally:
