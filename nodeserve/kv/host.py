@@ -203,9 +203,8 @@ class HostTier:
     def flush(self, pools: Sequence[KVPool], timeout: float = 30.0) -> int:
         """Before a stop, with the workers stopped: every page cached in a device pool comes in here and, with a
         disk tier, every page here that is not on disk yet is written there, so a restart keeps it. Within
-        `timeout` s, most valuable first: a device's pages before the host tier's (the host's were handed to the
-        disk as they came in), and in each most recently used first (recent use is the value the managers keep;
-        an old page is the next one evicted anyway). Returns the pages copied in from the devices."""
+        `timeout` s, most valuable first (by_value): a device's pages before the host tier's (the host's were
+        handed to the disk as they came in). Returns the pages copied in from the devices."""
         deadline, num = time.monotonic() + timeout, 0
 
         def wait_for_room() -> bool:
@@ -215,17 +214,25 @@ class HostTier:
 
         chunk = self.disk.max_queued if self.disk is not None else FLUSH_CHUNK
         for pool in pools:
-            cached = pool.manager.cached_pages()[::-1]
+            cached = by_value(pool.manager, pool.manager.cached_pages())
             for i in range(0, len(cached), chunk):
                 part = cached[i:i + chunk]
                 num += self.store(pool, [p for p, _ in part], [h for _, h in part])
                 if not wait_for_room():
                     return num
         if self.disk is not None:
-            mine = [(s, h) for s, h in self.index.cached_pages()[::-1] if h not in self.disk]
+            mine = [(s, h) for s, h in by_value(self.index, self.index.cached_pages()) if h not in self.disk]
             for i in range(0, len(mine), chunk):
                 slots = [s for s, _ in mine[i:i + chunk]]  # nothing else runs at a stop: they stay these pages
                 self._to_disk(slots, [h for _, h in mine[i:i + chunk]], self.index.tokens_of(slots))
                 if not wait_for_room():
                     return num
         return num
+
+
+def by_value(manager: KVManager, cached: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """Cached (page, hash) pairs most hit first, then most recently used first. A page's prefix is hit whenever it
+    is, so it comes first: a page on disk without its prefix is worth nothing (a load stops at the first miss)."""
+    recent = cached[::-1]  # a request's pages are freed last first: its prefix is the most recent, and leads here
+    hits = manager.hits_of([p for p, _ in recent])
+    return [recent[i] for i in sorted(range(len(recent)), key=lambda i: -hits[i])]
