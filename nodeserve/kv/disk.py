@@ -132,10 +132,11 @@ def _check_page(t: torch.Tensor, page_nbytes: int, what: str) -> None:
                          f"{t.device} {tuple(t.shape)}")
 
 
-def _private_dir(path: str) -> None:
-    """`path` made if missing, a real directory (not a link) owned by this user, mode 0700."""
+def _private_dir(path: str, follow: bool = False) -> None:
+    """`path` made if missing, a directory owned by this user, mode 0700; not a link unless `follow` (the
+    configured disk_path may be one the operator made; what is inside it may not)."""
     os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
+    st = os.stat(path) if follow else os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
         raise OSError(errno.EPERM, f"{path} is not a directory owned by this user")
     if stat.S_IMODE(st.st_mode) != 0o700:
@@ -267,7 +268,7 @@ class DiskTier:
 
     def _take_lock(self) -> None:
         """The flock on <path>/lock, held until stop() (or the process's end: a SIGKILL releases it too)."""
-        _private_dir(self.root)
+        _private_dir(self.root, follow=True)
         path = os.path.join(self.root, LOCK_NAME)
         fd = _open_regular(path, os.O_RDWR | os.O_CREAT)
         try:

@@ -463,3 +463,20 @@ def test_other_fingerprints_pages_count_against_the_budget(make_tier):
     write(b, range(10, 13))  # room for one page beside A's three
     assert b.num_files == 1 and b.num_bytes + b.num_foreign_bytes <= b.max_bytes
     assert len(files(a)) == 3  # A's pages are not B's to delete
+
+
+def test_disk_path_may_be_a_link_the_operator_made_but_not_what_is_inside(make_tier, tmp_path, caplog):
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    tier = make_tier(root=tmp_path / "link")
+    write(tier, [0])
+    assert tier.num_files == 1 and not tier.disabled
+    tier.stop()
+    # a fingerprint directory replaced by a link (to a directory someone else can write): the tier stays off
+    (tmp_path / "elsewhere").mkdir()
+    os.rename(tier.dir, tmp_path / "moved")
+    os.symlink(tmp_path / "elsewhere", tier.dir)
+    with caplog.at_level(logging.WARNING, logger="nodeserve.kv.disk"):
+        off = make_tier(root=tmp_path / "link")
+    assert off.disabled and "not a directory owned by this user" in off.disabled and "tier off" in caplog.text
+    assert off.match([page_hash(0)]) == 0 and os.listdir(tmp_path / "elsewhere") == []
