@@ -36,11 +36,12 @@ def main() -> None:
         max_bytes = 2 * args.files * (args.page_bytes + 4096)
         # One page for every hash: put takes ownership and never modifies it, so sharing it costs no memory.
         page = torch.randint(0, 256, (args.page_bytes,), dtype=torch.uint8)
-        writer = DiskTier(root, max_bytes, FINGERPRINT, args.page_bytes, max_queued=args.files)
+        writer = DiskTier(root, max_bytes, FINGERPRINT, args.page_bytes, page_size=16,
+                          max_queued_bytes=args.files * args.page_bytes)
         writer.start()
         t0 = time.perf_counter()
         for i in range(args.files):
-            writer.put(hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest(), page)
+            writer.put(hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest(), page, [0] * 16)
         if not writer.flush(timeout=3600):
             raise SystemExit("writes did not finish within an hour")
         write_s = time.perf_counter() - t0
@@ -50,7 +51,7 @@ def main() -> None:
 
         scan_s = []
         for _ in range(3):
-            tier = DiskTier(root, max_bytes, FINGERPRINT, args.page_bytes)
+            tier = DiskTier(root, max_bytes, FINGERPRINT, args.page_bytes, page_size=16)
             t0 = time.perf_counter()
             tier.start()
             scan_s.append(round(time.perf_counter() - t0, 4))

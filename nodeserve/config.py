@@ -106,6 +106,8 @@ class KVSection:
                                           # published
     disk_path: str = ""                   # disk tier directory, kept across restarts ("": off)
     disk_gib: float = 0.0                 # disk tier size; needs disk_path and the host tier
+    disk_timeout: float = 5.0             # seconds a request waits for its pages on disk before computing them
+    stop_flush_timeout: float = 15.0      # at a stop, seconds to write cached pages to disk (part of the 60 s stop)
 
 
 @dataclass(frozen=True)
@@ -407,8 +409,9 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
         raise ConfigError(f"'kv.host_write' must be back or through, got {kv.host_write!r}")
     if kv.disk_gib < 0:
         raise ConfigError(f"'kv.disk_gib' must be 0 (off) or a size in GiB, got {kv.disk_gib}")
-    if kv.window_pages not in ("free", "keep"):
-        raise ConfigError(f"'kv.window_pages' must be \"free\" or \"keep\", got {kv.window_pages!r}")
+    if kv.disk_timeout <= 0 or kv.stop_flush_timeout < 0:
+        raise ConfigError(f"'kv.disk_timeout' must be positive and 'kv.stop_flush_timeout' 0 or more, got "
+                          f"{kv.disk_timeout} and {kv.stop_flush_timeout}")
     if kv.disk_gib > 0 and not kv.disk_path:
         raise ConfigError("'kv.disk_gib' is set but 'kv.disk_path' is empty: give the directory to keep pages in")
     if kv.window_pages not in ("free", "keep"):

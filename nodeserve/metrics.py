@@ -28,7 +28,8 @@ Exposed names (histograms add _bucket/_count/_sum, counters add _total):
   KV tiers    gauges nodeserve:kv_tier_pages_used, nodeserve:kv_tier_pages_free; counters
               nodeserve:kv_tier_hit_tokens_total, nodeserve:kv_tier_loaded_pages_total,
               nodeserve:kv_tier_loaded_bytes_total, nodeserve:kv_tier_load_seconds_total,
-              nodeserve:kv_tier_evictions_total, nodeserve:kv_tier_bad_files_total
+              nodeserve:kv_tier_evictions_total, nodeserve:kv_tier_bad_files_total,
+              nodeserve:kv_tier_write_errors_total, nodeserve:kv_tier_read_timeouts_total
               {model_name, tier}: tier "device" is every pool (hits: fetched from another device),
               "host" and "disk" the tiers below (runtime/kv_tiers.py)
   KV events   counters nodeserve:kv_events_batches_total, nodeserve:kv_events_total,
@@ -206,7 +207,11 @@ class _TierCollector(Collector):
               ("kv_tier_bad_files", "counter", "num_bad_files", "Disk tier files skipped and removed: corrupt, "
                "truncated, of another model, or half-written."),
               ("kv_tier_dropped_pages", "counter", "num_dropped", "KV pages a tier did not take: the host tier, "
-               "evicted pages past its per-eviction copy budget; the disk tier, pages not written (queue full, write failed)."))
+               "evicted pages past its per-eviction copy budget; the disk tier, pages not written (queue full, write failed)."),
+              ("kv_tier_write_errors", "counter", "num_write_errors", "Disk tier writes that failed (a full disk): "
+               "each pauses writes for a backoff, after which they resume."),
+              ("kv_tier_read_timeouts", "counter", "num_read_timeouts", "Loads that gave up waiting for their disk "
+               "pages (kv.disk_timeout), or skipped the disk while a read hung; they computed those pages."))
 
     def __init__(self, model_name: str):
         self.model_name = model_name

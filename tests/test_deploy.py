@@ -56,6 +56,22 @@ def test_stop_timeout_outlasts_the_drain():
     assert seconds > ServerSection().drain_timeout
 
 
+def test_every_stop_phase_is_bounded_and_together_they_fit_the_budget_and_the_unit():
+    """Issue 47: drain 30 + cleanup 5 + host flush 30 + disk stop 30 + joins outlasted TimeoutStopSec=90, so systemd
+    SIGKILLed a stop mid-flush. With every part on (disk tier, KV events), the defaults' phases sum to at most
+    STOP_BUDGET_S, and the unit leaves 15 s beyond it for the interpreter's exit."""
+    from nodeserve.config import config_from_dict
+    from nodeserve.server.serve import STOP_BUDGET_S, stop_phases
+
+    config = config_from_dict({"kv": {"disk_path": "/var/cache/nodeserve", "disk_gib": 10},
+                               "kv_events": {"enabled": True}})
+    phases = stop_phases(config)
+    assert set(phases) == {"drain", "http shutdown", "thread joins", "kv flush to disk", "disk writer", "kv events"}
+    assert all(0 < v < float("inf") for v in phases.values())
+    assert sum(phases.values()) <= STOP_BUDGET_S == 60
+    assert int(_settings()["TimeoutStopSec"][-1]) >= STOP_BUDGET_S + 15
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_verify(tmp_path):
     # The unit's ExecStart points into /opt/nodeserve, which does not exist here; everything else is verified as is.

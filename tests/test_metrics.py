@@ -206,7 +206,8 @@ def test_kv_tiers_read_at_scrape_time():
     assert scrape(m)["nodeserve:kv_tier_pages_used"] == []  # no source yet
     tiers = [TierStats("device", 400, 10, 64, 4, 4 * 1000, 0.5, 7, num_held=10),
              TierStats("host", 1000, 300, 2048, 128, 128 * 1000, 0.25, 3, num_dropped=5),
-             TierStats("disk", 5000, 900, 512, 32, 32 * 1000, 0.125, 0, num_bad_files=2)]
+             TierStats("disk", 5000, 900, 512, 32, 32 * 1000, 0.125, 0, num_bad_files=2, num_write_errors=3,
+                       num_read_timeouts=4)]
     m.set_tier_source(lambda: tiers)
     f = scrape(m)
     assert value(f, "nodeserve:kv_tier_pages_used", "nodeserve:kv_tier_pages_used", tier="host") == 300
@@ -217,6 +218,8 @@ def test_kv_tiers_read_at_scrape_time():
     assert value(f, "nodeserve:kv_tier_evictions", "nodeserve:kv_tier_evictions_total", tier="device") == 7
     assert value(f, "nodeserve:kv_tier_bad_files", "nodeserve:kv_tier_bad_files_total", tier="disk") == 2
     assert value(f, "nodeserve:kv_tier_dropped_pages", "nodeserve:kv_tier_dropped_pages_total", tier="host") == 5
+    assert value(f, "nodeserve:kv_tier_write_errors", "nodeserve:kv_tier_write_errors_total", tier="disk") == 3
+    assert value(f, "nodeserve:kv_tier_read_timeouts", "nodeserve:kv_tier_read_timeouts_total", tier="disk") == 4
     m.set_tier_source(lambda: 1 / 0)  # a failing source empties the families, never the scrape
     assert scrape(m)["nodeserve:kv_tier_hit_tokens"] == []
 

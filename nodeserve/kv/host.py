@@ -10,10 +10,11 @@ On CUDA nodes the slots are pinned, so copies to and from a GPU are asynchronous
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from array import array
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from nodeserve.kv.disk import DiskTier
     from nodeserve.kv.events import KVEventSink
 
-FLUSH_CHUNK = 128  # pages copied in per disk flush at a stop: the disk queue drops pages past its bound
+FLUSH_CHUNK = 128  # pages copied in per step of a stop's flush without a disk tier (with one: its queue)
 STORE_AHEAD_WINDOW = 512  # write-back: the next pages to evict a pool keeps copied here ahead of time
 # Pages a store_ahead() copies under the pool's lock, which the router's placements on the event loop wait for:
 # ~3 MB, about a millisecond, for SmolLM2 (16 pages let a busy core stretch a chunk past 100 ms: bench/hostile.py)
@@ -77,8 +78,9 @@ class HostTier:
         here under its hash with other tokens (a collision) does not take it (KVManager.scrub). max_new: copy at
         most this many of the pages not here yet, the first ones, or with drop_oldest the last ones (pages come
         oldest first), counting the others as dropped. Returns how many were copied; fewer when every slot is held
-        by a load."""
-        tokens = tokens or [None] * len(pages)
+        by a load. Each page copied in goes to the disk tier too, when there is one and its tokens are known."""
+        # not given: the pool's own record of them (callers inside the pool's lock, evictions, pass them)
+        tokens = tokens or pool.manager.tokens_of(pages)
         new = [(p, h, t) for p, h, t in zip(pages, hashes, tokens) if not self.index.lookup([h])]
         if max_new is not None and len(new) > max_new:
             if drop_oldest:
@@ -98,15 +100,27 @@ class HostTier:
             self.data[slots] = pool.data.index_select(1, src).transpose(0, 1).to("cpu")
         else:  # a group's page: every head, whatever the sharding (one hash, one whole page)
             self.data[slots] = torch.stack([pool.read_layer(i, src) for i in range(pool.num_layers)], 1).to("cpu")
-        self.index.publish(slots, [h for _, h, _ in new], page_tokens=[t for _, _, t in new])
+        page_tokens = [t for _, _, t in new]
+        self.index.publish(slots, [h for _, h, _ in new], page_tokens=page_tokens)
+        # to disk before the slots are let go: a slot freed first could be reused, and another page's KV written
+        # under this hash
+        self._to_disk(slots, [h for _, h, _ in new], page_tokens)
         self.index.free(slots)
         with self._lock:
             self.num_stored_pages += len(slots)
-        if self.disk is not None:
-            for s, (_, h, _) in zip(slots, new):
-                if h not in self.disk:  # clone only what the writer will take
-                    self.disk.put(h, self.page_bytes(s).clone())
         return len(slots)
+
+    def _to_disk(self, slots: Sequence[int], hashes: Sequence[bytes], tokens: Sequence[array | None]) -> None:
+        """Hands published slots to the disk tier's writer, each held until written (no copy: the queue is bounded
+        in bytes, and the pages it waits on are host-tier pages, inside kv.host_memory_gib). Pages whose tokens
+        are unknown stay off the disk: a page there is served only to a prompt with its tokens."""
+        disk = self.disk
+        if disk is None:
+            return
+        for s, h, t in zip(slots, hashes, tokens):
+            if t is not None and h not in disk:  # put() counts what it refuses (queue full, writes paused)
+                self.index.share([s])
+                disk.put(h, self.page_bytes(s), t, functools.partial(self.index.free, [s]))
 
     def store_evicted(self, pool: KVPool, evicted: list[tuple[int, bytes, array | None]],
                       max_bytes: int | None = None) -> None:
@@ -146,21 +160,31 @@ class HostTier:
     def release(self, slots: Sequence[int]) -> None:
         self.index.free(slots)
 
-    def read_from_disk(self, hashes: Sequence[bytes]) -> list[int]:
+    def read_from_disk(self, hashes: Sequence[bytes], token_ids: Sequence[int],
+                       cancelled: Callable[[], bool] = lambda: False, on_page: Callable[[int], bool] | None = None
+                       ) -> list[int]:
         """Reads pages from the disk tier into fresh slots, published here and held for the caller; stops at the
-        first miss, bad file, or when no slot is free. Returns the held slots, one per leading hash read."""
+        first miss, bad file (one holding other tokens than token_ids, page by page, included), when no slot is
+        free, or once cancelled(). on_page(slot): each slot read, as it is; False means the caller no longer
+        takes it (it gave up waiting), and the slot is let go here. Returns the held slots, one per leading hash
+        read."""
         slots: list[int] = []
-        for h in hashes:
-            if self.disk is None or not self.index.can_allocate(1):
+        ps = self.page_size
+        for i, h in enumerate(hashes):
+            if self.disk is None or cancelled() or not self.index.can_allocate(1):
                 break
             try:
                 slot = self.index.allocate(1)[0]
             except OutOfPages:
                 break
-            if not self.disk.get(h, self.page_bytes(slot)):
+            tokens = array("q", token_ids[i * ps:(i + 1) * ps])
+            if not self.disk.get(h, self.page_bytes(slot), tokens):
                 self.index.free([slot])
                 break
-            self.index.publish([slot], [h])
+            self.index.publish([slot], [h], page_tokens=[tokens])
+            if on_page is not None and not on_page(slot):
+                self.index.free([slot])
+                break
             slots.append(slot)
         return slots
 
@@ -178,15 +202,37 @@ class HostTier:
 
     def flush(self, pools: Sequence[KVPool], timeout: float = 30.0) -> int:
         """Before a stop, with the workers stopped: every page cached in a device pool comes in here and, with a
-        disk tier, is written there, so a restart keeps it (most recently used first, within `timeout`).
-        Returns the pages copied in."""
+        disk tier, every page here that is not on disk yet is written there, so a restart keeps it. Within
+        `timeout` s, most valuable first (by_value): a device's pages before the host tier's (the host's were
+        handed to the disk as they came in). Returns the pages copied in from the devices."""
         deadline, num = time.monotonic() + timeout, 0
+
+        def wait_for_room() -> bool:
+            """The disk's queue emptied (the writer took the last chunk); False when time ran out."""
+            left = deadline - time.monotonic()
+            return self.disk is None or (left > 0 and self.disk.flush(left))
+
+        chunk = self.disk.max_queued if self.disk is not None else FLUSH_CHUNK
         for pool in pools:
-            cached = pool.manager.cached_pages()[::-1]
-            for i in range(0, len(cached), FLUSH_CHUNK):
-                chunk = cached[i:i + FLUSH_CHUNK]
-                num += self.store(pool, [p for p, _ in chunk], [h for _, h in chunk])
-                left = deadline - time.monotonic()
-                if self.disk is not None and (left <= 0 or not self.disk.flush(left)):
+            cached = by_value(pool.manager, pool.manager.cached_pages())
+            for i in range(0, len(cached), chunk):
+                part = cached[i:i + chunk]
+                num += self.store(pool, [p for p, _ in part], [h for _, h in part])
+                if not wait_for_room():
+                    return num
+        if self.disk is not None:
+            mine = [(s, h) for s, h in by_value(self.index, self.index.cached_pages()) if h not in self.disk]
+            for i in range(0, len(mine), chunk):
+                slots = [s for s, _ in mine[i:i + chunk]]  # nothing else runs at a stop: they stay these pages
+                self._to_disk(slots, [h for _, h in mine[i:i + chunk]], self.index.tokens_of(slots))
+                if not wait_for_room():
                     return num
         return num
+
+
+def by_value(manager: KVManager, cached: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """Cached (page, hash) pairs most hit first, then most recently used first. A page's prefix is hit whenever it
+    is, so it comes first: a page on disk without its prefix is worth nothing (a load stops at the first miss)."""
+    recent = cached[::-1]  # a request's pages are freed last first: its prefix is the most recent, and leads here
+    hits = manager.hits_of([p for p, _ in recent])
+    return [recent[i] for i in sorted(range(len(recent)), key=lambda i: -hits[i])]

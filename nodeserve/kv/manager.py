@@ -74,6 +74,7 @@ class KVManager:
         self._computing: dict[bytes, int] = {}    # hash -> a page being filled with that prefix (in flight)
         self._computing_hash: dict[int, bytes] = {}  # the same, by page
         self._tokens_of: dict[int, array] = {}    # published page -> its tokens, when publish() was told them
+        self._hits: dict[int, int] = {}           # published page -> holders it gained since (a stop's flush order)
         self.num_collisions = 0  # cached pages found under a prompt's hash holding other tokens (scrub())
         self.num_queried_tokens = 0  # prompt tokens looked up by allocate_prompt(), and how many were cached here
         self.num_hit_tokens = 0
@@ -161,6 +162,8 @@ class KVManager:
                 raise ValueError(f"page {b} is not allocated")
             self._evictable.pop(b, None)
             self._refcount[b] += 1
+            if b in self._hash_of:
+                self._hits[b] = self._hits.get(b, 0) + 1
 
     def free(self, pages: Iterable[int]) -> None:
         """Drops one holder of each page; a page with none left is free again, or, if published, cached.
@@ -339,6 +342,16 @@ class KVManager:
             self._evictable.clear()
             return num
 
+    def tokens_of(self, pages: Sequence[int]) -> list[array | None]:
+        """Each page's tokens as publish() was told them (None: not told)."""
+        with self._lock:
+            return [self._tokens_of.get(b) for b in pages]
+
+    def hits_of(self, pages: Sequence[int]) -> list[int]:
+        """How many holders each published page gained since it was published (prefix hits, mostly)."""
+        with self._lock:
+            return [self._hits.get(b, 0) for b in pages]
+
     def cached_pages(self) -> list[tuple[int, bytes]]:
         """Every published page with its hash, least recently used first among those no one holds."""
         with self._lock:
@@ -361,7 +374,7 @@ class KVManager:
                     raise ValueError(f"page {b} is not allocated")
                 self._settle(b)
                 if h not in self._page_of and b not in self._hash_of:
-                    self._page_of[h], self._hash_of[b] = b, h
+                    self._page_of[h], self._hash_of[b], self._hits[b] = b, h, 0
                     if token_ids:
                         self._tokens_of[b] = array("q", token_ids[i * self.page_size:(i + 1) * self.page_size])
                     elif page_tokens and page_tokens[i] is not None:

@@ -34,6 +34,7 @@ from nodeserve.runtime.worker import Worker
 log = logging.getLogger(__name__)
 
 REFINE_INTERVAL_S = 1.0  # refit the cost model from fresh step records at most this often
+STOP_JOIN_S = 5.0  # at a stop, the workers', transfers' and loaders' threads are joined within this, together
 PREFIX_RETRY_S = 0.02    # while a request waits for a prefix another is computing, dispatch again this often
 
 __all__ = ["Engine", "RequestStream", "QueueFull", "TooLarge", "PromptTooLong"]
@@ -163,17 +164,22 @@ class Engine:
             self._refined = now
         return self.profiler.model
 
-    def stop(self) -> None:
-        """Stops every thread; then, with a disk tier, writes the pages cached on the devices there (a restart
-        finds them)."""
+    def stop(self, join_timeout: float = STOP_JOIN_S) -> None:
+        """Stops every thread, all joined within join_timeout s together; then, with a disk tier, writes the pages
+        cached on the devices there (a restart finds them) within kv.stop_flush_timeout."""
+        deadline = time.monotonic() + join_timeout
+
+        def left() -> float:
+            return max(0.1, deadline - time.monotonic())
+
         for w in self.workers:
-            w.stop()
+            w.stop(left())
         for t in self.transfers:
-            t.stop()
+            t.stop(left())
         if self.lending is not None:
             self.lending.stop()
         if self.tiers is not None:
-            self.tiers.stop()
+            self.tiers.stop(deadline)
         if self.kv_events is not None:  # last: the stop's own flush to disk is reported too
             self.kv_events.stop()
 
@@ -322,6 +328,10 @@ class Engine:
     def role_changes(self, since: float = 0.0) -> list[list]:
         """Adaptive mode's role changes at or after `since`: [time, device, new role, reason] (server clock)."""
         return role_changes_since(self.router.role_changes, since) if self.router else []
+
+    def watched(self) -> list:
+        """What the systemd watchdog checks (last_progress, failure): the workers and the KV loaders."""
+        return [*self.workers, *(w.loader for w in self.workers if w.loader is not None)]
 
     def dead_threads(self) -> list[str]:
         """Workers and transfers whose thread died (what they hold never moves again), and workers whose device

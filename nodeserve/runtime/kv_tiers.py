@@ -13,11 +13,12 @@ import logging
 import math
 import os
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from nodeserve.kv.disk import DiskTier, model_fingerprint
+from nodeserve.kv.disk import MAX_QUEUED_BYTES, DiskTier, DiskTierLocked, model_fingerprint
 from nodeserve.kv.host import STORE_AHEAD_WINDOW, HostTier
 from nodeserve.kv.manager import KVObservers
 from nodeserve.kv.pool import KVPool
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 AUTO_HOST_POOLS = 2.0     # kv.host_memory_gib = -1: twice the device pools (SGLang HiCache's default ratio) ...
 AUTO_HOST_RAM = 0.25      # ... but at most this share of the host's RAM
-STOP_FLUSH_S = 30.0       # at a stop, time given to writing cached pages to disk
+DISK_STOP_S = 2.0         # at a stop, after the flush: the writer's last page and its join (DiskTier.stop)
 STORE_AHEAD_IDLE_S = 0.02  # write-back: how often the store-ahead thread looks again once nothing is left to copy
 
 
@@ -56,6 +57,9 @@ class TierStats:
     num_bad_files: int = 0    # disk files skipped (corrupt, truncated, foreign, half-written) and removed
     num_held: int = 0         # pages a request or a load holds now: 0 whenever the server is idle
     num_dropped: int = 0      # pages it did not take: host, evicted past its copy budget; disk, its queue full
+    num_write_errors: int = 0  # disk writes that failed (a full disk): each pauses writes for a backoff
+    num_read_timeouts: int = 0  # loads that gave up waiting for their disk pages (kv.disk_timeout) or skipped
+                                # the disk while a read hung; they computed those pages
 
 
 class StoreAhead:
@@ -75,9 +79,9 @@ class StoreAhead:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout)
 
     def _run(self) -> None:
         # Not below the loop's priority, unlike the disk writer: each chunk holds a pool's lock that the loop's
@@ -149,12 +153,14 @@ class KVTiers:
         each device's loader (runtime/kv_loader.py) and, for CPU pools with write-back, the store-ahead thread."""
         self.pools, self.host, self.events = pools, host, events
         self.fetch = PrefixFetch(pools, host)
-        self.loaders = {n: KVLoader(d, pools[n], self.fetch, wake[n], self.count) for n, d in devices.items()}
+        self.loaders = {n: KVLoader(d, pools[n], self.fetch, wake[n], self.count, kv.disk_timeout)
+                        for n, d in devices.items()}
         cpu_pools = [p for p in pools.values() if p.device.type == "cpu"]
         self.store_ahead = StoreAhead(host, cpu_pools) if host is not None and kv.host_write != "through" \
             and cpu_pools else None
         self.disk: DiskTier | None = None
         self.disk_settings: tuple[str, float] = (kv.disk_path, kv.disk_gib)
+        self.stop_flush_timeout = kv.stop_flush_timeout
         self.num_loaded_pages: Counter[str] = Counter()  # by source kind: device, host, disk
         self.load_seconds: Counter[str] = Counter()
         self._count_lock = threading.Lock()  # count() runs on every device's loader thread
@@ -174,22 +180,35 @@ class KVTiers:
         scales = repr((pool.k_scales, pool.v_scales)) if pool.is_fp8 else ""
         fingerprint = model_fingerprint(loaded.path, loaded.config.architecture, str(loaded.model.dtype),
                                         str(pool.dtype), str(pool.page_size), config.quantization, scales)
-        self.disk = DiskTier(path, int(gib * 2**30), fingerprint, self.host.page_nbytes,
+        # pages queued for the writer hold host slots: at most a quarter of them
+        queued = min(MAX_QUEUED_BYTES, self.host.num_slots * self.host.page_nbytes // 4)
+        self.disk = DiskTier(path, int(gib * 2**30), fingerprint, self.host.page_nbytes, page_size=pool.page_size,
+                             max_queued_bytes=queued,
                              events=self.events.sink("disk", False) if self.events is not None else None)
-        self.disk.start()
+        try:
+            self.disk.start()
+        except DiskTierLocked as e:
+            from nodeserve.config import ConfigError
+            raise ConfigError(str(e)) from None
         self.host.use_disk(self.disk)
         self.fetch.use_disk(self.disk)
 
-    def stop(self) -> None:
+    def stop(self, deadline: float | None = None) -> None:
+        """Stops the threads (joined until `deadline`, time.monotonic()), then writes the cached pages to disk
+        within kv.stop_flush_timeout (DISK_STOP_S more for the writer's last page)."""
+        def left() -> float:
+            return max(0.1, deadline - time.monotonic()) if deadline is not None else 5.0
+
         if self.store_ahead is not None:
-            self.store_ahead.stop()
+            self.store_ahead.stop(left())
         for loader in self.loaders.values():
-            loader.stop()
+            loader.stop(left())
         if self.disk is not None:
-            num = self.host.flush(list(self.pools.values()), STOP_FLUSH_S)
-            self.disk.stop(STOP_FLUSH_S)
-            log.info("KV disk tier: %d pages cached on the devices written at stop; %d files kept", num,
-                     self.disk.num_files)
+            t0 = time.monotonic()
+            num = self.host.flush(list(self.pools.values()), self.stop_flush_timeout)
+            self.disk.stop(timeout=max(0.0, self.stop_flush_timeout - (time.monotonic() - t0)))
+            log.info("KV disk tier: %d pages cached on the devices taken at stop, %d files kept, in %.1f s", num,
+                     self.disk.num_files, time.monotonic() - t0)
 
     def count(self, job: LoadJob, seconds: float) -> None:
         """A loader finished a job (from its thread)."""
@@ -217,5 +236,7 @@ class KVTiers:
             out.append(TierStats("disk", d.max_bytes // page_bytes, d.num_files,
                                  self.num_loaded_pages["disk"] * self.host.page_size, self.num_loaded_pages["disk"],
                                  d.num_read_bytes, self.load_seconds["disk"], d.num_evictions, d.num_bad_files,
-                                 num_dropped=d.num_dropped))
+                                 num_dropped=d.num_dropped, num_write_errors=d.num_write_errors,
+                                 num_read_timeouts=sum(x.num_disk_timeouts + x.num_disk_skips
+                                                       for x in self.loaders.values())))
         return out

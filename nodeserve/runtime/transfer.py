@@ -149,10 +149,10 @@ class KVTransfer:
         """Its thread ended without being stopped: every later request of this pair would wait forever."""
         return self._thread.ident is not None and not self._thread.is_alive() and not self._stopped
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
         self._stopped = True
         self._jobs.put(None)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout)
 
     # Called from the prefill worker thread.
     def page_indices(self, src_pages: list[int], dst_pages: list[int], request_ids: tuple[str, ...] = ()) -> PageMap:

@@ -123,10 +123,10 @@ class Worker:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
         self._stop = True
         self._inbox.put(None)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout)
 
     def add_prefill(self, req: Request, pages: list[int], handoff: Handoff | None = None,
                     load: PageLoad | None = None, num_own_pages: int = -1, window: WindowPages | None = None) -> None:

@@ -20,7 +20,8 @@ from typing import Any, Callable
 from aiohttp import web
 
 from nodeserve.config import Config
-from nodeserve.runtime.engine import Engine
+from nodeserve.runtime.engine import STOP_JOIN_S, Engine
+from nodeserve.runtime.kv_tiers import DISK_STOP_S
 from nodeserve.runtime.memory import allocator_in_use, heap_trim_loop
 from nodeserve.model.loader import load_model, parse_dtype
 from nodeserve.server.app import AccessLogger, ServerState, create_app, is_loopback
@@ -32,6 +33,21 @@ log = logging.getLogger("nodeserve")
 
 WORKER_STALL_S = 30.0  # a worker loop that has not turned for this long counts as wedged
 STALL_DUMP_S = 0.3  # server.stall_dumps: every thread's stack this far into an event-loop stall
+HTTP_SHUTDOWN_S = 5.0  # after the drain: aiohttp's wait for handlers still writing
+KV_EVENTS_STOP_S = 2.0  # the KV-event publisher's last sends (runtime/kv_events.py stop's default)
+# The whole stop from SIGTERM, every phase bounded (stop_phases): under deploy/nodeserve.service's TimeoutStopSec,
+# with room for the interpreter's exit, so systemd never SIGKILLs a stop mid-flush
+STOP_BUDGET_S = 60.0
+
+
+def stop_phases(config: Config) -> dict[str, float]:
+    """Each phase of a stop and the most it may take, in order; their sum is the stop's bound."""
+    phases = {"drain": config.server.drain_timeout, "http shutdown": HTTP_SHUTDOWN_S, "thread joins": STOP_JOIN_S}
+    if config.kv.disk_gib > 0:
+        phases.update({"kv flush to disk": config.kv.stop_flush_timeout, "disk writer": DISK_STOP_S})
+    if config.kv_events.enabled:
+        phases["kv events"] = KV_EVENTS_STOP_S
+    return phases
 
 
 class _Progress:
@@ -146,13 +162,17 @@ async def listen(config: Config, state: ServerState) -> web.AppRunner:
     # The drain happens before cleanup; aiohttp's own shutdown wait only covers handlers still writing.
     access_log = logging.getLogger("nodeserve.access") if config.server.access_log else None
     runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=access_log,
-                           access_log_class=AccessLogger, shutdown_timeout=5.0)
+                           access_log_class=AccessLogger, shutdown_timeout=HTTP_SHUTDOWN_S)
     await runner.setup()
     await web.TCPSite(runner, config.server.host, config.server.port).start()
     log.info("listening on http://%s:%d, loading %s as %s; malloc: %s", config.server.host, config.server.port,
              config.model.path, config.dtype, allocator_in_use())
     if (warning := exposure_warning(config)) is not None:
         log.warning(warning)
+    if (total := sum(stop_phases(config).values())) > STOP_BUDGET_S:
+        log.warning("a stop may take %.0f s (%s), past the %.0f s the shipped unit's TimeoutStopSec allows for: "
+                    "systemd may SIGKILL it mid-flush; lower server.drain_timeout or kv.stop_flush_timeout", total,
+                    ", ".join(f"{k} {v:g}s" for k, v in stop_phases(config).items()), STOP_BUDGET_S)
     return runner
 
 
@@ -248,7 +268,7 @@ def background_tasks(config: Config, state: ServerState, engine: Engine, notifie
         tasks.append(asyncio.create_task(heap_trim_loop()))
     if (interval := notifier.watchdog_interval()) is not None:
         tasks.append(asyncio.create_task(watchdog_loop(notifier, interval,
-                                                       workers_healthy(engine.workers, WORKER_STALL_S))))
+                                                       workers_healthy(engine.watched(), WORKER_STALL_S))))
     return tasks
 
 

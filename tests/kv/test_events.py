@@ -117,19 +117,19 @@ def test_the_disk_tier_reports_its_scan_its_writes_and_its_evictions(tmp_path):
     page_nbytes = 64
     fp = "ab" * 16
     log = KVEventLog(PAGE)
-    disk = DiskTier(str(tmp_path), 3 * (page_nbytes + 64), fp, page_nbytes)
+    disk = DiskTier(str(tmp_path), 3 * (page_nbytes + 64 + 8 * PAGE + 32), fp, page_nbytes, page_size=PAGE)
     disk.events = log.sink("disk", chained=False)
     disk.start()
     hashes = [bytes([i]) * 16 for i in range(5)]
     for h in hashes:
-        disk.put(h, torch.full((page_nbytes,), 1, dtype=torch.uint8))
+        disk.put(h, torch.full((page_nbytes,), 1, dtype=torch.uint8), [0] * PAGE)
         assert disk.flush(5)
     disk.stop()
     index: dict[str, set[int]] = {}
     apply(index, log.take())
     assert index["disk"] == {event_hash(h) for h in disk.hashes()} and disk.num_evictions > 0
 
-    again = DiskTier(str(tmp_path), 3 * (page_nbytes + 64), fp, page_nbytes)
+    again = DiskTier(str(tmp_path), 3 * (page_nbytes + 64 + 8 * PAGE + 32), fp, page_nbytes, page_size=PAGE)
     again.events = log.sink("disk", chained=False)
     log.cleared()  # a restart: the publisher starts with AllBlocksCleared, then the scan reports what is there
     again.start()

@@ -4,6 +4,9 @@ relies on."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 
 from nodeserve.kv.disk import DiskTier
@@ -28,7 +31,7 @@ def _publish(pool: KVPool, tokens: list[int]) -> tuple[list[int], list[bytes]]:
     """A request's pages for `tokens`, written (random KV) and published, then freed: cached, evictable."""
     hashes = hash_pages(tokens, PAGE)
     pages, _ = pool.manager.allocate_prompt(hashes, len(tokens) + 1, len(hashes))
-    pool.manager.publish(pages, hashes)
+    pool.manager.publish(pages, hashes, token_ids=tokens)
     pool.manager.free(pages)
     return pages, hashes
 
@@ -104,7 +107,7 @@ def test_write_through_sees_every_published_page_once():
 def test_disk_pages_come_back_through_held_host_slots_and_a_bad_one_ends_the_run(tmp_path):
     pool = _pool(8)
     host = HostTier.like(8, pool)
-    disk = DiskTier(str(tmp_path), 10 * host.page_nbytes, "ab" * 16, host.page_nbytes)
+    disk = DiskTier(str(tmp_path), 10 * (host.page_nbytes + 512), "ab" * 16, host.page_nbytes, page_size=PAGE)
     disk.start()
     host.disk = disk
     pages, hashes = _publish(pool, list(range(16)))
@@ -113,11 +116,57 @@ def test_disk_pages_come_back_through_held_host_slots_and_a_bad_one_ends_the_run
     fresh = HostTier.like(8, pool, disk=disk)  # a restart: nothing in host memory
     with open(f"{disk.dir}/{hashes[2].hex()}.kvp", "r+b") as f:  # a bad third page (garbage header)
         f.write(b"garbage")
-    slots = fresh.read_from_disk(hashes)
+    slots = fresh.read_from_disk(hashes, list(range(16)))
     assert len(slots) == 2 and disk.num_bad_files == 1
     assert torch.equal(fresh.data[slots].transpose(0, 1), pool.data[:, pages[:2]])
     assert fresh.index.num_used == 2  # held for the caller
     fresh.release(slots)
+    disk.stop()
+
+
+def test_a_page_waiting_for_the_disk_writer_keeps_its_slot(tmp_path, monkeypatch):
+    """kv/host.py used to free a slot, then clone it for the disk: in between, another page could take the slot
+    and be written under the first page's hash. Now the slot is held, uncopied, until the writer is done."""
+    pool = _pool(8)
+    host = HostTier.like(4, pool)
+    disk = DiskTier(str(tmp_path), 1 << 20, "ab" * 16, host.page_nbytes, page_size=PAGE)
+    entered, release = threading.Event(), threading.Event()
+    real = disk._write
+
+    def blocked(h, page, tokens):
+        entered.set()
+        release.wait(10)
+        return real(h, page, tokens)
+    monkeypatch.setattr(disk, "_write", blocked)
+    disk.start()
+    host.disk = disk
+    pages, hashes = _publish(pool, list(range(8)))  # 2 pages
+    before = pool.data[:, pages].clone()
+    assert host.store(pool, pages, hashes) == 2 and entered.wait(5)
+    assert host.index.num_used == 2  # both held for the writer
+    other_pages, other = _publish(pool, list(range(100, 116)))  # 4 pages for 2 free slots
+    assert host.store(pool, other_pages, other) == 2  # only the free slots: the held ones are not reused
+    release.set()
+    assert disk.flush(10) and host.index.num_used == 0
+    fresh = HostTier.like(4, pool, disk=disk)
+    slots = fresh.read_from_disk(hashes, list(range(8)))
+    assert len(slots) == 2 and torch.equal(fresh.data[slots].transpose(0, 1), before)
+    fresh.release(slots)
+    disk.stop()
+
+
+def test_pages_of_unknown_tokens_stay_off_the_disk(tmp_path):
+    pool = _pool(8)
+    host = HostTier.like(8, pool)
+    disk = DiskTier(str(tmp_path), 1 << 20, "ab" * 16, host.page_nbytes, page_size=PAGE)
+    disk.start()
+    host.disk = disk
+    hashes = hash_pages(list(range(8)), PAGE)
+    pages, _ = pool.manager.allocate_prompt(hashes, 9, 2)
+    pool.manager.publish(pages, hashes)  # no tokens told
+    pool.manager.free(pages)
+    assert host.store(pool, pages, hashes) == 2 and disk.flush(5)
+    assert disk.num_files == 0 and host.index.num_used == 0
     disk.stop()
 
 
@@ -204,3 +253,31 @@ def test_pages_carry_their_tokens_into_the_host_tier_so_a_colliding_prompt_canno
     other = tokens[:8] + [99] * 8                         # the same hashes (forced), other tokens from page 2 on
     assert host.index.scrub(hashes, other, stop_at_miss=False) == 1
     assert len(host.index.lookup(hashes)) == 2 and host.index.num_collisions == 1
+
+
+def test_the_stop_flush_is_bounded_and_writes_the_most_hit_pages_first(tmp_path, monkeypatch):
+    pool = _pool(16)
+    host = HostTier.like(16, pool)
+    disk = DiskTier(str(tmp_path), 1 << 20, "ab" * 16, host.page_nbytes, page_size=PAGE,
+                    max_queued_bytes=2 * host.page_nbytes)
+    written: list[bytes] = []
+    real = disk._write
+
+    def slow(h, page, tokens):
+        time.sleep(0.2)  # a slow disk: 0.2 s a page
+        written.append(h)
+        return real(h, page, tokens)
+    monkeypatch.setattr(disk, "_write", slow)
+    disk.start()
+    host.disk = disk
+    _, old = _publish(pool, list(range(16)))         # 4 pages
+    _, new = _publish(pool, list(range(100, 116)))   # 4 more
+    for hashes in (old[:2], old[:2], new[:2]):       # prefix hits: old's first two twice, then new's once (last)
+        pool.manager.free(pool.manager.share_prefix(hashes))
+    t0 = time.monotonic()
+    host.flush([pool], timeout=0.7)
+    assert time.monotonic() - t0 < 0.7 + 0.3  # the timeout, and at most the page being written
+    disk.stop(timeout=0)
+    # most hit first (not most recent: new's were hit last), then most recently used, each request prefix first
+    assert 2 <= len(written) <= 5 and written == (old[:2] + new + old[2:])[:len(written)], len(written)
+    assert host.index.num_used == 0  # every slot the writer held is let go, written or not

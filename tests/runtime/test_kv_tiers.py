@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import stat
 
 import pytest
 
 from nodeserve.config import config_from_dict
 from nodeserve.kv.manager import hash_pages
 from nodeserve.runtime.engine import Engine
+from nodeserve.server.systemd import workers_healthy
 from tests.runtime.test_engine import MODES, _greedy, _tokens, _wait_pools_whole
 
 PAGE = 16
@@ -202,3 +204,107 @@ def test_a_request_waiting_for_a_prefix_goes_when_those_pages_are_freed_unpublis
         return (await asyncio.wait_for(_tokens(waiting), 30))[1]
 
     assert _run(_config("colocated", 0.25, 0.05), loaded_fp32, body) == "length"
+
+
+# ---- a disk that hangs: loads time out or are abandoned, the loader says so, nothing leaks ---------------------
+
+def _fill_disk(loaded, convo, disk: str) -> list[int]:
+    """Runs `a` once on a server with a disk tier (its pages go there at the stop); returns the cold greedy tokens
+    of the follow-up, computed without any tier."""
+    a, _, _, follow = convo
+
+    async def first(engine):
+        return (await _tokens(engine.add_request(a, _greedy(max_tokens=4))))[0]
+
+    async def cold(engine):
+        return (await _tokens(engine.add_request(follow, _greedy(max_tokens=8))))[0]
+    _run(_config("colocated", 0.25, 0.05, disk), loaded, first, warmup=True)
+    return _run(_config("colocated", 0.25, 0.05), loaded, cold)
+
+
+class HungRead:
+    """DiskTier.get, injected: the first `num_hung` reads block until released (a hung network mount)."""
+
+    def __init__(self, tier, num_hung: int = 1):
+        self.real, self.num_hung, self.num_calls = tier.get, num_hung, 0
+        self.entered, self.release = asyncio.Event(), __import__("threading").Event()
+        self.loop = asyncio.get_running_loop()
+
+    def __call__(self, h, out, tokens):
+        self.num_calls += 1
+        if self.num_calls <= self.num_hung:
+            self.loop.call_soon_threadsafe(self.entered.set)
+            self.release.wait(60)
+        return self.real(h, out, tokens)
+
+
+def test_a_hung_disk_read_times_out_the_load_and_fails_the_loader_until_it_returns(loaded_fp32, convo, tmp_path):
+    disk = str(tmp_path / "kv")
+    cold = _fill_disk(loaded_fp32, convo, disk)
+    follow = convo[3]
+
+    async def body(engine):
+        hung = HungRead(engine.tiers.disk)
+        engine.tiers.disk.get = hung
+        for x in engine.tiers.loaders.values():
+            x.stuck_after = 1.0
+        t0 = asyncio.get_running_loop().time()
+        stream = engine.add_request(follow, _greedy(max_tokens=8))
+        tokens = (await _tokens(stream))[0]
+        waited = asyncio.get_running_loop().time() - t0
+        assert tokens == cold and waited < 0.5 + 10  # the timeout, then the prompt computed
+        assert stream.request.cached_from.get("disk", 0) == 0
+        assert sum(x.num_disk_timeouts for x in engine.tiers.loaders.values()) == 1
+        await asyncio.sleep(1.2)  # the read still hangs past stuck_after: the loader is failed
+        dead = engine.dead_threads()
+        assert len(dead) == 1 and "disk read has hung" in dead[0], dead
+        watchdog = workers_healthy(engine.watched(), 30.0)  # the check serve.py's watchdog pings by
+        assert not watchdog() and "disk read has hung" in watchdog.last_reason
+        # Meanwhile another request skips the disk instead of queueing behind the hung read.
+        engine.flush_cache()  # the first computed the prefix: out of the pools, it is on disk only again
+        again = engine.add_request(follow, _greedy(max_tokens=8))
+        assert (await _tokens(again))[0] == cold
+        stats = {t.tier: t for t in engine.tier_stats()}
+        assert stats["disk"].num_read_timeouts == 2
+        hung.release.set()
+        for _ in range(100):
+            if not engine.dead_threads():
+                break
+            await asyncio.sleep(0.05)
+        assert engine.dead_threads() == [] and watchdog(), "the loader recovers once the read returns"
+    _run(_config("colocated", 0.25, 0.05, disk, disk_timeout=0.5), loaded_fp32, body, warmup=True)
+
+
+def test_an_aborted_request_does_not_wait_for_its_hung_disk_load(loaded_fp32, convo, tmp_path):
+    disk = str(tmp_path / "kv")
+    _fill_disk(loaded_fp32, convo, disk)
+    follow = convo[3]
+
+    async def body(engine):
+        hung = HungRead(engine.tiers.disk)
+        engine.tiers.disk.get = hung
+        stream = engine.add_request(follow, _greedy(max_tokens=8))
+        await asyncio.wait_for(hung.entered.wait(), 10)
+        engine.abort(stream)
+        await _wait_pools_whole(engine, timeout=2.0)  # well inside disk_timeout = 30 s: the pages are freed now
+        assert sum(x.num_disk_timeouts for x in engine.tiers.loaders.values()) == 0  # abandoned, not timed out
+        hung.release.set()
+    _run(_config("colocated", 0.25, 0.05, disk, disk_timeout=30.0), loaded_fp32, body, warmup=True)
+
+
+def test_a_fifo_in_place_of_a_page_file_is_removed_and_the_prompt_computed(loaded_fp32, convo, tmp_path):
+    disk = str(tmp_path / "kv")
+    cold = _fill_disk(loaded_fp32, convo, disk)
+    a, follow = convo[0], convo[3]
+    files = {f: os.path.join(dp, f) for dp, _, fs in os.walk(disk) for f in fs if f.endswith(".kvp")}
+    fifo = files[hash_pages(a, PAGE)[3].hex() + ".kvp"]
+
+    async def body(engine):
+        os.remove(fifo)  # after the start's scan (which would remove it): get() meets it
+        os.mkfifo(fifo)
+        stream = engine.add_request(follow, _greedy(max_tokens=8))
+        tokens = (await asyncio.wait_for(_tokens(stream), 30))[0]
+        return tokens, dict(stream.request.cached_from), engine.tiers.disk.num_bad_files
+    tokens, sources, num_bad = _run(_config("colocated", 0.25, 0.05, disk), loaded_fp32, body, warmup=True)
+    assert tokens == cold and sources == {"disk": 3 * PAGE} and num_bad == 1
+    assert stat.S_ISREG(os.lstat(fifo).st_mode)  # the FIFO removed; the page computed again and written at the stop
