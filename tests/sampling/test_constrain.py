@@ -141,7 +141,7 @@ def test_warmup_checks_the_mask_on_a_gpu_and_survives_its_failure(monkeypatch, c
 
     kv = KVManager(4, 16)
     calls = []
-    runner = SimpleNamespace(device=torch.device("cuda", 0), pool=SimpleNamespace(manager=kv), graphs=None,
+    runner = SimpleNamespace(device=torch.device("cuda", 0), pool=SimpleNamespace(manager=kv, window=None), graphs=None,
                              run=lambda chunks: None, model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=7)))
     monkeypatch.setattr(warmup.torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
     monkeypatch.setattr(warmup.torch.cuda, "synchronize", lambda d: None)
