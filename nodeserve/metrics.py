@@ -104,6 +104,14 @@ class PoolStats:
     num_evictions: int = 0              # cumulative: cached pages its pool evicted
     num_computed_prompt_tokens: int = 0  # cumulative: prompt tokens prefilled here (not taken from a cache)
     lent_seconds: float = 0.0           # cumulative: its core lent to another device between its steps
+    # its windowed layers' pages (kv/window.py; 0 where it has none): all, and those neither held nor promised
+    num_window_pages: int = 0
+    num_window_free: int = 0
+
+    @property
+    def whole(self) -> bool:
+        """Every page free again, window pages included: what an idle device shows (no page leaked)."""
+        return self.num_free == self.num_pages and self.num_window_free == self.num_window_pages
 
 
 class _StateCollector(Collector):

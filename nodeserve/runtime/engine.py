@@ -49,8 +49,9 @@ PLACEMENT_FAILED = "placing the request on a device failed (the error is in the 
 
 def window_config(config: Config, model: ModelConfig) -> Config:
     """The config a model with sliding-window layers runs under: with kv.window_pages = "free" those layers keep
-    only their window's pages (kv/window.py). The prefix cache keeps both kinds on each device; the host and disk
-    tiers, the fetch across devices and live moves, which move whole-model pages, are off (said once at start).
+    only their window's pages (kv/window.py). The prefix cache keeps both kinds on each device, handoffs and live
+    moves carry the last window; the host and disk tiers and the fetch across devices, which move whole-model
+    pages, are off (said once at start).
     Raises ConfigError where [kv_events] asks for whole-model pages."""
     if config.kv.window_pages != "free" or not any(model.window(i) for i in range(model.num_layers)):
         return config
@@ -60,8 +61,8 @@ def window_config(config: Config, model: ModelConfig) -> Config:
     if config.kv.prefix_cache and (config.kv.host_memory_gib != 0 or config.kv.disk_gib > 0):
         log.warning("this model has sliding-window layers, which keep only their window's KV pages "
                     "(kv.window_pages = \"free\"): the prefix cache stays on each device, but its host and disk "
-                    "tiers, fetching prefixes across devices and live moves are off; kv.window_pages = \"keep\" "
-                    "keeps every page and them")
+                    "tiers and fetching prefixes across devices are off; kv.window_pages = \"keep\" keeps every "
+                    "page and them")
     return replace(config, kv=replace(config.kv, host_memory_gib=0.0, disk_gib=0.0, disk_path=""))
 
 
@@ -289,7 +290,9 @@ class Engine:
         return [PoolStats(w.name, str(w.role), w.kv.num_usable, w.kv.num_free, len(w.scheduler.running),
                           len(w.scheduler.waiting), w.kv.num_queried_tokens, w.kv.num_hit_tokens,
                           changes.get(w.name, 0), w.num_batch_failures, w.kv.num_evictions,
-                          w.num_computed_prompt_tokens, w.lent_seconds) for w in self.workers]
+                          w.num_computed_prompt_tokens, w.lent_seconds,
+                          *((w.window.manager.num_usable, w.window.manager.num_available) if w.window else ()))
+                for w in self.workers]
 
     def node_load(self) -> NodeLoad:
         """The node as one worker (from the event loop): what vLLM's gauges and SMG's /v1/loads report."""

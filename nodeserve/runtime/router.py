@@ -264,9 +264,14 @@ class Router:
         pages = reserve_tokens(target.kv, req.max_total_tokens)
         if pages is None:
             return False
+        # a model with windowed layers: their pages there, drawn when the request stops here (worker._copy_window)
+        window = target.window.reserve(req.max_total_tokens, prefills=False) if target.window is not None else None
+        if target.window is not None and window is None:
+            target.kv.free(pages)
+            return False
         self.moving[req.request_id] = target
         self.num_seats_taken[target] += 1
-        source.send(Migrate(req, Handoff(target, pages), live))
+        source.send(Migrate(req, Handoff(target, pages, window=window), live))
         return True
 
     def on_migrated(self, req: Request, outcome: MigrationOutcome, downtime: float, num_pages: int = 0) -> None:

@@ -232,12 +232,10 @@ class Worker:
     def _migrate(self, msg: Migrate) -> None:
         req, h = msg.req, msg.handoff
         seq = next((s for s in [*self.scheduler.running, *self.scheduler.waiting] if s.req is req), None)
-        # A request with window pages stays: moves copy every page of every layer (kv.window_pages = "keep").
-        if seq is None or seq.handoff is not None or seq.migration is not None or req.aborted or req.finished \
-                or seq.window is not None:
+        if seq is None or seq.handoff is not None or seq.migration is not None or req.aborted or req.finished:
             # Ended (its release is on its way), or not here yet (its KV is on its way from another device): it
             # stays where it is, and the target's pages go back.
-            h.target.send(FreePages(h.pages, None))
+            h.target.send(FreePages(h.pages, None, h.window))
             if not (req.aborted or req.finished):
                 self._on_migrated(req, MigrationOutcome.NOT_RUNNING, 0.0, 0)
             return
@@ -293,13 +291,15 @@ class Worker:
         transfer = self.transfers[h.target.name]
         pages = transfer.page_indices(seq.page_table[first:end], h.pages[first:end], (seq.req.request_id,))
         for layer in range(self.pool.num_layers):
-            transfer.copy_layer(layer, pages)
+            if layer not in self.pool.window_layers:  # their last window goes when it stops here (_copy_window)
+                transfer.copy_layer(layer, pages)
         h.num_sent_pages = end
         h.num_copied_pages += end - first
 
     def _release_target(self, h: Handoff) -> None:
         """Gives a move's pages on the target back, after every copy already queued into them."""
-        self.transfers[h.target.name].after_copies(lambda landed: h.target.send(FreePages(h.pages, landed)))
+        self.transfers[h.target.name].after_copies(lambda landed: h.target.send(FreePages(h.pages, landed,
+                                                                                         h.window)))
 
     # ---- steps ---------------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -487,14 +487,16 @@ class Worker:
             h.num_copied_pages, h.num_cached_pages)
 
     def _copy_window(self, seq: Seq, h: Handoff, transfer: KVTransfer) -> None:
-        """Copies the windowed layers' pages the target's first query reads (the prompt's last window), then gives
-        this device's window pages back once the copies have read them."""
+        """Copies the windowed layers' pages the target's first query reads (the last window: a prompt's after its
+        prefill, a decoding request's when it stops here to move), then gives this device's window pages back once
+        the copies have read them."""
         window, target, req = seq.window, h.window, seq.req
         seq.window = None
         if window is None:
             return
-        # Only a prompt prefilled whole goes on: the target drew the pages of that window (kv/reservation.py).
-        if target is not None and req.num_computed_tokens == req.num_prompt_tokens and not req.finished:
+        # Only a prompt prefilled whole goes on (a handoff after its prefill, or a move while it decodes).
+        if target is not None and req.num_computed_tokens >= req.num_prompt_tokens and not req.finished:
+            target.advance(req.num_computed_tokens, req.num_computed_tokens)  # drawn at placement for a handoff
             live = target.live_pages(req.num_computed_tokens)
             pages = transfer.page_indices([window.table[p] for p in live], [target.table[p] for p in live],
                                           (req.request_id,))

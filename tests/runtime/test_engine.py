@@ -47,7 +47,7 @@ def _run(config, loaded, body):
 
 async def _wait_pools_whole(engine: Engine, timeout: float = 10.0) -> None:
     for _ in range(int(timeout / 0.05)):
-        if all(s.num_free == s.num_pages for s in engine.pool_stats()):
+        if all(s.whole for s in engine.pool_stats()):
             return
         await asyncio.sleep(0.05)
     pytest.fail(f"KV pages leaked: {engine.pool_stats()}")

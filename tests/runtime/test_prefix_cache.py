@@ -71,7 +71,7 @@ def test_the_cache_changes_no_token_and_leaks_no_page(mode, loaded_fp32, prompts
     assert cached_on[3] == 64
     fetched = sum(n for source, n in cached_on[4].items() if source.startswith("device:"))
     assert fetched == (16 if mode == "conditional" else 0) and cached_on[4]["device"] == 64 - fetched
-    assert all(s.num_free == s.num_pages for s in stats) and any(num_cached)  # idle: cached pages all evictable
+    assert all(s.whole for s in stats) and any(num_cached)  # idle: cached pages all evictable
 
 
 def test_a_prefix_the_decode_device_holds_is_not_transferred_again(loaded_fp32, prompts):
@@ -101,4 +101,4 @@ def test_eviction_under_pressure_keeps_outputs_and_pages_whole(loaded_fp32, prom
     # 0.04 GiB of float32 KV for SmolLM2: 56 pages per device, about 8 of these requests at a time.
     on, stats, _ = _run(_config("disaggregated", True, memory_gib=0.04), loaded_fp32, body)
     off, _, _ = _run(_config("disaggregated", False, memory_gib=0.04), loaded_fp32, body)
-    assert on == off and all(s.num_free == s.num_pages for s in stats)
+    assert on == off and all(s.whole for s in stats)

@@ -28,7 +28,7 @@ def _run(config, loaded, body):
             await asyncio.get_running_loop().run_in_executor(None, engine.warmup)
             result = await body(engine)
             for _ in range(200):
-                if all(s.num_free == s.num_pages for s in engine.pool_stats()):
+                if all(s.whole for s in engine.pool_stats()):
                     return result
                 await asyncio.sleep(0.05)
             pytest.fail(f"KV pages leaked: {engine.pool_stats()}")

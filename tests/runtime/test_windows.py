@@ -3,8 +3,8 @@ shorter than the prompts) through every mode, the prefix cache and live migratio
 transformers generates, every page back. The same test bodies as the Llama-layout model's, with this model's
 fixtures: the paths that move or share KV must stay exact when layers see only their window.
 
-Both settings of kv.window_pages: "free" (the default: windowed layers hold their window's pages only, which the
-handoff copies; the prefix cache and moves are off) and "keep" (every page, the prefix cache and live moves on)."""
+Both settings of kv.window_pages: "free" (the default: windowed layers hold their window's pages only; handoffs and
+moves copy the last window, the prefix cache needs it cached) and "keep" (every page of every layer)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _window_pages(monkeypatch, setting: str) -> None:
 
 @pytest.fixture(autouse=True)
 def keep_windows(monkeypatch):
-    """The bodies below that share or move KV run with every page kept, where those paths are on."""
+    """The imported bodies run with every page kept; the tests named window_pages_freed run them again freed."""
     _window_pages(monkeypatch, "keep")
 
 
@@ -76,7 +76,7 @@ def test_the_prefix_cache_changes_no_token(mode, loaded_fp32, prompts):  # noqa:
     (off, _), _, _ = _run(_config(mode, False), loaded_fp32, body)
     assert on == off
     assert cached_on[1] == cached_on[2] == 48 and cached_on[3] == 64
-    assert all(s.num_free == s.num_pages for s in stats)
+    assert all(s.whole for s in stats)
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated", "conditional", "busy-local", "adaptive"])
@@ -107,7 +107,7 @@ def test_window_pages_freed_keep_prefixes_cached_and_leak_nothing(mode, monkeypa
     (off, _), _, _ = test_prefix_cache._run(test_prefix_cache._config(mode, False), loaded_fp32, body)
     assert on == off
     assert cached_on[1] == cached_on[2] == 48 and cached_on[3] == 64
-    assert all(s.num_free == s.num_pages for s in stats)
+    assert all(s.whole for s in stats)
     assert windows and all(w is not None for w in windows)
     assert all(w.manager.num_used == 0 and w.manager.num_promised == 0 for w in windows)
     assert any(w.manager.num_cached for w in windows)
@@ -130,4 +130,11 @@ def test_a_prefix_whose_last_window_was_evicted_is_computed_again(monkeypatch, l
     (cold, _), _, _ = test_prefix_cache._run(test_prefix_cache._config("colocated", False), loaded_fp32, body)
     assert num_cached == 0 and sum(num_main_cached) > 0
     assert tokens == cold
-    assert all(s.num_free == s.num_pages for s in stats)
+    assert all(s.whole for s in stats)
+
+
+def test_window_pages_freed_move_live_and_by_stop_and_copy(monkeypatch, loaded_fp32, prompt_ids):
+    """A decoding request moves with its full layers' pages in pre-copy rounds and its windowed layers' last
+    window when it stops: the same tokens as unmoved, every page back on both devices."""
+    _window_pages(monkeypatch, "free")
+    test_live_and_stop_and_copy_moves_keep_the_tokens_and_free_every_page(loaded_fp32, prompt_ids)

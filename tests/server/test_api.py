@@ -30,7 +30,7 @@ def _assert_pools_whole(server, timeout=20.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         pools = _kv(server)
-        if all(p["num_free"] == p["num_pages"] for p in pools):
+        if all(p["num_free"] == p["num_pages"] and p["num_window_free"] == p["num_window_pages"] for p in pools):
             return
         if time.monotonic() > deadline:
             pytest.fail(f"KV pages leaked: {pools}")
