@@ -24,6 +24,7 @@ from tests.runtime.test_migration import \
     test_live_and_stop_and_copy_moves_keep_the_tokens_and_free_every_page  # noqa: F401
 from tests.runtime.test_prefix_cache import _config, _conversation, _run, prompts  # noqa: F401
 from tests.runtime.test_engine import _greedy, _tokens
+from tests.runtime.test_tensor_parallel import GROUPINGS
 
 
 def _window_pages(monkeypatch, setting: str) -> None:
@@ -51,7 +52,7 @@ def gemma_hf():
 def loaded_fp32(gemma_hf, tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma") / "gemma.gguf"
     write_gguf(path, "gemma3", gemma_hf, QT.Q8_0)
-    loaded = load_model(str(path), torch.float32)
+    loaded = load_model(str(path), torch.float32, tp_degrees=(2,))  # tensor-parallel groups of two too
     assert set(loaded.config.layer_windows) == {20, 0}
     return loaded
 
@@ -79,12 +80,15 @@ def test_the_prefix_cache_changes_no_token(mode, loaded_fp32, prompts):  # noqa:
     assert all(s.whole for s in stats)
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "colocated", "conditional", "busy-local", "adaptive"])
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated", "conditional", "busy-local", "adaptive",
+                                  "colocated tp2", "tp2 -> tp1"])
 def test_window_pages_freed_keep_the_tokens_in_every_mode(mode, monkeypatch, loaded_fp32, prompt_ids, hf_greedy):
     """kv.window_pages = "free": prompts past the window (25, 33, 50 tokens over a window of 20) prefill in chunks
     that drop the pages behind them, hand only their last window over, and decode on a window of pages."""
     _window_pages(monkeypatch, "free")
     monkeypatch.setitem(test_engine.MODES, "adaptive", {"mode": "adaptive", "devices": ["cpu:0", "cpu:1"]})
+    for name in ("colocated tp2", "tp2 -> tp1"):  # tensor-parallel groups: each rank's shard has window pages
+        monkeypatch.setitem(test_engine.MODES, name, GROUPINGS[name])
     test_greedy_matches_transformers_in_every_mode(mode, loaded_fp32, prompt_ids, hf_greedy)
 
 
