@@ -142,3 +142,26 @@ def test_window_pages_freed_move_live_and_by_stop_and_copy(monkeypatch, loaded_f
     window when it stops: the same tokens as unmoved, every page back on both devices."""
     _window_pages(monkeypatch, "free")
     test_live_and_stop_and_copy_moves_keep_the_tokens_and_free_every_page(loaded_fp32, prompt_ids)
+
+
+def test_kv_tiers_keep_the_tokens_with_every_page_kept(loaded_fp32):
+    """kv.window_pages = "keep": pages a small pool evicts come back from the host tier, with the same tokens as
+    without it and as with window pages freed (where the tiers are off)."""
+    from nodeserve.kv.pool import KVPool
+    from tests.runtime import test_kv_tiers
+
+    rng = np.random.default_rng(5)
+    a, b, c = (rng.integers(0, VOCAB, size=200).tolist() for _ in range(3))
+    convo = (a, b, c, a + rng.integers(0, VOCAB, size=9).tolist())
+    pool_gib = 16 * KVPool.bytes_per_page(loaded_fp32.config, 16, torch.float32) / 2**30  # 16 pages a device
+
+    def run(host_gib: float, setting: str):
+        config = test_kv_tiers._config("colocated", pool_gib, host_gib, window_pages=setting)
+        return test_kv_tiers._run(config, loaded_fp32, lambda e: test_kv_tiers._evict_and_return(e, convo))
+
+    off, cached_off, _ = run(0, "keep")
+    on, cached_on, sources = run(0.05, "keep")
+    freed, _, freed_sources = run(0.05, "free")
+    assert on == off == freed
+    assert cached_off < 16 * 4 and cached_on >= 200 - 2 * 16 and sources.get("host", 0) > 0, sources
+    assert "host" not in freed_sources
