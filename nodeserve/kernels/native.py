@@ -116,7 +116,8 @@ def march() -> str:
 
 # The compiler's macros for the ISA extensions the kernels test (csrc/*.c), by /proc/cpuinfo's names for them.
 _FEATURE_MACROS = {"__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__AVX512F__": "avx512f",
-                   "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl", "__AVX512VNNI__": "avx512_vnni",
+                   "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl", "__AVX512DQ__": "avx512dq",
+                   "__AVX512CD__": "avx512cd", "__AVX512VNNI__": "avx512_vnni", "__AVXVNNI__": "avx_vnni",
                    "__AVX512BF16__": "avx512_bf16", "__AMX_BF16__": "amx_bf16"}
 
 

@@ -209,6 +209,8 @@ def repack(model: nn.Module) -> int:
     kernel = None if kernels is None else native.r16_kernel(kernels)
     if kernel is None:
         return 0
+    # the build's best kernel needs no flag (an AVX2-only CPU's qtype is plain type | R16); a forced one does
+    flag = native.R16 | (0 if kernel == kernels.r16_kernels[0] else native.R16_FLAGS[kernel])
     repacked: dict[int, torch.Tensor] = {}
     for m in model.modules():  # Q5_1 and the K-quants keep their GGUF layout (kquant.c has no R16 kernel)
         if isinstance(m, (QuantLinear, QuantEmbedding)) and m.qtype in native.BLOCK_BYTES:
@@ -218,7 +220,7 @@ def repack(model: nn.Module) -> int:
             if key not in repacked:
                 repacked[key] = kernels.repack(m.qtype, m.weight, n, k)
             m.weight = repacked[key]
-            m.qtype |= native.R16 | native.R16_FLAGS[kernel]
+            m.qtype |= flag
     return len(repacked)
 
 

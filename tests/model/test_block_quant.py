@@ -30,11 +30,11 @@ def test_auto_keeps_the_files_blocks(loaded_auto, loaded_fp32):
     assert not [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     quant = {n: m for n, m in model.named_modules() if isinstance(m, block_quant.QuantLinear)}
     assert len(quant) == 4 * model.cfg.num_layers + 1
-    assert {m.qtype & ~native.R16 for n, m in quant.items() if n != "lm_head"} == {native.Q4_1}
-    # repacked in 16-row groups where the CPU has AVX-512 VNNI, every matrix alike
+    assert {m.qtype & 0xff for n, m in quant.items() if n != "lm_head"} == {native.Q4_1}
+    # repacked in 16-row groups where the CPU has an R16 kernel (AVX2 and up), every matrix alike
     assert {bool(m.qtype & native.R16) for m in quant.values()} == {native.load().r16}
     # tied embeddings: the Q8_0 table is shared by the lookup and the lm_head, not copied
-    assert model.lm_head.qtype & ~native.R16 == native.Q8_0 and model.lm_head.weight is model.embed_tokens.weight
+    assert model.lm_head.qtype & 0xff == native.Q8_0 and model.lm_head.weight is model.embed_tokens.weight
     assert weight_bytes(model) < 0.2 * weight_bytes(loaded_fp32.model)
     assert isinstance(model.ops, NativeOps) and model.dtype == torch.float32
     # the weights are the file's, exactly: dequantized they are what the float32 path loaded
@@ -67,7 +67,7 @@ def test_gemv_rows_tells_the_cost_model_how_small_steps_run(loaded_auto, loaded_
 
 
 def test_prefill_sized_batches_agree_with_float32_math(loaded_auto, one_thread):
-    """Past MAX_GEMV_ROWS the GGUF layout takes the dense GEMM (float32 exactly); repacked weights take the VNNI
+    """Past MAX_GEMV_ROWS the GGUF layout takes the dense GEMM (float32 exactly); repacked weights take the R16
     kernel (int16 activations: within its rounding)."""
     mod = loaded_auto.model.layers[0].mlp.down_proj
     x = torch.randn(block_quant.MAX_GEMV_ROWS + 1, mod.in_features)
@@ -101,11 +101,14 @@ def test_a_long_chunks_mlp_runs_by_row_blocks_with_the_same_values(loaded_auto, 
         torch.testing.assert_close(mlp(x, model.ops), whole, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.needs_cpu("avx512f", "avx512bw", "avx512_vnni")
-@pytest.mark.parametrize("kind", ["int8", pytest.param("bf16", marks=pytest.mark.needs_cpu("avx512_bf16"))])
+@pytest.mark.parametrize("kind", [pytest.param("int8", marks=pytest.mark.needs_cpu("avx2", "fma", "f16c")),
+                                  pytest.param("bf16", marks=pytest.mark.needs_cpu("avx512f", "avx512bw",
+                                                                                   "avx512_vnni", "avx512_bf16"))])
 def test_prompt_rows_leave_the_decode_rows_as_they_were(gguf_path, one_thread, kind):
-    """With prompt_activations = "int8" or "bf16" the rows from prompt_from on (prompt tokens) take that kernel
-    and the rows before it (the step's decodes) are bit for bit what they are alone; the lm_head never switches."""
+    """With prompt_activations = "int8" (any R16 kernel: AVX2 and up) or "bf16" (the AVX-512 ones) the rows from
+    prompt_from on (prompt tokens) take that kernel and the rows before it (the step's decodes) are bit for bit what
+    they are alone; the lm_head never switches. Forced to the AVX2 kernels (NODESERVE_KERNELS=avx2), bf16 applies
+    to nothing, as on an AVX2 CPU."""
     from nodeserve.model.llama import MAX_MLP_ROWS
     from nodeserve.model.loader import load_model
 
@@ -113,6 +116,9 @@ def test_prompt_rows_leave_the_decode_rows_as_they_were(gguf_path, one_thread, k
     model = load_model(gguf_path, torch.float32, quantization="auto", prompt_activations=kind).model
     mlp = model.layers[0].mlp
     gate_up = mlp.gate_up_proj
+    if kind == "bf16" and native.avx2_only():
+        assert gate_up.qtype & native.R16_AVX2 and gate_up.prompt_flag == 0
+        return
     assert gate_up.prompt_flag == flag and not model.lm_head.prompt_flag
     x = torch.randn(MAX_MLP_ROWS + 9, gate_up.in_features)
     split = gate_up(x, prompt_from=3)
@@ -208,7 +214,8 @@ def test_auto_prompt_activations_take_bf16_where_the_cpu_has_it_and_say_nothing(
     from nodeserve.model.loader import load_model
 
     kernels = native.load()
-    want = native.BF16 if kernels is not None and kernels.bf16_gemm else 0
+    want = native.BF16 if kernels is not None and kernels.bf16_gemm and native.r16_kernel(kernels) == "avx512-vnni" \
+        else 0
     with caplog.at_level("WARNING", logger="nodeserve"):
         model = load_model(gguf_path, torch.float32, quantization="auto", prompt_activations="auto").model
         load_model(gguf_path, torch.float32, quantization="none", prompt_activations="auto")
@@ -269,7 +276,7 @@ def test_kquant_linear_and_embedding_are_the_files_weights(qtype, one_thread):
     model = nn.ModuleDict({"k": lin, "e": emb, "q8": q8})
     block_quant.repack(model)
     assert lin.qtype == qtype and emb.qtype == qtype
-    assert bool(q8.qtype & native.R16) == (native.load().r16 and not native.avx2_only())
+    assert bool(q8.qtype & native.R16) == (native.r16_kernel(native.load()) is not None)
 
 
 def test_q4_0_and_q8_0_fuse_as_q8_0_without_loss():

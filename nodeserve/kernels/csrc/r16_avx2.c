@@ -5,10 +5,10 @@
  * the order of a block's float sum (the offset term's), and repacking at load is shared.
  *
  * A 64-byte vector of an R16 block is two 32-byte halves, rows 0..7 and 8..15: each half is one ymm with row r's
- * four bytes in lane r, as in the 512-bit kernel. A group is computed as two half passes (8 rows each) over its
- * blocks: 16 ymm registers hold a tile of up to MAX_ROWS_256 activation rows' int32 and float accumulators, where
- * the 512-bit kernel's 32 zmm hold both halves at once. The second pass reads the group from L1 (16 rows x
- * K = 1536 of Q4_1 is 15 KB).
+ * four bytes in lane r, as in the 512-bit kernel. Up to 2 activation rows take both halves in one pass over a
+ * group's blocks; more take a pass for each half (8 rows each): 16 ymm registers hold a tile of up to
+ * MAX_ROWS_256 rows' int32 and float accumulators, where the 512-bit kernel's 32 zmm hold both halves at once. The
+ * second pass reads the group from L1 (16 rows x K = 1536 of Q4_1 is 15 KB).
  *
  * int16 activations (decode, and prompt rows by default): vpmaddwd multiplies 2 int16 weights of 8 rows by the
  * same 2 activations and adds the pair: vpdpwssd without its accumulate, so one vpaddd more (AVX-VNNI: one
@@ -121,118 +121,153 @@ static void quantize_rows_i8_256(const float *x, int64_t M, int64_t K, int8_t *x
     }
 }
 
-/* Half h (rows 8h .. 8h + 7) of one group against MT <= MAX_ROWS_256 rows of int16 activations: f[i] lane r =
- * y[i, 16 g + 8 h + r]. Each of a block's 16 weight vectors is unpacked once and taken by the MT rows in turn;
- * with vnni and few rows a row keeps C chains (vpdpwssd's latency), which integer sums make order-free. The
- * float operations are vnni_gemm.c's group_rows', in its order. */
+/* Halves h0 .. h0 + NH - 1 (rows 8h .. 8h + 7 each) of one group against MT rows of int16 activations: f[NH i + k]
+ * lane r = y[i, 16 g + 8 (h0 + k) + r]. Each weight vector is unpacked once and taken by the MT rows in turn; one
+ * or two rows take both halves in one pass (one activation broadcast for both), more take a half a pass (16
+ * registers). With vnni and few rows a row keeps C chains (vpdpwssd's latency), which integer sums make
+ * order-free. The float operations are vnni_gemm.c's group_rows', in its order. */
 static inline __attribute__((always_inline)) void half_rows(
-        int type, const int vnni, const int MT, const uint8_t *wg, int h, int64_t nb, const int16_t *xq,
-        const float *dx, const float *sx, __m256 f[MAX_ROWS_256]) {
-    const int C = vnni && MT < 4 ? 4 / MT : 1;
-    const int64_t rb = r16_block_bytes(type), qo = quant_offset(type) + 32 * h;
+        int type, const int vnni, const int MT, const int NH, const uint8_t *wg, int h0, int64_t nb,
+        const int16_t *xq, const float *dx, const float *sx, __m256 f[2 * MAX_ROWS_256]) {
+    const int C = vnni && MT * NH < 4 ? 4 / (MT * NH) : 1;
+    const int64_t rb = r16_block_bytes(type), qo = quant_offset(type) + 32 * h0;
     const __m256i mask = _mm256_set1_epi16(0x000f);
-    for (int i = 0; i < MT; i++) f[i] = _mm256_setzero_ps();
+    for (int i = 0; i < MT * NH; i++) f[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *o = wg + b * rb;
-        if (h == 0)
+        if (h0 == 0)
             for (int64_t off = 0; off < rb; off += 64) _mm_prefetch((const char *)(o + PREFETCH_BYTES_256 + off), _MM_HINT_T0);
-        __m256i a[4 * MAX_ROWS_256];
-        for (int i = 0; i < MT * C; i++) a[i] = _mm256_setzero_si256();
+        __m256i a[4 * MAX_ROWS_256];  /* [row][half][chain] */
+        for (int i = 0; i < MT * NH * C; i++) a[i] = _mm256_setzero_si256();
 #if NS_VNNI256
-#define NS_DOT256(t, wv)                                                                                         \
-        for (int i = 0; i < MT; i++) {                                                                           \
-            const __m256i xv = _mm256_set1_epi32(((const int32_t *)(xq + (i * nb + b) * QK))[t]);                \
-            if (vnni) a[i * C + (t) % C] = DPWSSD256(a[i * C + (t) % C], (wv), xv);                              \
-            else a[i * C + (t) % C] = _mm256_add_epi32(a[i * C + (t) % C], _mm256_madd_epi16((wv), xv));          \
-        }
+#define NS_MAC(acc, wv, xv) (vnni ? DPWSSD256((acc), (wv), (xv)) : _mm256_add_epi32((acc), _mm256_madd_epi16((wv), (xv))))
 #else
+#define NS_MAC(acc, wv, xv) _mm256_add_epi32((acc), _mm256_madd_epi16((wv), (xv)))
+#endif
 #define NS_DOT256(t, wv)                                                                                         \
         for (int i = 0; i < MT; i++) {                                                                           \
             const __m256i xv = _mm256_set1_epi32(((const int32_t *)(xq + (i * nb + b) * QK))[t]);                \
-            a[i * C + (t) % C] = _mm256_add_epi32(a[i * C + (t) % C], _mm256_madd_epi16((wv), xv));               \
+            for (int k = 0; k < NH; k++) {                                                                       \
+                __m256i *acc = &a[(i * NH + k) * C + (t) % C];                                                   \
+                *acc = NS_MAC(*acc, (wv)[k], xv);                                                                \
+            }                                                                                                    \
         }
-#endif
         if (type == R_Q8_0) {
             for (int j = 0; j < 8; j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(o + qo + 64 * j));
-                const __m256i w0 = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);  /* bytes 0, 2: sign-extended */
+                __m256i w0[2], w1[2];
+                for (int k = 0; k < NH; k++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(o + qo + 64 * j + 32 * k));
+                    w0[k] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);  /* bytes 0, 2: sign-extended */
+                    w1[k] = _mm256_srai_epi16(v, 8);                        /* bytes 1, 3 */
+                }
                 NS_DOT256(2 * j, w0)
-                const __m256i w1 = _mm256_srai_epi16(v, 8);                        /* bytes 1, 3 */
                 NS_DOT256(2 * j + 1, w1)
             }
         } else {
             for (int j = 0; j < 4; j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(o + qo + 64 * j));
-                const __m256i w0 = _mm256_and_si256(v, mask);                            /* low nibbles of bytes 0, 2 */
-                NS_DOT256(4 * j, w0)
-                const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 8), mask);     /* of bytes 1, 3 */
-                NS_DOT256(4 * j + 1, w1)
-                const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);     /* high nibbles of 0, 2 */
-                NS_DOT256(4 * j + 2, w2)
-                const __m256i w3 = _mm256_srli_epi16(v, 12);                            /* of bytes 1, 3 */
-                NS_DOT256(4 * j + 3, w3)
+                __m256i v[2], w[2];
+                for (int k = 0; k < NH; k++) v[k] = _mm256_loadu_si256((const __m256i *)(o + qo + 64 * j + 32 * k));
+                for (int k = 0; k < NH; k++) w[k] = _mm256_and_si256(v[k], mask);  /* low nibbles of bytes 0, 2 */
+                NS_DOT256(4 * j, w)
+                for (int k = 0; k < NH; k++) w[k] = _mm256_and_si256(_mm256_srli_epi16(v[k], 8), mask);  /* 1, 3 */
+                NS_DOT256(4 * j + 1, w)
+                for (int k = 0; k < NH; k++) w[k] = _mm256_and_si256(_mm256_srli_epi16(v[k], 4), mask);  /* high: 0, 2 */
+                NS_DOT256(4 * j + 2, w)
+                for (int k = 0; k < NH; k++) w[k] = _mm256_srli_epi16(v[k], 12);                       /* 1, 3 */
+                NS_DOT256(4 * j + 3, w)
             }
         }
 #undef NS_DOT256
-        const __m256 vd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16 * h)));
-        const __m256 vm = type == R_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 32 + 16 * h)))
-                                         : _mm256_mul_ps(vd, _mm256_set1_ps(-8.0f));
-        for (int i = 0; i < MT; i++) {
-            __m256i sum = a[i * C];
-            if (C == 4) sum = _mm256_add_epi32(_mm256_add_epi32(a[i * C], a[i * C + 1]),
-                                               _mm256_add_epi32(a[i * C + 2], a[i * C + 3]));
-            else for (int c = 1; c < C; c++) sum = _mm256_add_epi32(sum, a[i * C + c]);
-            f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(vd, _mm256_set1_ps(dx[i * nb + b])), f[i]);
-            if (type != R_Q8_0) f[i] = _mm256_fmadd_ps(vm, _mm256_set1_ps(sx[i * nb + b]), f[i]);
+#undef NS_MAC
+        for (int k = 0; k < NH; k++) {
+            const int h = h0 + k;
+            const __m256 vd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16 * h)));
+            const __m256 vm = type == R_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 32 + 16 * h)))
+                                             : _mm256_mul_ps(vd, _mm256_set1_ps(-8.0f));
+            for (int i = 0; i < MT; i++) {
+                const __m256i *ac = &a[(i * NH + k) * C];
+                __m256i sum = ac[0];
+                if (C == 4) sum = _mm256_add_epi32(_mm256_add_epi32(ac[0], ac[1]), _mm256_add_epi32(ac[2], ac[3]));
+                else for (int c = 1; c < C; c++) sum = _mm256_add_epi32(sum, ac[c]);
+                __m256 *fi = &f[i * NH + k];
+                *fi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(vd, _mm256_set1_ps(dx[i * nb + b])), *fi);
+                if (type != R_Q8_0) *fi = _mm256_fmadd_ps(vm, _mm256_set1_ps(sx[i * nb + b]), *fi);
+            }
         }
     }
 }
 
-/* Half h of one group (Q4_0 / Q4_1) against MT rows of int8 activations: vnni_gemm.c's group_rows_i8, its int32
- * sums through vpmaddubsw + vpaddw + one vpmaddwd by ones (or vpdpbusd), its float operations in its order. */
+/* Halves h0 .. h0 + NH - 1 of one group (Q4_0 / Q4_1) against MT rows of int8 activations: vnni_gemm.c's
+ * group_rows_i8, its int32 sums through vpmaddubsw + vpaddw + one vpmaddwd by ones (or vpdpbusd), its float
+ * operations in its order. */
 static inline __attribute__((always_inline)) void half_rows_i8(
-        int type, const int vnni, const int MT, const uint8_t *wg, int h, int64_t nb, const int8_t *xq,
-        const float *dx, const float *sx, const float *cx, __m256 f[MAX_ROWS_256]) {
-    const int C = vnni && MT < 4 ? 2 : 1;
-    const int64_t rb = r16_block_bytes(type), qo = quant_offset(type) + 32 * h;
+        int type, const int vnni, const int MT, const int NH, const uint8_t *wg, int h0, int64_t nb,
+        const int8_t *xq, const float *dx, const float *sx, const float *cx, __m256 f[2 * MAX_ROWS_256]) {
+    const int C = vnni && MT * NH < 4 ? 2 : 1;
+    const int64_t rb = r16_block_bytes(type), qo = quant_offset(type) + 32 * h0;
     const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    for (int i = 0; i < MT; i++) f[i] = _mm256_setzero_ps();
+    for (int i = 0; i < MT * NH; i++) f[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *o = wg + b * rb;
-        if (h == 0)
+        if (h0 == 0)
             for (int64_t off = 0; off < rb; off += 64) _mm_prefetch((const char *)(o + PREFETCH_BYTES_256 + off), _MM_HINT_T0);
-        __m256i a[2 * MAX_ROWS_256];  /* vnni: int32 sums (C chains a row); else int16 pair sums */
-        for (int i = 0; i < MT * C; i++) a[i] = _mm256_setzero_si256();
+        __m256i a[4 * MAX_ROWS_256];  /* [row][half][chain]; vnni: int32 sums, else int16 pair sums */
+        for (int i = 0; i < MT * NH * C; i++) a[i] = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(o + qo + 64 * j));
-            const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            __m256i lo[2], hi[2];
+            for (int k = 0; k < NH; k++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(o + qo + 64 * j + 32 * k));
+                lo[k] = _mm256_and_si256(v, mask);
+                hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            }
             for (int i = 0; i < MT; i++) {
                 const int32_t *xw = (const int32_t *)(xq + (i * nb + b) * QK);
                 const __m256i xl = _mm256_set1_epi32(xw[j]), xh = _mm256_set1_epi32(xw[4 + j]);
+                for (int k = 0; k < NH; k++) {
+                    __m256i *ac = &a[(i * NH + k) * C];
 #if NS_VNNI256
-                if (vnni) {
-                    a[i * C] = DPBUSD256(a[i * C], lo, xl);
-                    a[i * C + C - 1] = DPBUSD256(a[i * C + C - 1], hi, xh);
-                    continue;
-                }
+                    if (vnni) {
+                        ac[0] = DPBUSD256(ac[0], lo[k], xl);
+                        ac[C - 1] = DPBUSD256(ac[C - 1], hi[k], xh);
+                        continue;
+                    }
 #endif
-                a[i] = _mm256_add_epi16(a[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
-                                                                _mm256_maddubs_epi16(hi, xh)));
+                    ac[0] = _mm256_add_epi16(ac[0], _mm256_add_epi16(_mm256_maddubs_epi16(lo[k], xl),
+                                                                      _mm256_maddubs_epi16(hi[k], xh)));
+                }
             }
         }
-        const __m256 vd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16 * h)));
-        for (int i = 0; i < MT; i++) {
-            __m256i sum;
-            if (vnni) sum = C == 2 ? _mm256_add_epi32(a[i * C], a[i * C + 1]) : a[i * C];
-            else sum = _mm256_madd_epi16(a[i], ones);
-            const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dx[i * nb + b]),
-                                             _mm256_set1_ps(cx[i * nb + b]));
-            f[i] = _mm256_fmadd_ps(vd, t, f[i]);
+        for (int k = 0; k < NH; k++) {
+            const int h = h0 + k;
+            const __m256 vd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16 * h)));
+            for (int i = 0; i < MT; i++) {
+                const __m256i *ac = &a[(i * NH + k) * C];
+                __m256i sum;
+                if (vnni) sum = C == 2 ? _mm256_add_epi32(ac[0], ac[1]) : ac[0];
+                else sum = _mm256_madd_epi16(ac[0], ones);
+                const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dx[i * nb + b]),
+                                                 _mm256_set1_ps(cx[i * nb + b]));
+                f[i * NH + k] = _mm256_fmadd_ps(vd, t, f[i * NH + k]);
+            }
+            if (type == R_Q4_1) {
+                const __m256 vm = _mm256_fmadd_ps(vd, _mm256_set1_ps(8.0f),
+                                                  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 32 + 16 * h))));
+                for (int i = 0; i < MT; i++) f[i * NH + k] = _mm256_fmadd_ps(vm, _mm256_set1_ps(sx[i * nb + b]), f[i * NH + k]);
+            }
         }
-        if (type == R_Q4_1) {
-            const __m256 vm = _mm256_fmadd_ps(vd, _mm256_set1_ps(8.0f),
-                                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 32 + 16 * h))));
-            for (int i = 0; i < MT; i++) f[i] = _mm256_fmadd_ps(vm, _mm256_set1_ps(sx[i * nb + b]), f[i]);
+    }
+}
+
+/* Rows mt of a tile, halves h0 .. h0 + NH - 1 of group g, stored (columns past n_end never written). */
+static inline __attribute__((always_inline)) void store_halves(const __m256 *f, int mt, int NH, int64_t col0,
+                                                               int64_t n_end, float *y, int64_t ldy) {
+    for (int k = 0; k < NH; k++) {
+        const int64_t lo = col0 + 8 * k, n = n_end - lo < 8 ? n_end - lo : 8;
+        if (n <= 0) break;
+        const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int i = 0; i < mt; i++) {
+            if (n == 8) _mm256_storeu_ps(y + i * ldy + lo, f[i * NH + k]);
+            else _mm256_maskstore_ps(y + i * ldy + lo, keep, f[i * NH + k]);
         }
     }
 }
@@ -244,41 +279,36 @@ static inline __attribute__((always_inline)) void linear_groups256(
         const float *sx, const float *cx, float *y, int64_t M, int64_t K, int64_t ldy, int64_t n_begin,
         int64_t n_end) {
     const int64_t nb = K / QK, gbytes = nb * r16_block_bytes(type);
-    __m256 f[MAX_ROWS_256];
+    __m256 f[2 * MAX_ROWS_256];
     for (int64_t g = n_begin / GROUP; g * GROUP < n_end; g++) {
         const uint8_t *wg = wr + g * gbytes;
         if ((g + 1) * GROUP < n_end)
             for (int64_t off = 0; off < gbytes && off < 4096; off += 64)
                 _mm_prefetch((const char *)(wg + gbytes + off), _MM_HINT_T0);
-        for (int h = 0; h < 2; h++) {
-            const int64_t lo = g * GROUP + 8 * h, hi = lo + 8 < n_end ? lo + 8 : n_end;
-            if (lo >= hi) break;
-            const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(hi - lo)),
-                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-            for (int64_t i0 = 0; i0 < M; i0 += MAX_ROWS_256) {
-                const int64_t mt = M - i0 >= MAX_ROWS_256 ? MAX_ROWS_256 : M - i0;
-                const int16_t *x16 = (const int16_t *)xq + i0 * K;
-                const int8_t *x8 = (const int8_t *)xq + i0 * K;
-                const float *dt = dx + i0 * nb, *st = sx + i0 * nb, *ct = act8 ? cx + i0 * nb : NULL;
+        const int two = g * GROUP + 8 < n_end;  /* the second half has rows to write */
+        for (int64_t i0 = 0; i0 < M; i0 += MAX_ROWS_256) {
+            const int64_t mt = M - i0 >= MAX_ROWS_256 ? MAX_ROWS_256 : M - i0;
+            const int16_t *x16 = (const int16_t *)xq + i0 * K;
+            const int8_t *x8 = (const int8_t *)xq + i0 * K;
+            const float *dt = dx + i0 * nb, *st = sx + i0 * nb, *ct = act8 ? cx + i0 * nb : NULL;
+            float *yt = y + i0 * ldy;
+#define NS_PASS(n, nh, h)                                                                                        \
+            if (act8) half_rows_i8(type, vnni, n, nh, wg, h, nb, x8, dt, st, ct, f);                            \
+            else half_rows(type, vnni, n, nh, wg, h, nb, x16, dt, st, f);                                       \
+            store_halves(f, n, nh, g * GROUP + 8 * (h), n_end, yt, ldy);
 #define NS_TILE256(n)                                                                                            \
-                if (act8) half_rows_i8(type, vnni, n, wg, h, nb, x8, dt, st, ct, f);                            \
-                else half_rows(type, vnni, n, wg, h, nb, x16, dt, st, f);                                       \
-                break;
-                switch (mt) {  /* constant tile sizes unroll fully */
-                    case 6: NS_TILE256(6)
-                    case 5: NS_TILE256(5)
-                    case 4: NS_TILE256(4)
-                    case 3: NS_TILE256(3)
-                    case 2: NS_TILE256(2)
-                    default: NS_TILE256(1)
-                }
-#undef NS_TILE256
-                for (int64_t i = 0; i < mt; i++) {
-                    float *yr = y + (i0 + i) * ldy + lo;
-                    if (hi - lo == 8) _mm256_storeu_ps(yr, f[i]);
-                    else _mm256_maskstore_ps(yr, keep, f[i]);
-                }
+            if (n <= 2) { NS_PASS(n, 2, 0) } else { NS_PASS(n, 1, 0) if (two) { NS_PASS(n, 1, 1) } }            \
+            break;
+            switch (mt) {  /* constant tile sizes unroll fully */
+                case 6: NS_TILE256(6)
+                case 5: NS_TILE256(5)
+                case 4: NS_TILE256(4)
+                case 3: NS_TILE256(3)
+                case 2: NS_TILE256(2)
+                default: NS_TILE256(1)
             }
+#undef NS_TILE256
+#undef NS_PASS
         }
     }
 }
