@@ -13,6 +13,8 @@ from nodeserve.kernels import native
 from nodeserve.model import block_quant
 
 pytestmark = pytest.mark.skipif(not block_quant.available(), reason="the native kernels could not be built")
+# quantization = "auto" serves float32 weights on a CPU without AVX2 (model/loader.py): no blocks to test there
+needs_avx2 = pytest.mark.needs_cpu("avx2", "fma", "f16c")
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +24,7 @@ def loaded_auto(gguf_path):
     return load_model(gguf_path, torch.float32, quantization="auto")
 
 
+@needs_avx2
 def test_auto_keeps_the_files_blocks(loaded_auto, loaded_fp32):
     from nodeserve.runtime.memory import weight_bytes
     from nodeserve.model.native_ops import NativeOps
@@ -58,6 +61,7 @@ def test_dense_weights_quantize_within_half_a_step(fmt, one_thread):
     torch.testing.assert_close(q(x), nn.functional.linear(x, w, lin.bias), rtol=1e-5, atol=1e-5)
 
 
+@needs_avx2
 def test_gemv_rows_tells_the_cost_model_how_small_steps_run(loaded_auto, loaded_fp32):
     max_rows = block_quant.MAX_REPACKED_ROWS if native.load().r16 else block_quant.MAX_GEMV_ROWS
     assert block_quant.gemv_rows(loaded_auto.model) == (max_rows, block_quant.ROWS_PER_PASS)
@@ -66,6 +70,7 @@ def test_gemv_rows_tells_the_cost_model_how_small_steps_run(loaded_auto, loaded_
     assert f"#define MAX_TILE {block_quant.ROWS_PER_PASS} " in src  # the Python mirror of the C constant
 
 
+@needs_avx2
 def test_prefill_sized_batches_agree_with_float32_math(loaded_auto, one_thread):
     """Past MAX_GEMV_ROWS the GGUF layout takes the dense GEMM (float32 exactly); repacked weights take the R16
     kernel (int16 activations: within its rounding)."""
@@ -83,6 +88,7 @@ def test_prefill_sized_batches_agree_with_float32_math(loaded_auto, one_thread):
         assert ((mod(x).double() - x.double() @ dense.double().T).abs() <= bound).all()
 
 
+@needs_avx2
 def test_a_long_chunks_mlp_runs_by_row_blocks_with_the_same_values(loaded_auto, one_thread):
     """Past llama.MAX_MLP_ROWS the gate/up projection runs by blocks of rows (so no activation outgrows glibc's
     fixed mmap threshold); each row's values are those of the whole-chunk product."""
@@ -166,6 +172,7 @@ def test_quantized_decode_follows_float32_on_the_same_weights(loaded_auto, loade
     assert max_diff < 0.1, max_diff  # measured: 96/96 tokens agree, max difference 0.013 (logits span ~75)
 
 
+@needs_avx2
 def test_native_decoder_is_the_module_path_in_one_call(loaded_auto, one_thread):
     """Decode-only steps through ns_decode_layer give what the per-op path (NativeOps, paged attention, the
     same kernels) gives, row for row, and fill the pool the same way."""
@@ -208,6 +215,7 @@ def test_prompt_activations_say_so_where_nothing_takes_them(gguf_path, caplog, k
     assert "prompt_activations" in caplog.text
 
 
+@needs_avx2
 def test_auto_prompt_activations_take_bf16_where_the_cpu_has_it_and_say_nothing(gguf_path, caplog):
     """The default: bf16 products on AVX512-BF16 CPUs, the kernels' own int16 elsewhere, and no warning on
     either (nor on the exact path, where nothing takes it)."""
@@ -300,6 +308,7 @@ def test_k_quants_of_different_types_fuse_as_float32_and_say_so(caplog):
     assert torch.equal(fused.weight, torch.cat([p.quantized.dequantize() for p in parts]))
 
 
+@needs_avx2
 def test_gemma3_q4_k_m_serves_its_blocks_and_greedy_follows_the_exact_tier(one_thread):
     """The real file people use (bundled gemma-3-270m, Q4_K_M): Q5_0 q/k with Q8_0 v and Q5_0 gate/up fuse as Q8_0,
     Q4_K / Q6_K o and down stay in their blocks, nothing falls back to float32, the weights are the exact tier's,
