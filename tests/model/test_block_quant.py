@@ -339,3 +339,23 @@ def test_gemma3_q4_k_m_serves_its_blocks_and_greedy_follows_the_exact_tier(one_t
             logits = runner.run([SeqChunk(seq[-1:], len(seq) - 1, pages)])[0]
         tokens.append(seq[len(ids):])
     assert tokens[0] == tokens[1]
+
+
+@needs_avx2
+@pytest.mark.parametrize("forced", [False, True], ids=["best", "forced-avx2"])
+def test_the_load_log_names_the_integer_kernels_chosen(gguf_path, caplog, monkeypatch, forced):
+    """Start-up says which R16 kernels serve: the build's best (AVX-512 VNNI, AVX-VNNI or AVX2), or AVX2 under
+    NODESERVE_KERNELS=avx2; the projections carry the flag that picks a kernel other than the best."""
+    from nodeserve.model.loader import load_model
+
+    if forced:
+        monkeypatch.setenv("NODESERVE_KERNELS", "avx2")
+    else:
+        monkeypatch.delenv("NODESERVE_KERNELS", raising=False)
+    kernels = native.load()
+    chosen = "avx2" if forced else kernels.r16_kernels[0]
+    with caplog.at_level("INFO", logger="nodeserve"):
+        model = load_model(gguf_path, torch.float32, quantization="auto").model
+    assert f"repacked for the {chosen} integer kernels" in caplog.text
+    flag = 0 if chosen == kernels.r16_kernels[0] else native.R16_FLAGS[chosen]
+    assert model.layers[0].mlp.gate_up_proj.qtype == native.Q4_1 | native.R16 | flag
