@@ -129,6 +129,20 @@ def r16(request):
     return built, native.R16 | native.R16_FLAGS[name]
 
 
+@needs_f16c  # an x86 machine whose compiler knows the class (nothing of the build runs)
+def test_an_avx_vnni_cpus_build_has_the_256_bit_vnni_kernels_in_vex():
+    """Alder Lake's class (AVX-VNNI, no AVX-512): its build serves R16 with the 256-bit VNNI kernels, and they are
+    VEX-encoded vpdpwssd / vpdpbusd (what such a CPU executes; the EVEX forms this machine tests the same code with
+    would SIGILL there). Built and inspected only: nothing of it runs here."""
+    import subprocess
+
+    built = build_for("alderlake")
+    assert built.r16_kernels == ("avx-vnni", "avx2") and built.isa == "avx-vnni" and "avx_vnni" in built.features
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", built.path], capture_output=True, text=True,
+                          check=True).stdout
+    assert "{vex} vpdpbusd" in text and "{vex} vpdpwssd" in text and "%zmm" not in text
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_repacked_weights_dequantize_to_the_files_weights(r16, matrices, name):
     """16-row groups (40 rows: the last group padded) hold the same weights, bit for bit, row by row."""
