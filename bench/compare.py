@@ -70,6 +70,13 @@ work holds a core it slows down 10-100x; on a machine shared with other work, pa
     python bench/compare.py --targets disaggregated,llama-server --nodeserve-model-extra 'quantization = "fp16"'
     python bench/compare.py --targets disaggregated,llama-server --llama-backend native,xllamacpp
     python bench/compare.py --targets disaggregated --nodeserve-kv-extra 'dtype = "float16"' --reuse RESULTS_JSON
+    python bench/compare.py --cpu-class avx2     # both sides as an AVX2-only CPU runs them (below)
+
+`--cpu-class avx2` measures the AVX2 class on any x86 machine, in one run: nodeserve with its native kernels built
+for x86-64-v3 and forced to their AVX2 paths, torch's kernels capped at AVX2 (CPU_CLASS_ENV), against llama-server
+built for the same class (bench/build_llama.py --cpu-class avx2: GGML_NATIVE=OFF, AVX2/FMA/F16C on, AVX-512 off;
+several minutes the first time). On a CPU with more than AVX2 this is a proxy, and results.json and table.md say
+so; on an AVX2-only CPU it is the real thing. Results go to compare-avx2 (compare-avx2-<model>).
 
 Writes into --out-dir (default $NODESERVE_BENCH_DIR/compare, else ~/.cache/nodeserve/bench/compare: bench/outputs.py;
 compare-<model> for another --model, e.g. compare-gemma-3-270m): results.json (machine, date, command, the model
@@ -106,6 +113,41 @@ TARGETS = ("disaggregated", "colocated", "adaptive", "llama-server")
 NODESERVE = ("disaggregated", "colocated", "adaptive")
 DISAGG, COLOC, ADAPT, LLAMA = TARGETS
 SCALES = (1, 2, 3, 5, 8)  # SLO scales reported at the common rate
+# --cpu-class: nodeserve's environment for a class of CPU: its kernels built for the class (native.py) and forced to
+# the class's paths (native.avx2_only), torch's own kernels capped at it (ATen's dispatch, oneDNN). llama-server is
+# built for the same class (build_llama.CPU_CLASSES).
+CPU_CLASS_ENV = {"avx2": {"NODESERVE_KERNELS_MARCH": "x86-64-v3", "NODESERVE_KERNELS": "avx2",
+                          "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+# /proc/cpuinfo flags beyond a class: a CPU with any of them runs the class as a proxy
+BEYOND_CLASS = {"avx2": ("avx512f", "avx_vnni", "avx512_vnni", "amx_int8")}
+
+
+def nodeserve_env(cpu_class: str | None) -> dict[str, str] | None:
+    """The environment nodeserve servers start with: this process's, with CPU_CLASS_ENV's for a class."""
+    return None if cpu_class is None else {**os.environ, **CPU_CLASS_ENV[cpu_class]}
+
+
+def class_is_proxy(cpu_class: str, flags_line: str) -> bool:
+    """Whether a CPU with these /proc/cpuinfo flags has more than the class (so the class run is a proxy)."""
+    return bool(set(flags_line.split()) & set(BEYOND_CLASS[cpu_class]))
+
+
+def class_text(cpu_class: dict | None) -> str:
+    """table.md's sentence on a --cpu-class run ("" for none): the class, proxy or real, and how each side ran it."""
+    if not cpu_class:
+        return ""
+    how = "proxy: this CPU has more than the class" if cpu_class["proxy"] else "real: this CPU is of the class"
+    env = " ".join(f"{k}={v}" for k, v in cpu_class["nodeserve_env"].items())
+    return f"CPU class {cpu_class['class']} ({how}): nodeserve with {env}, llama-server built for the class. "
+
+
+def kernels_lines(log_path: str) -> list[str]:
+    """The lines of a nodeserve log that name the kernels it chose (native.load's and the loader's)."""
+    try:
+        with open(log_path, errors="replace") as f:
+            return [line.strip() for line in f if "CPU kernels:" in line or "integer kernels" in line]
+    except OSError:
+        return []
 
 
 def llama_peers(backends: list[str]) -> dict[str, str]:
@@ -659,7 +701,8 @@ def serving(name: str, args, tmp: str, log: str, live: list, slo: tuple[float, f
             print(f"warning: load average {os.getloadavg()[0]:.1f} before llama-server starts: with other work on "
                   "the cores its spinning OpenMP threads slow down by 10-100x; see --llama-passive", flush=True)
         srv = L.start(slots=args.llama_slots, slot_ctx=args.llama_slot_ctx, threads=args.llama_threads,
-                      log_path=log, backend=args.llama_peers[name], passive=args.llama_passive, gguf=args.gguf)
+                      log_path=log, backend=args.llama_peers[name], passive=args.llama_passive, gguf=args.gguf,
+                      cpu_class=args.cpu_class)
         proc, url = srv.proc, srv.url
         info = {"backend": srv.backend, "build": srv.build, "version": srv.version, "note": srv.note,
                 "args": f"-np {args.llama_slots} -c {args.llama_slots * args.llama_slot_ctx} "
@@ -670,9 +713,15 @@ def serving(name: str, args, tmp: str, log: str, live: list, slo: tuple[float, f
         slo = slo or (args.slo_ttft, args.slo_tpot, args.slo_ttft_per_token)
         proc, url = start_server(name, args.dtype, tmp, log, model_extra=args.nodeserve_model_extra,
                                  kv_extra="prefix_cache = false\n" + args.nodeserve_kv_extra, extra=slo_table(*slo),
-                                 model_path=args.gguf)
+                                 model_path=args.gguf, env=nodeserve_env(args.cpu_class))
         info = {"mode": name, "dtype": args.dtype, "model_extra": args.nodeserve_model_extra,
-                "kv_extra": args.nodeserve_kv_extra, "slo": dict(zip(("ttft_s", "tpot_s", "ttft_per_token_s"), slo))}
+                "kv_extra": args.nodeserve_kv_extra, "slo": dict(zip(("ttft_s", "tpot_s", "ttft_per_token_s"), slo)),
+                "kernels": kernels_lines(log)}
+        if args.cpu_class:
+            info["cpu_class_env"] = CPU_CLASS_ENV[args.cpu_class]
+            if not any(f"({args.cpu_class})" in line or f" {args.cpu_class} integer" in line
+                       for line in info["kernels"]):
+                print(f"warning: {name}'s log does not name {args.cpu_class} kernels: {info['kernels']}", flush=True)
     live.append(proc)
     info["start_s"] = time.perf_counter() - t
     info["loadavg_at_start"] = os.getloadavg()
@@ -797,6 +846,9 @@ def main() -> int:
     ap.add_argument("--llama-backend", default="auto",
                     help=f"llama-server peer(s), comma-separated, of {','.join(L.BACKENDS)}; auto: the native build "
                          "if it builds, else the wheels; several run as one target each (see above)")
+    ap.add_argument("--cpu-class", choices=sorted(CPU_CLASS_ENV), default=None,
+                    help="both sides as a CPU of this class runs them: nodeserve forced to its kernels, llama-server "
+                         "built for it (a proxy on a CPU with more)")
     ap.add_argument("--llama-threads", type=int, default=2, help="llama-server -t")
     ap.add_argument("--llama-passive", action="store_true",
                     help="OMP_WAIT_POLICY=passive for llama-server: use when other work shares the cores")
@@ -825,13 +877,16 @@ def main() -> int:
                     help="take the targets not in --targets, and the derived SLO, from this earlier results.json "
                          "(its command is kept in the new one), so one target can be re-run without the others")
     args = ap.parse_args()
-    args.out_dir = args.out_dir or out_path(L.results_name("compare", args.model))
+    args.out_dir = args.out_dir or out_path(L.results_name(f"compare-{args.cpu_class}" if args.cpu_class
+                                                           else "compare", args.model))
 
     if args.slo_scale <= 0:
         ap.error("--slo-scale must be > 0")
     backends = [b.strip() for b in args.llama_backend.split(",") if b.strip()]
     if not backends or any(b not in L.BACKENDS for b in backends) or len(set(backends)) < len(backends):
         ap.error(f"--llama-backend must name distinct backends of {', '.join(L.BACKENDS)}")
+    if args.cpu_class and backends not in (["auto"], ["native"]):
+        ap.error(f"--cpu-class {args.cpu_class} runs llama-server built for the class: --llama-backend native")
     args.llama_peers = llama_peers(backends)
     # "llama-server" runs every peer; "llama-server-<backend>" (a later peer of --llama-backend) just that one
     known = list(TARGETS) + [p for p in args.llama_peers if p != LLAMA]
@@ -863,6 +918,11 @@ def main() -> int:
         "plan": asdict(plan), "slo": {"ttft": args.slo_ttft, "tpot": args.slo_tpot, "target": args.slo_target,
                                         "ttft_per_token": args.slo_ttft_per_token, "scale": args.slo_scale},
         "model": {"name": args.model, "file": gguf}, "targets": {}}
+    if args.cpu_class:
+        flags = L.build_llama.cpu_flags_line()
+        results["cpu_class"] = {"class": args.cpu_class, "proxy": class_is_proxy(args.cpu_class, flags),
+                                "nodeserve_env": CPU_CLASS_ENV[args.cpu_class],
+                                "llama_cmake_args": list(L.build_llama.cmake_args(args.cpu_class))}
     if LLAMA in targets and "binary" in backends:
         try:
             results["llama_server_binary_version"] = L.binary_version()
@@ -924,7 +984,8 @@ def main() -> int:
               + (f"Targets not re-run ({', '.join(n for n in results['targets'] if n not in targets)}) come from "
                  f"the earlier run `{results['reused_command']}`.\n\n" if args.reuse else "")
               + f"Machine: {m.get('cpu_model')}, {m.get('logical_cpus')} logical CPUs, {m.get('mem_total_gib')} GiB. "
-              f"llama-server: {results['llama_server']}. Fixed SLO: TTFT <= {args.slo_ttft:g} s"
+              + class_text(results.get("cpu_class"))
+              + f"llama-server: {results['llama_server']}. Fixed SLO: TTFT <= {args.slo_ttft:g} s"
               + (f" + {args.slo_ttft_per_token * 1000:g} ms per prompt token" if args.slo_ttft_per_token else "")
               + f" and TPOT <= {args.slo_tpot * 1000:g} ms for {args.slo_target * 100:g} % of requests. "
               + slo_text(results.get("derived_slo"), args.slo_scale, args.slo_target)

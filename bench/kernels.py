@@ -5,16 +5,23 @@ prefill. Every row names the bound it is compared with.
     python bench/kernels.py                      # ~3 minutes on the 2-core machine; run it on a quiet machine
     python bench/kernels.py --json bench/results/kernels.json
     python bench/kernels.py --block-types        # only the per-GGUF-type GEMV rows (seconds)
+    python bench/kernels.py --r16-gemm           # only the R16 kernels per CPU class on SmolLM2's shapes (~1 min)
 
 What each row means:
   * bandwidth: sum() over 1 GiB of written float32 on one thread (GB/s): the read bound everything below uses.
   * block type T M=m: one [640, 2048] matrix (Gemma 3 270M's ffn_down) in GGUF type T through the native kernel
     (Q8_0+R16: repacked for the VNNI kernel, where built), us per call: "cache" the same matrix every call (in
     L2), "dram" a ring of copies larger than L3, and "x bound" = dram time / (its bytes / bandwidth).
+  * r16 gemm S M=m (--r16-gemm): one SmolLM2-135M projection of shape S (in->out; Q4_1, the lm_head Q8_0) at m rows,
+    us per call (the fastest of 5 interleaved rounds), "cache" the same matrix every call, "dram" a ring of copies
+    larger than L3: the GGUF-layout kernel
+    (gguf: what AVX2 CPUs ran before csrc/r16_avx2.c) against each R16 kernel the build has (avx512-vnni,
+    avx-vnni, avx2; NODESERVE_KERNELS_MARCH=x86-64-v3 builds what an AVX2-only CPU has), int16 activations, and
+    int8 ones (_i8, `model.prompt_activations = "int8"`) for the Q4_1 shapes.
   * crossover M=m: the layers' projections through the fused kernel vs dequantize + F.linear.
   * gemm M=m: every projection of one decode step (30 layers + lm_head) at m activation rows, from DRAM: the
-    file's Q4_1/Q8_0 blocks through the native kernels (auto: the AVX-512 VNNI kernel on repacked weights where
-    the CPU has it; avx2: the GGUF-layout kernels, NODESERVE_KERNELS=avx2) vs the dense float32 weights through
+    file's Q4_1/Q8_0 blocks through the native kernels (auto: the best R16 kernel on repacked weights the
+    CPU has; avx2: the AVX2 R16 kernels, NODESERVE_KERNELS=avx2) vs the dense float32 weights through
     F.linear; "x bound" = time / (weight bytes / bandwidth); ns per row block = time / (m x weight rows x blocks
     of 32 a row).
   * attention B x L: one layer's paged decode attention for B sequences of L tokens (pages scattered; 30 layers'
@@ -123,6 +130,40 @@ def block_type_rows(kernels, gbs: float, ms: list[int], n: int = 640, k: int = 2
                 dram = timed(lambda: [kernels.linear(t, r, x, n) for r in ring], 5) / len(ring)
                 rows.append({"what": f"block type {label} M={m}", "cache_us": cache * 1e6, "dram_us": dram * 1e6,
                              "x_bound": dram / (data.numel() / gbs / 1e9), "KB": data.numel() / 1e3})
+    return rows
+
+
+# SmolLM2-135M's projections (in, out, type): fused qkv, o, fused gate/up, down (Q4_1), the tied lm_head (Q8_0)
+SMOLLM2_SHAPES = [(576, 960, native.Q4_1), (576, 576, native.Q4_1), (576, 3072, native.Q4_1),
+                  (1536, 576, native.Q4_1), (576, 49152, native.Q8_0)]
+
+
+def r16_gemm_rows(kernels, ms: list[int]) -> list[dict]:
+    """The GGUF-layout kernel vs each R16 kernel of this build, on SmolLM2-135M's shapes."""
+    rows = []
+    for k, n, qtype in SMOLLM2_SHAPES:
+        w = random_blocks(qtype, n, k)
+        r16 = kernels.repack(qtype, w, n, k) if kernels.r16 else None
+        variants = [("gguf", qtype, w)] + [(name, qtype | native.R16 | native.R16_FLAGS[name], r16)
+                                           for name in kernels.r16_kernels]
+        if qtype != native.Q8_0:
+            variants += [(f"{name}_i8", qtype | native.R16 | native.R16_FLAGS[name] | native.ACT8, r16)
+                         for name in kernels.r16_kernels]
+        for m in ms:
+            x = torch.randn(m, k)
+            row = {"what": f"r16 gemm {k}->{n} M={m}"}
+            rings = {label: [data.clone() for _ in range(max(2, 64 * 2 ** 20 // data.numel()))]  # > L3: DRAM
+                     for label, _, data in variants}
+            calls = max(1, 2 ** 22 // w.numel())
+            best: dict[str, float] = {}
+            for _ in range(5):  # variants interleaved, the fastest round of each: other work on the cores hits all
+                for label, t, data in variants:
+                    cache = timed(lambda: [kernels.linear(t, data, x, n) for _ in range(calls)], 1) / calls
+                    dram = timed(lambda: [kernels.linear(t, r, x, n) for r in rings[label]], 1) / len(rings[label])
+                    for key, v in ((f"{label}_cache_us", cache), (f"{label}_dram_us", dram)):
+                        best[key] = min(best.get(key, v * 1e6), v * 1e6)
+            row.update(best)
+            rows.append(row)
     return rows
 
 
@@ -274,22 +315,27 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--block-types", action="store_true", help="only the per-GGUF-type GEMV rows")
+    ap.add_argument("--r16-gemm", action="store_true", help="only the R16 kernels per CPU class, SmolLM2's shapes")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # one core, as a CPU worker runs
     kernels = native.load()
     if kernels is None:
         raise SystemExit("the native kernels could not be built (is a C compiler installed?)")
-    if args.block_types:
+    if args.block_types or args.r16_gemm:
         gbs = bandwidth()
         result = {"machine": platform.processor() or platform.machine(), "isa": kernels.isa, "bandwidth_GBs": gbs,
-                  "rows": block_type_rows(kernels, gbs, [1, 8])}
+                  "march": native.march(), "rows": block_type_rows(kernels, gbs, [1, 8]) if args.block_types
+                  else r16_gemm_rows(kernels, [1, 32])}
         print(f"one-core DRAM read {gbs:.1f} GB/s, kernels: {kernels.isa}")
         for row in result["rows"]:
             print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
         return result
     gbs, peak = bandwidth(), matmul_peak()
     quant = load_model(MODEL, torch.float32, quantization="auto").model
-    os.environ["NODESERVE_KERNELS"] = "avx2"  # the GGUF-layout kernels, for comparison (read at load)
+    os.environ["NODESERVE_KERNELS"] = "avx2"  # the AVX2 R16 kernels, for comparison (read at load)
     gguf_layout = load_model(MODEL, torch.float32, quantization="auto").model
     del os.environ["NODESERVE_KERNELS"]
     dense = load_model(MODEL, torch.float32, quantization="none").model

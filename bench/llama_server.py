@@ -232,7 +232,7 @@ def _failed(what: str, proc: subprocess.Popen, log_path: str | None) -> str:
 
 def start(slots: int = DEFAULT_SLOTS, slot_ctx: int = DEFAULT_SLOT_CTX, threads: int = 2,
           log_path: str | None = None, backend: str = "auto", timeout: float = 300.0,
-          passive: bool = False, gguf: str | None = None) -> Server:
+          passive: bool = False, gguf: str | None = None, cpu_class: str | None = None) -> Server:
     """Starts llama-server on a free loopback port and waits until it is healthy.
 
     The context `-c` is shared by the slots, so it is slots * slot_ctx: every slot must hold the longest
@@ -243,14 +243,20 @@ def start(slots: int = DEFAULT_SLOTS, slot_ctx: int = DEFAULT_SLOT_CTX, threads:
     time slice and decode slows from ~15 ms to 0.3-2.4 s per token (measured with -t 2 on the 2-core machine).
     Passive waiting sleeps instead (about 20 ms per token in the same conditions).
     gguf: the model file (default: gguf_path(), the bundled SmolLM2).
+    cpu_class: the native build for that class of CPU (build_llama.CPU_CLASSES, e.g. "avx2") instead of this CPU's;
+    backend must be "native" or "auto" (taken as native: the prebuilt peers are built for other classes).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown llama-server backend {backend!r}")
+    if cpu_class is not None:
+        if backend not in ("auto", "native"):
+            raise ValueError(f"a {cpu_class} class llama-server is the native build: backend {backend!r} is not")
+        backend = "native"
     gguf, ctx = gguf or gguf_path(), slots * slot_ctx
     notes = []
     if backend in ("auto", "native"):
         try:
-            info = build_llama.ensure(retry_failed=backend == "native")
+            info = build_llama.ensure(retry_failed=backend == "native", cpu_class=cpu_class)
         except Exception as e:  # no compiler, no network for the sdist, a failed build: try the wheels
             if backend == "native":
                 raise

@@ -31,8 +31,8 @@ def config_text(mode: str, dtype: str, port: int, model_name: str = "m", model_e
 
 def start_server(mode: str, dtype: str, tmp: str, log_path: str | None = None,
                  model_name: str = "m", model_extra: str = "", kv_memory_gib: float = 2.0,
-                 kv_extra: str = "", extra: str = "", model_path: str = "smollm2-135m-instruct"
-                 ) -> tuple[subprocess.Popen, str]:
+                 kv_extra: str = "", extra: str = "", model_path: str = "smollm2-135m-instruct",
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """Writes a config for `mode` into `tmp`, starts the server and returns (process, base url).
 
     model_path: [model] path, a bundled model name or a file (bench/llama_server.py gguf_path gives the one
@@ -40,6 +40,7 @@ def start_server(mode: str, dtype: str, tmp: str, log_path: str | None = None,
     model_extra, kv_extra: more TOML lines for the [model] and [kv] tables, e.g. 'quantization = "int8"'.
     kv_memory_gib: each device's KV pool (float32 KV: 2 GiB a device holds ~46k tokens of SmolLM2).
     extra: more TOML after the [kv] table, e.g. an [slo] table.
+    env: the server's environment (default: this process's), e.g. NODESERVE_KERNELS_MARCH for a CPU class.
     """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,7 +50,7 @@ def start_server(mode: str, dtype: str, tmp: str, log_path: str | None = None,
         f.write(config_text(mode, dtype, port, model_name, model_extra, kv_memory_gib, kv_extra, extra, model_path))
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, "-m", "nodeserve", "run", "--config", path],
-                            stdout=out, stderr=subprocess.STDOUT)
+                            stdout=out, stderr=subprocess.STDOUT, env=env)
     if log_path:
         out.close()
     url = f"http://127.0.0.1:{port}"

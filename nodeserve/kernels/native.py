@@ -40,9 +40,14 @@ BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # bytes per 32 weights: the types 
 # csrc/kquant.c). Q5_0 is not among them: block_quant.servable() turns it into Q8_0 at load.
 BLOCK_LAYOUTS = {**{t: (BLOCK_SIZE, b) for t, b in BLOCK_BYTES.items()},
                  Q5_1: (32, 24), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
-R16 = 0x100  # type flag: weights repacked in 16-row groups for the AVX-512 VNNI kernels (csrc/vnni_gemm.c)
+R16 = 0x100  # type flag: weights repacked in 16-row groups for the integer kernels (csrc/vnni_gemm.c, r16_avx2.c)
 ACT8 = 0x200  # type flag with R16: 8-bit activations for Q4_0 / Q4_1 (vnni_gemm.c's group_rows_i8); others 15-bit
 BF16 = 0x400  # type flag with R16: bf16 products, weights dequantized per call (csrc/bf16_gemm.c)
+R16_AVX2 = 0x800  # type flag with R16: the AVX2 kernels (vpmaddwd / vpmaddubsw, csrc/r16_avx2.c) in any build
+R16_AVXVNNI = 0x1000  # type flag with R16: the 256-bit vpdpwssd / vpdpbusd kernels (r16_avx2.c)
+# ns_r16_supported()'s bits: the R16 kernels a build has, best first, by the name the log and `isa` give them
+R16_KERNELS = {1: "avx512-vnni", 4: "avx-vnni", 2: "avx2"}
+R16_FLAGS = {"avx512-vnni": 0, "avx-vnni": R16_AVXVNNI, "avx2": R16_AVX2}  # the type flag that picks each
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -111,7 +116,8 @@ def march() -> str:
 
 # The compiler's macros for the ISA extensions the kernels test (csrc/*.c), by /proc/cpuinfo's names for them.
 _FEATURE_MACROS = {"__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__AVX512F__": "avx512f",
-                   "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl", "__AVX512VNNI__": "avx512_vnni",
+                   "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl", "__AVX512DQ__": "avx512dq",
+                   "__AVX512CD__": "avx512cd", "__AVX512VNNI__": "avx512_vnni", "__AVXVNNI__": "avx_vnni",
                    "__AVX512BF16__": "avx512_bf16", "__AMX_BF16__": "amx_bf16"}
 
 
@@ -151,11 +157,15 @@ class NativeKernels:
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
-        self.r16 = bool(lib.ns_r16_supported())  # the VNNI GEMM over repacked weights is built in
+        bits = lib.ns_r16_supported()
+        # the integer GEMMs over repacked weights this build has (R16_KERNELS' names, best first)
+        self.r16_kernels = tuple(name for bit, name in R16_KERNELS.items() if bits & bit)
+        self.r16 = bool(self.r16_kernels)
         self.prefill = bool(lib.ns_prefill_supported())  # the AVX-512 prefill attention (csrc/prefill_attn.c)
         self.prefill_bf16 = bool(lib.ns_prefill_bf16_supported())  # ... with bf16 products (AVX512-BF16)
-        self.bf16_gemm = self.r16 and bool(lib.ns_bf16_gemm_supported())  # R16 weights x bf16 (csrc/bf16_gemm.c)
-        self.isa = "avx512-vnni" if self.r16 else {2: "avx2", 0: "scalar"}[lib.ns_isa()]
+        # R16 weights x bf16 (csrc/bf16_gemm.c): AVX-512 VNNI and BF16
+        self.bf16_gemm = bool(bits & 1) and bool(lib.ns_bf16_gemm_supported())
+        self.isa = self.r16_kernels[0] if self.r16 else {2: "avx2", 0: "scalar"}[lib.ns_isa()]
         self.kv_dtypes = (torch.float32, torch.float16) if lib.ns_isa() else (torch.float32,)  # float16: F16C
 
     def repack(self, qtype: int, weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -260,9 +270,19 @@ def _is_f16(kv_layer: torch.Tensor) -> int:
 
 
 def avx2_only() -> bool:
-    """NODESERVE_KERNELS=avx2: run what an AVX2 machine runs (the GGUF-layout GEMMs, torch's prefill attention) on
-    an AVX-512 one, for A/B measurements. Read when weights are repacked and when attention backends are built."""
+    """NODESERVE_KERNELS=avx2: run what an AVX2 machine runs (the R16 GEMMs' AVX2 kernels, no bf16 products, torch's
+    prefill attention) on an AVX-512 one, for A/B measurements. Read when weights are repacked and when attention
+    backends are built."""
     return os.environ.get("NODESERVE_KERNELS", "") == "avx2"
+
+
+def r16_kernel(kernels: NativeKernels) -> str | None:
+    """The R16 kernels repacked weights are served with (R16_KERNELS' name; R16_FLAGS gives its type flag): the
+    build's best, the AVX2 ones under NODESERVE_KERNELS=avx2; None where the build has none (or, forced to AVX2,
+    lacks AVX2)."""
+    if avx2_only():
+        return "avx2" if "avx2" in kernels.r16_kernels else None
+    return kernels.r16_kernels[0] if kernels.r16 else None
 
 
 @functools.cache

@@ -14,14 +14,16 @@ inside the kernel (see cpu_kernels.c, kquant.c), far finer than llama.cpp's int8
 Large batches (prefill chunks) dequantize the matrix to float32 and run torch's GEMM: compute-bound work goes
 to the best GEMM the CPU has, and the dequantization costs a few percent of it.
 
-On a CPU with AVX-512 VNNI, repack() moves every Q4_0 / Q4_1 / Q8_0 matrix into 16-row groups (the same bytes) for the
-integer GEMM of kernels/csrc/vnni_gemm.c, which rounds activations to int16 per 32-block and runs every row count,
-prefill chunks included (bench/kernels.py: 3-15x the float32 paths on batched rows). With
-`model.prompt_activations = "int8"` (use_prompt_activations) a step's prompt rows take int8 activations
-instead, as llama.cpp rounds every row: twice vpdpwssd's multiply rate; with "bf16" (AVX512-BF16; the default
-"auto" where the CPU has it), bf16 products over weights dequantized once a call (kernels/csrc/bf16_gemm.c: no
-per-block scaling). Decode rows keep int16 either way, so a decode token never depends on what shares its step.
-NODESERVE_KERNELS=avx2 keeps the float32 / int16 paths above (for A/B measurements).
+On a CPU with AVX2 (FMA, F16C), repack() moves every Q4_0 / Q4_1 / Q8_0 matrix into 16-row groups (the same bytes)
+for the integer GEMM, which rounds activations to int16 per 32-block and runs every row count, prefill chunks
+included: kernels/csrc/vnni_gemm.c on AVX-512 VNNI (bench/kernels.py: 3-15x the float32 paths on batched rows),
+kernels/csrc/r16_avx2.c's 256-bit kernels elsewhere (AVX-VNNI, or AVX2's vpmaddwd / vpmaddubsw), with the same
+integer sums. With `model.prompt_activations = "int8"` (use_prompt_activations) a step's prompt rows take int8
+activations instead, as llama.cpp rounds every row: twice vpdpwssd's multiply rate; with "bf16" (AVX512-BF16;
+the default "auto" where the CPU has it), bf16 products over weights dequantized once a call
+(kernels/csrc/bf16_gemm.c: no per-block scaling). Decode rows keep int16 either way, so a decode token never
+depends on what shares its step. NODESERVE_KERNELS=avx2 runs the AVX2 kernels (what an AVX2-only CPU runs) on any
+CPU, for A/B measurements.
 """
 
 from __future__ import annotations
@@ -200,12 +202,15 @@ def gemv_rows(model: nn.Module) -> tuple[int, int]:
 
 
 def repack(model: nn.Module) -> int:
-    """Moves every block-quantized linear and embedding of `model` into 16-row groups for the AVX-512 VNNI GEMM,
-    when this CPU's kernels have it (a table shared by the embedding and a tied lm_head is repacked once).
-    Returns how many matrices were repacked."""
+    """Moves every block-quantized linear and embedding of `model` into 16-row groups for the integer GEMMs, when
+    this CPU's kernels have one (native.r16_kernel: AVX-512 VNNI, AVX-VNNI or AVX2; a table shared by the embedding
+    and a tied lm_head is repacked once). Returns how many matrices were repacked."""
     kernels = native.load()
-    if kernels is None or not kernels.r16 or native.avx2_only():
+    kernel = None if kernels is None else native.r16_kernel(kernels)
+    if kernel is None:
         return 0
+    # the build's best kernel needs no flag (an AVX2-only CPU's qtype is plain type | R16); a forced one does
+    flag = native.R16 | (0 if kernel == kernels.r16_kernels[0] else native.R16_FLAGS[kernel])
     repacked: dict[int, torch.Tensor] = {}
     for m in model.modules():  # Q5_1 and the K-quants keep their GGUF layout (kquant.c has no R16 kernel)
         if isinstance(m, (QuantLinear, QuantEmbedding)) and m.qtype in native.BLOCK_BYTES:
@@ -215,18 +220,18 @@ def repack(model: nn.Module) -> int:
             if key not in repacked:
                 repacked[key] = kernels.repack(m.qtype, m.weight, n, k)
             m.weight = repacked[key]
-            m.qtype |= native.R16
+            m.qtype |= flag
     return len(repacked)
 
 
 def use_prompt_activations(model: nn.Module, kind: str) -> int:
     """Prompt rows of repacked projections (not the lm_head, which sees only sampled rows) take `kind`
-    ("int8": Q4_0 / Q4_1 ones, the VNNI kernel's int8 path; "bf16": every one, where the CPU has AVX512-BF16)
-    from now on. Returns how many projections do."""
+    ("int8": Q4_0 / Q4_1 ones, the integer kernels' int8 path; "bf16": every one, where the CPU has AVX512-BF16
+    and the AVX-512 kernels serve) from now on. Returns how many projections do."""
     kernels = native.load()
     if kind == "int8":
         flag, types = native.ACT8, (native.Q4_0, native.Q4_1)
-    elif kind == "bf16" and kernels is not None and kernels.bf16_gemm:
+    elif kind == "bf16" and kernels is not None and kernels.bf16_gemm and native.r16_kernel(kernels) == "avx512-vnni":
         flag, types = native.BF16, (native.Q4_0, native.Q4_1, native.Q8_0)
     else:
         return 0

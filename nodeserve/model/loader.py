@@ -193,7 +193,10 @@ def _build(model: LlamaModel, quantization: str, prompt_activations: str, has_bl
         _quantize_dense_linears(model, block_quant.BLOCK_FORMATS[quantization])
     num_prompt = 0  # projections whose prompt rows take prompt_activations (not int16)
     if has_blocks or quantization in block_quant.BLOCK_FORMATS:
-        block_quant.repack(model)
+        num_repacked = block_quant.repack(model)
+        if num_repacked and not quiet:  # the operator sees which GEMM serves (AVX-512 VNNI, AVX-VNNI or AVX2)
+            log.info("%d block-quantized matrices repacked for the %s integer kernels", num_repacked,
+                     native.r16_kernel(native.load()))
         if prompt_activations != "int16":
             kind = "bf16" if prompt_activations == "auto" else prompt_activations
             num_prompt = block_quant.use_prompt_activations(model, kind)
@@ -209,7 +212,7 @@ def _build(model: LlamaModel, quantization: str, prompt_activations: str, has_bl
 
         quantize_linears(model, quantization)
     if prompt_activations not in ("auto", "int16") and not num_prompt and not quiet:
-        where = "Q4_0/Q4_1 weights in the AVX-512 VNNI kernels" if prompt_activations == "int8" else \
+        where = "Q4_0/Q4_1 weights in the integer kernels" if prompt_activations == "int8" else \
             "block-quantized weights in the AVX-512 VNNI kernels on a CPU with AVX512-BF16"
         log.warning("model.prompt_activations = \"%s\" applies to %s, and this model or CPU has none: prompt rows "
                     "are computed as before", prompt_activations, where)

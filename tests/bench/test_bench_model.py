@@ -78,11 +78,55 @@ def test_compare_starts_every_target_on_the_same_file(load_bench, monkeypatch, t
     args = argparse.Namespace(gguf="/models/g.gguf", dtype="auto", nodeserve_model_extra="", nodeserve_kv_extra="",
                               slo_ttft=2.5, slo_tpot=0.1, slo_ttft_per_token=0.0, llama_passive=True,
                               llama_threads=2, llama_slots=4, llama_slot_ctx=1024,
-                              llama_peers={"llama-server": "native"})
+                              llama_peers={"llama-server": "native"}, cpu_class=None)
     for name in ("disaggregated", "llama-server"):
         with C.serving(name, args, str(tmp_path), str(tmp_path / "log"), []):
             pass
     assert calls == {"nodeserve": "/models/g.gguf", "llama": "/models/g.gguf"}
+
+
+@pytest.mark.parametrize("cpu_class", [None, "avx2"])
+def test_compare_cpu_class_forces_nodeserve_and_builds_llama_for_the_class(load_bench, monkeypatch, tmp_path,
+                                                                           cpu_class):
+    """--cpu-class avx2: nodeserve starts with its kernels built for x86-64-v3 and forced to their AVX2 paths (torch
+    capped at AVX2), llama-server is asked for the avx2 class build; without it both start as before."""
+    C = load_bench("compare")
+    calls = {}
+
+    class Proc:
+        pid = 0
+
+    def fake_nodeserve(mode, dtype, tmp, log, **kw):
+        calls["env"] = kw["env"]
+        with open(log, "w") as f:  # what native.load and the loader log at start-up
+            f.write("INFO CPU kernels: /c/cpu_kernels-x.so (avx2)\nINFO 121 block-quantized matrices repacked for "
+                    "the avx2 integer kernels\n")
+        return Proc(), "http://n"
+
+    def fake_llama(**kw):
+        calls["cpu_class"] = kw["cpu_class"]
+        return C.L.Server(Proc(), "http://l", "native", "v", build="b")
+
+    monkeypatch.setattr(C, "start_server", fake_nodeserve)
+    monkeypatch.setattr(C.L, "start", fake_llama)
+    monkeypatch.setattr(C, "_stop", lambda proc: None)
+    args = argparse.Namespace(gguf="/models/g.gguf", dtype="auto", nodeserve_model_extra="", nodeserve_kv_extra="",
+                              slo_ttft=2.5, slo_tpot=0.1, slo_ttft_per_token=0.0, llama_passive=True,
+                              llama_threads=2, llama_slots=4, llama_slot_ctx=1024,
+                              llama_peers={"llama-server": "native"}, cpu_class=cpu_class)
+    with C.serving("disaggregated", args, str(tmp_path), str(tmp_path / "n.log"), []) as (_, info):
+        pass
+    with C.serving("llama-server", args, str(tmp_path), str(tmp_path / "l.log"), []):
+        pass
+    assert calls["cpu_class"] == cpu_class
+    assert len(info["kernels"]) == 2 and "(avx2)" in info["kernels"][0]
+    if cpu_class is None:
+        assert calls["env"] is None and "cpu_class_env" not in info
+    else:
+        env = calls["env"]
+        assert env["NODESERVE_KERNELS_MARCH"] == "x86-64-v3" and env["NODESERVE_KERNELS"] == "avx2"
+        assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["PATH"] == os.environ["PATH"]  # the rest inherited
+        assert info["cpu_class_env"]["NODESERVE_KERNELS"] == "avx2"
 
 
 def test_quality_starts_every_target_on_the_same_file(load_bench, monkeypatch, tmp_path):

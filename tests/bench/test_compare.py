@@ -235,3 +235,38 @@ def test_the_slo_table_configures_the_slo_a_pass_is_judged_on(C):
     cfg = config_from_dict(tomllib.loads(C.slo_table(ttft, tpot, per_token)))
     assert (cfg.slo.ttft_s, cfg.slo.tpot_s, cfg.slo.ttft_per_token_s) == (0.0, tpot, per_token)
     assert cfg.slo.tpot_s == pytest.approx(0.0205)
+
+
+ZEN3_FLAGS = "fpu sse sse2 ssse3 fma sse4_1 sse4_2 popcnt avx f16c bmi1 avx2 bmi2 vaes vpclmulqdq sha_ni"
+
+
+def test_cpu_class_avx2_is_a_proxy_only_on_a_cpu_with_more(C):
+    """An AVX2-only Zen 3 runs the avx2 class for real; a CPU with AVX-512, AVX-VNNI or AMX as a proxy."""
+    assert not C.class_is_proxy("avx2", ZEN3_FLAGS)
+    for extra in ("avx512f", "avx_vnni", "amx_int8"):
+        assert C.class_is_proxy("avx2", f"{ZEN3_FLAGS} {extra}")
+    text = C.class_text({"class": "avx2", "proxy": True, "nodeserve_env": C.CPU_CLASS_ENV["avx2"]})
+    assert "proxy" in text and "NODESERVE_KERNELS_MARCH=x86-64-v3" in text and C.class_text(None) == ""
+
+
+def test_the_avx2_class_llama_build_turns_native_and_avx512_off(load_bench):
+    B = load_bench("build_llama")
+    native, avx2 = B.cmake_args(), B.cmake_args("avx2")
+    assert "-DGGML_NATIVE=ON" in native and "-DGGML_NATIVE=ON" not in avx2 and "-DGGML_NATIVE=OFF" in avx2
+    for on in ("AVX", "AVX2", "FMA", "F16C", "BMI2"):
+        assert f"-DGGML_{on}=ON" in avx2
+    for off in ("AVX512", "AVX512_VNNI", "AVX_VNNI", "AMX_INT8"):
+        assert f"-DGGML_{off}=OFF" in avx2
+    assert set(native) - {"-DGGML_NATIVE=ON"} <= set(avx2)  # everything else as the native build
+    # its own cache entry, never the native build's
+    assert B.cache_key("cc 12", ZEN3_FLAGS, "avx2") != B.cache_key("cc 12", ZEN3_FLAGS)
+    with pytest.raises(ValueError):
+        B.ensure(cpu_class="avx512")
+    label = B.label({"llama_cpp_build": 1, "llama_cpp_commit": "c", "isa": ["avx", "avx2"], "cpu_class": "avx2"})
+    assert "avx2 class (GGML_NATIVE=OFF)" in label and "-march=native" not in label
+
+
+def test_a_class_llama_server_is_only_the_native_build(load_bench):
+    L = load_bench("llama_server")
+    with pytest.raises(ValueError):
+        L.start(backend="xllamacpp", cpu_class="avx2")

@@ -92,53 +92,102 @@ def test_linear_on_raw_random_blocks(m):
 
 
 needs_f16c = pytest.mark.needs_cpu("avx2", "fma", "f16c")  # float16 pools: the AVX2 build's loads
-needs_vnni = pytest.mark.needs_cpu("avx512f", "avx512bw", "avx512_vnni")  # the R16 kernels (csrc/vnni_gemm.c)
+needs_v4 = pytest.mark.needs_cpu("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")  # -march=x86-64-v4
 
 
-@needs_vnni
+def build_for(march: str) -> native.NativeKernels:
+    """The kernels built for one -march (NODESERVE_KERNELS_MARCH), cached on disk like any build."""
+    if march == "native":
+        return kernels
+    old = os.environ.get("NODESERVE_KERNELS_MARCH")
+    os.environ["NODESERVE_KERNELS_MARCH"] = march
+    try:
+        built = native.load.__wrapped__()
+    finally:
+        if old is None:
+            del os.environ["NODESERVE_KERNELS_MARCH"]
+        else:
+            os.environ["NODESERVE_KERNELS_MARCH"] = old
+    if built is None:
+        pytest.skip(f"the kernels could not be built for -march={march}")
+    return built
+
+
+# Every R16 kernel this machine can run, by (build, kernel): the native build's own (AVX-512 VNNI, the 256-bit
+# VNNI kernels, AVX2), an AVX-512 CPU without VNNI's (x86-64-v4: Skylake-SP) and an AVX2-only CPU's (x86-64-v3).
+R16_CASES = [pytest.param(("native", name), id=f"native-{name}") for name in (kernels.r16_kernels if kernels else ())]
+R16_CASES += [pytest.param(("x86-64-v4", "avx2"), marks=needs_v4, id="x86-64-v4-avx2"),
+              pytest.param(("x86-64-v3", "avx2"), marks=needs_f16c, id="x86-64-v3-avx2")]
+
+
+@pytest.fixture(scope="module", params=R16_CASES)
+def r16(request):
+    """(kernels, type flags): one R16 kernel of one build; type | flags runs it on weights that build repacked."""
+    march, name = request.param
+    built = build_for(march)
+    assert name in built.r16_kernels, (march, built.r16_kernels)
+    return built, native.R16 | native.R16_FLAGS[name]
+
+
+@needs_f16c  # an x86 machine whose compiler knows the class (nothing of the build runs)
+def test_an_avx_vnni_cpus_build_has_the_256_bit_vnni_kernels_in_vex():
+    """Alder Lake's class (AVX-VNNI, no AVX-512): its build serves R16 with the 256-bit VNNI kernels, and they are
+    VEX-encoded vpdpwssd / vpdpbusd (what such a CPU executes; the EVEX forms this machine tests the same code with
+    would SIGILL there). Built and inspected only: nothing of it runs here."""
+    import subprocess
+
+    built = build_for("alderlake")
+    assert built.r16_kernels == ("avx-vnni", "avx2") and built.isa == "avx-vnni" and "avx_vnni" in built.features
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", built.path], capture_output=True, text=True,
+                          check=True).stdout
+    assert "{vex} vpdpbusd" in text and "{vex} vpdpwssd" in text and "%zmm" not in text
+
+
 @pytest.mark.parametrize("name", TYPES)
-def test_repacked_weights_dequantize_to_the_files_weights(matrices, name):
+def test_repacked_weights_dequantize_to_the_files_weights(r16, matrices, name):
     """16-row groups (40 rows: the last group padded) hold the same weights, bit for bit, row by row."""
-    r16 = kernels.repack(TYPES[name], matrices[name], 40, 96)
-    assert r16.shape[0] == 3
+    build, flags = r16
+    packed = build.repack(TYPES[name], matrices[name], 40, 96)
+    assert packed.shape[0] == 3
     want = gguf_dense(matrices[name], name, 96)
-    assert torch.equal(kernels.dequantize(TYPES[name] | native.R16, r16, 96, num_rows=40), want)
+    assert torch.equal(build.dequantize(TYPES[name] | flags, packed, 96, num_rows=40), want)
     rows = torch.tensor([39, 0, 16, 15, 17])
-    assert torch.equal(kernels.dequantize(TYPES[name] | native.R16, r16, 96, rows), want[rows])
+    assert torch.equal(build.dequantize(TYPES[name] | flags, packed, 96, rows), want[rows])
 
 
-@needs_vnni
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("m", [1, 3, 5, 8, 12, 13, 20])
-def test_repacked_linear_rounds_activations_to_int16_per_block(matrices, name, m):
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 8, 12, 13, 20])
+def test_repacked_linear_rounds_activations_to_int16_per_block(r16, matrices, name, m):
     """Every row count: activations rounded to 15 bits per block of 32, so each output is within
     sum_b |w_b| * amax(x_b) / 32767 / 2 of the float32 product (and padded rows are never written)."""
+    build, flags = r16
     torch.manual_seed(m)
     x = torch.randn(m, 96) * torch.logspace(-2, 1, 96)
     dense = gguf_dense(matrices[name], name, 96)
     want = x @ dense.T
-    r16 = kernels.repack(TYPES[name], matrices[name], 40, 96)
-    got = kernels.linear(TYPES[name] | native.R16, r16, x, 40)
+    packed = build.repack(TYPES[name], matrices[name], 40, 96)
+    got = build.linear(TYPES[name] | flags, packed, x, 40)
     xb = x.view(m, 3, 32).abs().amax(-1)                                      # [m, blocks]
     bound = (dense.abs().view(40, 3, 32).sum(-1)[None] * xb[:, None] / 32767 / 2).sum(-1) + 1e-5  # [m, 40]
     assert ((got - want).abs() <= bound).all()
     assert not torch.equal(got, want)
     if m == 1:  # the same rounding as the AVX2 path's one-row kernel on the GGUF layout (float sums reordered)
-        torch.testing.assert_close(got, kernels.linear(TYPES[name], matrices[name], x, 40), rtol=1e-5,
+        torch.testing.assert_close(got, build.linear(TYPES[name], matrices[name], x, 40), rtol=1e-5,
                                    atol=1e-5 * want.abs().max().item())
 
 
-@needs_vnni
 @pytest.mark.parametrize("name", TYPES)
-def test_a_repacked_row_is_the_same_in_any_tile(matrices, name):
-    """Tiles of up to 4 rows (four chains a row) and of 5-12 (one chain a row) sum in the same order: a row's
-    output is bit-identical whatever the step's row count, so a request's tokens do not depend on its batch."""
+def test_a_repacked_row_is_the_same_in_any_tile(r16, matrices, name):
+    """Tiles of every size (AVX-512: up to 4 rows with four chains a row, 5-12 with one; 256-bit: 1-2 rows over
+    both halves of a group, 3-6 a half at a time) sum in the same order: a row's output is bit-identical whatever
+    the step's row count, so a request's tokens do not depend on its batch."""
+    build, flags = r16
     torch.manual_seed(0)
     x = torch.randn(25, 96)
-    r16 = kernels.repack(TYPES[name], matrices[name], 40, 96)
-    whole = kernels.linear(TYPES[name] | native.R16, r16, x, 40)  # tiles of 12, 12, 1
-    for m in (1, 2, 4, 5, 9, 12, 16):
-        assert torch.equal(kernels.linear(TYPES[name] | native.R16, r16, x[:m], 40), whole[:m]), m
+    packed = build.repack(TYPES[name], matrices[name], 40, 96)
+    whole = build.linear(TYPES[name] | flags, packed, x, 40)
+    for m in (1, 2, 3, 4, 5, 6, 7, 9, 12, 16):
+        assert torch.equal(build.linear(TYPES[name] | flags, packed, x[:m], 40), whole[:m]), m
 
 
 def int8_reference(blocks: torch.Tensor, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -161,30 +210,70 @@ def int8_reference(blocks: torch.Tensor, name: str, x: torch.Tensor) -> torch.Te
     return torch.from_numpy(y)
 
 
-@needs_vnni
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
-@pytest.mark.parametrize("m", [1, 5, 12, 13, 40])
-def test_int8_activation_rows_match_the_scalar_reference(matrices, name, m):
-    """ACT8: the VNNI vpdpbusd GEMM equals its scalar reference up to float32 rounding of the block sums (it
-    rounds activations to 8 bits, so it is far from the float product: 100x the int16 path's distance)."""
+@pytest.mark.parametrize("m", [1, 2, 5, 12, 13, 40])
+def test_int8_activation_rows_match_the_scalar_reference(r16, matrices, name, m):
+    """ACT8: the vpdpbusd GEMM (or vpmaddubsw + vpmaddwd on AVX2) equals its scalar reference up to float32
+    rounding of the block sums (it rounds activations to 8 bits, so it is far from the float product: 100x the
+    int16 path's distance)."""
+    build, flags = r16
     torch.manual_seed(m)
     x = torch.randn(m, 96) * torch.logspace(-2, 1, 96)
-    r16 = kernels.repack(TYPES[name], matrices[name], 40, 96)
-    got = kernels.linear(TYPES[name] | native.R16 | native.ACT8, r16, x, 40)
+    packed = build.repack(TYPES[name], matrices[name], 40, 96)
+    got = build.linear(TYPES[name] | flags | native.ACT8, packed, x, 40)
     want = int8_reference(matrices[name], name, x)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    int16 = kernels.linear(TYPES[name] | native.R16, r16, x, 40)
+    int16 = build.linear(TYPES[name] | flags, packed, x, 40)
     exact = x.double() @ gguf_dense(matrices[name], name, 96).double().T
     assert (got.double() - exact).abs().max() > 10 * (int16.double() - exact).abs().max()
 
 
-@needs_vnni
-def test_int8_activations_leave_q8_0_weights_at_int16(matrices):
+def test_int8_activations_reach_the_largest_pair_sums_exactly(r16):
+    """Nibbles of 15 against activations of +-127 in every lane: vpmaddubsw's int16 pair sums (3,810) and their
+    sum over a block (30,480) are at their largest and must neither saturate nor wrap."""
+    build, flags = r16
+    n, k = 16, 64
+    blocks = torch.zeros(n, k // 32, 18, dtype=torch.uint8)  # Q4_0
+    blocks[..., :2] = torch.tensor([0.5], dtype=torch.float16).view(torch.uint8)
+    blocks[..., 2:] = 0xFF  # every quant 15: w = 0.5 * (15 - 8)
+    blocks = blocks.reshape(n, -1)
+    x = torch.full((3, k), 2.0)
+    x[1] = -2.0
+    x[2, ::2] = -2.0  # alternating signs: pair sums of 0
+    packed = build.repack(native.Q4_0, blocks, n, k)
+    got = build.linear(native.Q4_0 | flags | native.ACT8, packed, x, n)
+    want = int8_reference(blocks, "Q4_0", x).float()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-4)
+    assert torch.equal(got[0], torch.full((n,), 0.5 * 7 * 2 * k))
+
+
+def test_int8_activations_leave_q8_0_weights_at_int16(r16, matrices):
     """Q8_0 blocks (signed weights: no unsigned operand for vpdpbusd) ignore ACT8 and round to int16."""
+    build, flags = r16
     x = torch.randn(13, 96)
-    r16 = kernels.repack(native.Q8_0, matrices["Q8_0"], 40, 96)
-    assert torch.equal(kernels.linear(native.Q8_0 | native.R16 | native.ACT8, r16, x, 40),
-                       kernels.linear(native.Q8_0 | native.R16, r16, x, 40))
+    packed = build.repack(native.Q8_0, matrices["Q8_0"], 40, 96)
+    assert torch.equal(build.linear(native.Q8_0 | flags | native.ACT8, packed, x, 40),
+                       build.linear(native.Q8_0 | flags, packed, x, 40))
+
+
+@pytest.mark.parametrize("act8", [0, native.ACT8], ids=["int16", "int8"])
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 7, 13, 32])
+def test_every_r16_kernel_is_the_native_best_kernel_up_to_float_sum_order(r16, name, m, act8):
+    """Parity across the CPU classes: each R16 kernel of each build (AVX2 on x86-64-v3, the 256-bit VNNI one, ...)
+    computes the same integer sums as the native build's best (AVX-512 VNNI on this class of machine) and the same
+    float operations on them, so it gives its result up to the order of a block's float sum; over 37 rows (a
+    partial last group: a half with 5 rows, one with none) and K = 576, SmolLM2's width."""
+    build, flags = r16
+    rng = np.random.default_rng(m)
+    w = (rng.standard_normal((37, 576)) * rng.uniform(0.01, 2, (37, 1))).astype(np.float32)
+    blocks = gguf_blocks(w, name)
+    x = torch.from_numpy(rng.standard_normal((m, 576)).astype(np.float32)) * torch.logspace(-2, 1, 576)
+    best = kernels.linear(TYPES[name] | native.R16 | act8, kernels.repack(TYPES[name], blocks, 37, 576), x, 37)
+    got = build.linear(TYPES[name] | flags | act8, build.repack(TYPES[name], blocks, 37, 576), x, 37)
+    # float32 sums in another order: relative to the size of the terms summed
+    dense = gguf_dense(blocks, name, 576)
+    torch.testing.assert_close(got, best, rtol=0, atol=2e-6 * float((x.abs() @ dense.abs().T).max()))
 
 
 needs_bf16_gemm = pytest.mark.needs_cpu("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")  # csrc/bf16_gemm.c
@@ -210,29 +299,34 @@ def test_bf16_prompt_rows_are_the_product_of_bf16_rounded_operands(matrices, nam
     assert not torch.equal(got, kernels.linear(TYPES[name] | native.R16, r16, x, 40))
 
 
-@needs_vnni
 @pytest.mark.parametrize("flag", ["ACT8", pytest.param("BF16", marks=pytest.mark.needs_cpu("avx512_bf16"))])
-def test_an_int8_or_bf16_row_is_the_same_in_any_tile(matrices, flag):
+def test_an_int8_or_bf16_row_is_the_same_in_any_tile(r16, matrices, flag):
     """As with int16: a row's output does not depend on how many rows share the call."""
+    build, flags = r16
+    if flag == "BF16" and not (build.bf16_gemm and flags == native.R16):
+        flags = native.R16  # bf16 products: the AVX-512 kernels' only (bf16_gemm.c)
+        build = kernels
     torch.manual_seed(1)
     x = torch.randn(25, 96)
-    r16 = kernels.repack(native.Q4_1, matrices["Q4_1"], 40, 96)
-    qtype = native.Q4_1 | native.R16 | getattr(native, flag)
-    whole = kernels.linear(qtype, r16, x, 40)
-    for m in (1, 4, 5, 12, 16):
-        assert torch.equal(kernels.linear(qtype, r16, x[:m], 40), whole[:m]), m
+    packed = build.repack(native.Q4_1, matrices["Q4_1"], 40, 96)
+    qtype = native.Q4_1 | flags | getattr(native, flag)
+    whole = build.linear(qtype, packed, x, 40)
+    for m in (1, 2, 3, 4, 5, 6, 7, 12, 16):
+        assert torch.equal(build.linear(qtype, packed, x[:m], 40), whole[:m]), m
 
 
-@needs_vnni
-def test_repacked_linear_writes_only_the_columns_asked_for(matrices):
-    """n_begin / n_end select whole 16-row groups (the split a helper thread would take); the rest is untouched."""
-    r16 = kernels.repack(native.Q4_1, matrices["Q4_1"], 40, 96)
+@pytest.mark.parametrize("act8", [0, native.ACT8], ids=["int16", "int8"])
+def test_repacked_linear_writes_only_the_columns_asked_for(r16, matrices, act8):
+    """n_begin / n_end select whole 16-row groups (the split a helper thread would take); the rest is untouched,
+    the 8 columns past the last row (n_end = 37: half a group's lanes masked) too."""
+    build, flags = r16
+    packed = build.repack(native.Q4_1, matrices["Q4_1"], 40, 96)
     x = torch.randn(2, 96)
-    full = kernels.linear(native.Q4_1 | native.R16, r16, x, 40)
-    y = torch.full((2, 40), 7.0)
-    assert kernels.lib.ns_linear(native.Q4_1 | native.R16, r16.data_ptr(), x.data_ptr(), y.data_ptr(), 2, 96, 40,
-                                 16, 40) == 0
-    assert torch.equal(y[:, 16:], full[:, 16:]) and (y[:, :16] == 7.0).all()
+    qtype = native.Q4_1 | flags | act8
+    full = build.linear(qtype, packed, x, 40)
+    y = torch.full((2, 48), 7.0)
+    assert build.lib.ns_linear(qtype, packed.data_ptr(), x.data_ptr(), y.data_ptr(), 2, 96, 48, 16, 37) == 0
+    assert torch.equal(y[:, 16:37], full[:, 16:37]) and (y[:, :16] == 7.0).all() and (y[:, 37:] == 7.0).all()
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, pytest.param(torch.float16, marks=needs_f16c)])
@@ -702,27 +796,16 @@ def test_a_decode_layer_whose_peer_never_comes_fails_once_the_group_is_aborted(o
 
 KQ_TYPES = {"Q5_1": native.Q5_1, "Q4_K": native.Q4_K, "Q5_K": native.Q5_K, "Q6_K": native.Q6_K}
 KQ_F16_FIELDS = {"Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets in a block
-# the kernels for this CPU; an AVX2-only machine's (x86-64-v3: AVX2, FMA, F16C); the scalar C (x86-64)
-BUILDS = ["native", "x86-64-v3", "x86-64"]
+# the kernels for this CPU; an AVX-512 CPU without VNNI's (x86-64-v4); an AVX2-only machine's (x86-64-v3: AVX2,
+# FMA, F16C); a plain x86-64 CPU's, the scalar C (x86-64-v2)
+BUILDS = ["native", pytest.param("x86-64-v4", marks=needs_v4), pytest.param("x86-64-v3", marks=needs_f16c),
+          "x86-64-v2"]
 
 
 @pytest.fixture(scope="module", params=BUILDS)
 def kq_build(request):
     """The kernels built for one -march (NODESERVE_KERNELS_MARCH), cached on disk like any build."""
-    if request.param == "native":
-        return kernels
-    old = os.environ.get("NODESERVE_KERNELS_MARCH")
-    os.environ["NODESERVE_KERNELS_MARCH"] = request.param
-    try:
-        built = native.load.__wrapped__()
-    finally:
-        if old is None:
-            del os.environ["NODESERVE_KERNELS_MARCH"]
-        else:
-            os.environ["NODESERVE_KERNELS_MARCH"] = old
-    if built is None:
-        pytest.skip(f"the kernels could not be built for -march={request.param}")
-    return built
+    return build_for(request.param)
 
 
 def kq_blocks(name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -13,6 +13,8 @@ from nodeserve.kernels import native
 from nodeserve.model import block_quant
 
 pytestmark = pytest.mark.skipif(not block_quant.available(), reason="the native kernels could not be built")
+# quantization = "auto" serves float32 weights on a CPU without AVX2 (model/loader.py): no blocks to test there
+needs_avx2 = pytest.mark.needs_cpu("avx2", "fma", "f16c")
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +24,7 @@ def loaded_auto(gguf_path):
     return load_model(gguf_path, torch.float32, quantization="auto")
 
 
+@needs_avx2
 def test_auto_keeps_the_files_blocks(loaded_auto, loaded_fp32):
     from nodeserve.runtime.memory import weight_bytes
     from nodeserve.model.native_ops import NativeOps
@@ -30,11 +33,11 @@ def test_auto_keeps_the_files_blocks(loaded_auto, loaded_fp32):
     assert not [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     quant = {n: m for n, m in model.named_modules() if isinstance(m, block_quant.QuantLinear)}
     assert len(quant) == 4 * model.cfg.num_layers + 1
-    assert {m.qtype & ~native.R16 for n, m in quant.items() if n != "lm_head"} == {native.Q4_1}
-    # repacked in 16-row groups where the CPU has AVX-512 VNNI, every matrix alike
+    assert {m.qtype & 0xff for n, m in quant.items() if n != "lm_head"} == {native.Q4_1}
+    # repacked in 16-row groups where the CPU has an R16 kernel (AVX2 and up), every matrix alike
     assert {bool(m.qtype & native.R16) for m in quant.values()} == {native.load().r16}
     # tied embeddings: the Q8_0 table is shared by the lookup and the lm_head, not copied
-    assert model.lm_head.qtype & ~native.R16 == native.Q8_0 and model.lm_head.weight is model.embed_tokens.weight
+    assert model.lm_head.qtype & 0xff == native.Q8_0 and model.lm_head.weight is model.embed_tokens.weight
     assert weight_bytes(model) < 0.2 * weight_bytes(loaded_fp32.model)
     assert isinstance(model.ops, NativeOps) and model.dtype == torch.float32
     # the weights are the file's, exactly: dequantized they are what the float32 path loaded
@@ -58,6 +61,7 @@ def test_dense_weights_quantize_within_half_a_step(fmt, one_thread):
     torch.testing.assert_close(q(x), nn.functional.linear(x, w, lin.bias), rtol=1e-5, atol=1e-5)
 
 
+@needs_avx2
 def test_gemv_rows_tells_the_cost_model_how_small_steps_run(loaded_auto, loaded_fp32):
     max_rows = block_quant.MAX_REPACKED_ROWS if native.load().r16 else block_quant.MAX_GEMV_ROWS
     assert block_quant.gemv_rows(loaded_auto.model) == (max_rows, block_quant.ROWS_PER_PASS)
@@ -66,8 +70,9 @@ def test_gemv_rows_tells_the_cost_model_how_small_steps_run(loaded_auto, loaded_
     assert f"#define MAX_TILE {block_quant.ROWS_PER_PASS} " in src  # the Python mirror of the C constant
 
 
+@needs_avx2
 def test_prefill_sized_batches_agree_with_float32_math(loaded_auto, one_thread):
-    """Past MAX_GEMV_ROWS the GGUF layout takes the dense GEMM (float32 exactly); repacked weights take the VNNI
+    """Past MAX_GEMV_ROWS the GGUF layout takes the dense GEMM (float32 exactly); repacked weights take the R16
     kernel (int16 activations: within its rounding)."""
     mod = loaded_auto.model.layers[0].mlp.down_proj
     x = torch.randn(block_quant.MAX_GEMV_ROWS + 1, mod.in_features)
@@ -83,6 +88,7 @@ def test_prefill_sized_batches_agree_with_float32_math(loaded_auto, one_thread):
         assert ((mod(x).double() - x.double() @ dense.double().T).abs() <= bound).all()
 
 
+@needs_avx2
 def test_a_long_chunks_mlp_runs_by_row_blocks_with_the_same_values(loaded_auto, one_thread):
     """Past llama.MAX_MLP_ROWS the gate/up projection runs by blocks of rows (so no activation outgrows glibc's
     fixed mmap threshold); each row's values are those of the whole-chunk product."""
@@ -101,11 +107,14 @@ def test_a_long_chunks_mlp_runs_by_row_blocks_with_the_same_values(loaded_auto, 
         torch.testing.assert_close(mlp(x, model.ops), whole, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.needs_cpu("avx512f", "avx512bw", "avx512_vnni")
-@pytest.mark.parametrize("kind", ["int8", pytest.param("bf16", marks=pytest.mark.needs_cpu("avx512_bf16"))])
+@pytest.mark.parametrize("kind", [pytest.param("int8", marks=pytest.mark.needs_cpu("avx2", "fma", "f16c")),
+                                  pytest.param("bf16", marks=pytest.mark.needs_cpu("avx512f", "avx512bw",
+                                                                                   "avx512_vnni", "avx512_bf16"))])
 def test_prompt_rows_leave_the_decode_rows_as_they_were(gguf_path, one_thread, kind):
-    """With prompt_activations = "int8" or "bf16" the rows from prompt_from on (prompt tokens) take that kernel
-    and the rows before it (the step's decodes) are bit for bit what they are alone; the lm_head never switches."""
+    """With prompt_activations = "int8" (any R16 kernel: AVX2 and up) or "bf16" (the AVX-512 ones) the rows from
+    prompt_from on (prompt tokens) take that kernel and the rows before it (the step's decodes) are bit for bit what
+    they are alone; the lm_head never switches. Forced to the AVX2 kernels (NODESERVE_KERNELS=avx2), bf16 applies
+    to nothing, as on an AVX2 CPU."""
     from nodeserve.model.llama import MAX_MLP_ROWS
     from nodeserve.model.loader import load_model
 
@@ -113,6 +122,9 @@ def test_prompt_rows_leave_the_decode_rows_as_they_were(gguf_path, one_thread, k
     model = load_model(gguf_path, torch.float32, quantization="auto", prompt_activations=kind).model
     mlp = model.layers[0].mlp
     gate_up = mlp.gate_up_proj
+    if kind == "bf16" and native.avx2_only():
+        assert gate_up.qtype & native.R16_AVX2 and gate_up.prompt_flag == 0
+        return
     assert gate_up.prompt_flag == flag and not model.lm_head.prompt_flag
     x = torch.randn(MAX_MLP_ROWS + 9, gate_up.in_features)
     split = gate_up(x, prompt_from=3)
@@ -160,6 +172,7 @@ def test_quantized_decode_follows_float32_on_the_same_weights(loaded_auto, loade
     assert max_diff < 0.1, max_diff  # measured: 96/96 tokens agree, max difference 0.013 (logits span ~75)
 
 
+@needs_avx2
 def test_native_decoder_is_the_module_path_in_one_call(loaded_auto, one_thread):
     """Decode-only steps through ns_decode_layer give what the per-op path (NativeOps, paged attention, the
     same kernels) gives, row for row, and fill the pool the same way."""
@@ -202,13 +215,15 @@ def test_prompt_activations_say_so_where_nothing_takes_them(gguf_path, caplog, k
     assert "prompt_activations" in caplog.text
 
 
+@needs_avx2
 def test_auto_prompt_activations_take_bf16_where_the_cpu_has_it_and_say_nothing(gguf_path, caplog):
     """The default: bf16 products on AVX512-BF16 CPUs, the kernels' own int16 elsewhere, and no warning on
     either (nor on the exact path, where nothing takes it)."""
     from nodeserve.model.loader import load_model
 
     kernels = native.load()
-    want = native.BF16 if kernels is not None and kernels.bf16_gemm else 0
+    want = native.BF16 if kernels is not None and kernels.bf16_gemm and native.r16_kernel(kernels) == "avx512-vnni" \
+        else 0
     with caplog.at_level("WARNING", logger="nodeserve"):
         model = load_model(gguf_path, torch.float32, quantization="auto", prompt_activations="auto").model
         load_model(gguf_path, torch.float32, quantization="none", prompt_activations="auto")
@@ -269,7 +284,7 @@ def test_kquant_linear_and_embedding_are_the_files_weights(qtype, one_thread):
     model = nn.ModuleDict({"k": lin, "e": emb, "q8": q8})
     block_quant.repack(model)
     assert lin.qtype == qtype and emb.qtype == qtype
-    assert bool(q8.qtype & native.R16) == (native.load().r16 and not native.avx2_only())
+    assert bool(q8.qtype & native.R16) == (native.r16_kernel(native.load()) is not None)
 
 
 def test_q4_0_and_q8_0_fuse_as_q8_0_without_loss():
@@ -293,6 +308,7 @@ def test_k_quants_of_different_types_fuse_as_float32_and_say_so(caplog):
     assert torch.equal(fused.weight, torch.cat([p.quantized.dequantize() for p in parts]))
 
 
+@needs_avx2
 def test_gemma3_q4_k_m_serves_its_blocks_and_greedy_follows_the_exact_tier(one_thread):
     """The real file people use (bundled gemma-3-270m, Q4_K_M): Q5_0 q/k with Q8_0 v and Q5_0 gate/up fuse as Q8_0,
     Q4_K / Q6_K o and down stay in their blocks, nothing falls back to float32, the weights are the exact tier's,
@@ -323,3 +339,23 @@ def test_gemma3_q4_k_m_serves_its_blocks_and_greedy_follows_the_exact_tier(one_t
             logits = runner.run([SeqChunk(seq[-1:], len(seq) - 1, pages)])[0]
         tokens.append(seq[len(ids):])
     assert tokens[0] == tokens[1]
+
+
+@needs_avx2
+@pytest.mark.parametrize("forced", [False, True], ids=["best", "forced-avx2"])
+def test_the_load_log_names_the_integer_kernels_chosen(gguf_path, caplog, monkeypatch, forced):
+    """Start-up says which R16 kernels serve: the build's best (AVX-512 VNNI, AVX-VNNI or AVX2), or AVX2 under
+    NODESERVE_KERNELS=avx2; the projections carry the flag that picks a kernel other than the best."""
+    from nodeserve.model.loader import load_model
+
+    if forced:
+        monkeypatch.setenv("NODESERVE_KERNELS", "avx2")
+    else:
+        monkeypatch.delenv("NODESERVE_KERNELS", raising=False)
+    kernels = native.load()
+    chosen = "avx2" if forced else kernels.r16_kernels[0]
+    with caplog.at_level("INFO", logger="nodeserve"):
+        model = load_model(gguf_path, torch.float32, quantization="auto").model
+    assert f"repacked for the {chosen} integer kernels" in caplog.text
+    flag = 0 if chosen == kernels.r16_kernels[0] else native.R16_FLAGS[chosen]
+    assert model.layers[0].mlp.gate_up_proj.qtype == native.Q4_1 | native.R16 | flag

@@ -42,7 +42,14 @@
  * ahead (1-2 KB: no better; bench/kernels.py's step rows). */
 #define PREFETCH_BYTES 8192
 
-int ns_r16_supported(void) { return NS_R16; }
+int ns_r256_supported(void);  /* r16_avx2.c: 1 its AVX2 kernels, 2 its 256-bit VNNI ones */
+int ns_linear_r256(int type, const uint8_t *wr, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
+                   int64_t n_begin, int64_t n_end);
+#define R_256 0x1800  /* type flags asking for r16_avx2.c's kernels: R_AVX2 | R_AVXVNNI */
+
+/* The R16 kernels this build has, a bit each: 1 this file's (AVX-512 VNNI), 2 r16_avx2.c's AVX2 ones (vpmaddwd /
+ * vpmaddubsw), 4 its 256-bit VNNI ones (AVX-VNNI, or AVX-512 VL + VNNI). Zero: R16 weights are not served. */
+int ns_r16_supported(void) { return NS_R16 | ns_r256_supported() << 1; }
 
 static int64_t gguf_block_bytes(int type) { return type == R_Q4_0 ? 18 : type == R_Q4_1 ? 20 : 34; }
 
@@ -332,14 +339,16 @@ static inline __attribute__((always_inline)) void linear_groups(
 #endif
 
 /* y [M, ldy] columns n_begin..n_end (n_begin a multiple of 16) = x [M, K] @ W^T, W in R16 (with R_BF16, in bf16:
- * bf16_gemm.c). Returns 0; -1 when out of memory or this build has no VNNI path (callers only pass R16 weights when
- * ns_r16_supported(), and R_BF16 when ns_bf16_gemm_supported()). */
+ * bf16_gemm.c; without AVX-512 VNNI, or with R_AVX2 / R_AVXVNNI, on 256-bit registers: r16_avx2.c). Returns 0; -1
+ * when out of memory or this build lacks the kernel (callers only pass R16 weights when ns_r16_supported(), and
+ * R_BF16 when ns_bf16_gemm_supported()). */
 int ns_linear_r16_bf16(int type, const uint8_t *wr, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
                        int64_t n_begin, int64_t n_end);  /* bf16_gemm.c */
 
 int ns_linear_r16(int type, const uint8_t *wr, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
                   int64_t n_begin, int64_t n_end) {
     if (type & R_BF16) return ns_linear_r16_bf16(type & 0xff, wr, x, y, M, K, ldy, n_begin, n_end);
+    if (!NS_R16 || (type & R_256)) return ns_linear_r256(type, wr, x, y, M, K, ldy, n_begin, n_end);
 #if NS_R16
     const int64_t nb = K / QK;
     if ((type & R_ACT8) && ((type & 0xff) == R_Q4_0 || (type & 0xff) == R_Q4_1)) {
