@@ -65,7 +65,7 @@ class WindowKV:
         """The longest cached prefix of at most num_cached_pages pages (those the full layers have cached) whose
         windowed layers' pages are cached too: the window before its end, which its first new query reads. vLLM's
         rule for sliding-window groups: the full layers need every page of the prefix, the windowed layers only
-        its last window's. Returns (its pages, the window pages of that last window, shared: a holder added)."""
+        its last window's. Returns (its length in pages, the window pages of its last window, a holder added)."""
         for k in range(num_cached_pages, 0, -1):
             first = first_window_page(k * self.page_size, self.window, self.page_size)
             pages = self.manager.share_all(hashes[first:k])
