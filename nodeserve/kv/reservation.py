@@ -130,6 +130,19 @@ def reserve_tokens(kv: KVManager, num_tokens: int) -> list[int] | None:
         return None
 
 
+def reserve_move(kv: KVManager, window: WindowKV | None, num_tokens: int) -> tuple[list[int], WindowPages | None] | None:
+    """A move's target: fresh pages for num_tokens tokens and, where the model has windowed layers, their window
+    pages promised (drawn when the request stops on its source). None, taking nothing, if either is short."""
+    pages = reserve_tokens(kv, num_tokens)
+    if pages is None or window is None:
+        return None if pages is None else (pages, None)
+    window_pages = window.reserve(num_tokens, prefills=False)
+    if window_pages is None:
+        kv.free(pages)
+        return None
+    return pages, window_pages
+
+
 @contextmanager
 def scratch_windows(kv: WindowKV | None, spans: Sequence[tuple[int, int]]) -> Iterator[list[list[int] | None]]:
     """Window tables (SeqChunk.window_table) for throwaway sequences feeding positions [start, end) each (warm-up,

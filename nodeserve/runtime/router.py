@@ -27,7 +27,7 @@ from nodeserve.core.request import Request
 from nodeserve.core.roles import RoleChange
 from nodeserve.core.serving_unit import ServingUnit
 from nodeserve.kv.manager import hash_pages
-from nodeserve.kv.reservation import Reservation, reserve_prompt, reserve_tokens
+from nodeserve.kv.reservation import Reservation, reserve_move, reserve_prompt
 from nodeserve.runtime.loads import snapshot
 
 if TYPE_CHECKING:
@@ -261,14 +261,10 @@ class Router:
             return False
         if self.num_seats_taken[target] >= target.limits.max_num_seqs:
             return False
-        pages = reserve_tokens(target.kv, req.max_total_tokens)
-        if pages is None:
+        taken = reserve_move(target.kv, target.window, req.max_total_tokens)
+        if taken is None:
             return False
-        # a model with windowed layers: their pages there, drawn when the request stops here (worker._copy_window)
-        window = target.window.reserve(req.max_total_tokens, prefills=False) if target.window is not None else None
-        if target.window is not None and window is None:
-            target.kv.free(pages)
-            return False
+        pages, window = taken
         self.moving[req.request_id] = target
         self.num_seats_taken[target] += 1
         source.send(Migrate(req, Handoff(target, pages, window=window), live))

@@ -7,7 +7,7 @@ import torch
 
 from nodeserve.kv.manager import KVManager
 from nodeserve.kv.pool import KVPool
-from nodeserve.kv.reservation import reserve_prompt, scratch_windows
+from nodeserve.kv.reservation import reserve_move, reserve_prompt, scratch_windows
 from nodeserve.kv.window import WindowKV, first_window_page, max_window_pages, split_pages
 from nodeserve.model.config import ModelConfig
 
@@ -153,3 +153,20 @@ def test_split_pages_gives_windows_their_seats_and_full_layers_the_rest():
     assert num_window * 15 <= 100 * 18 * 3 // 4 and num_full >= 1
     # every layer windowed (Mistral): the full pages hold no bytes, their count bounds admission only
     assert split_pages(100, 4, 4, 64, PAGE, 8, 64)[0] == 400
+
+
+def test_a_move_takes_its_pages_and_window_whole_or_nothing():
+    kv, window = KVManager(100, PAGE), _window_kv(num_pages=40)
+    taken = reserve_move(kv, window, 1000)
+    assert taken is not None
+    pages, promised = taken
+    assert len(pages) == 63 and promised is not None and window.manager.num_promised == 33
+    assert reserve_move(kv, window, 700) is None and kv.num_used == 63  # 37 pages free: 44 needed
+    other = KVManager(100, PAGE)
+    assert reserve_move(other, window, 1000) is None and other.num_used == 0  # 7 window pages left, 33 needed
+    assert window.manager.num_promised == 33
+    kv.free(pages)
+    promised.release()
+    assert kv.num_used == 0 and window.manager.num_promised == 0
+    alone = reserve_move(kv, None, 20)  # a model without windowed layers
+    assert alone is not None and len(alone[0]) == 2 and alone[1] is None
