@@ -157,6 +157,17 @@ class SloSection:
 
 
 @dataclass(frozen=True)
+class SpeculativeSection:
+    method: str = "prompt_lookup"         # off | prompt_lookup | draft: how decode devices guess tokens to verify
+    num_speculative_tokens: int = 7       # most tokens guessed per request and step (k; the policy picks 0..k)
+    prompt_lookup_min: int = 2            # prompt_lookup: shortest n-gram of the tail looked up in the request
+    prompt_lookup_max: int = 4            # ... and the longest (tried first)
+    draft_model: str = ""                 # draft: a model with the target's tokenizer (path or bundled name)
+    adaptive: bool = True                 # the cost model and each request's acceptance pick k (false: always
+                                          # the most found: for tests and measurements)
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     server: ServerSection = field(default_factory=ServerSection)
@@ -166,6 +177,7 @@ class Config:
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
     slo: SloSection = field(default_factory=SloSection)
+    speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
 
     @property
     def prefill_devices(self) -> tuple[str, ...]:
@@ -226,7 +238,8 @@ class Config:
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 _SECTION_TYPES = {"model": ModelSection, "server": ServerSection, "devices": DevicesSection,
-                  "kv": KVSection, "kv_events": KVEventsSection, "scheduler": SchedulerSection, "profile": ProfileSection, "slo": SloSection}
+                  "kv": KVSection, "kv_events": KVEventsSection, "scheduler": SchedulerSection, "profile": ProfileSection, "slo": SloSection,
+                  "speculative": SpeculativeSection}
 
 
 def _type_name(v: Any) -> str:
@@ -281,6 +294,7 @@ def config_from_dict(raw: dict[str, Any], check_devices: bool = True) -> Config:
 
 
 ENV_PREFIX = "NODESERVE_"
+MAX_SPECULATIVE_TOKENS = 16  # a verify step's rows per request: past it a miss wastes more than a step
 
 
 def _env_value(text: str) -> Any:
@@ -402,6 +416,7 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
         if value < 0:
             raise ConfigError(f"'{key}' must be 0 or more seconds, got {value}")
     _validate_slo(cfg)
+    _validate_speculative(cfg)
     if kv.host_memory_gib < 0 and kv.host_memory_gib != -1:
         raise ConfigError(f"'kv.host_memory_gib' must be 0 (off), a size in GiB, or -1 (auto), got "
                           f"{kv.host_memory_gib}")
@@ -501,6 +516,21 @@ def _validate_slo(cfg: Config) -> None:
     if slo.admission == "reject" and not prof.startup:
         raise ConfigError("'slo.admission' = \"reject\" predicts TTFT from the start-up profile: set "
                           "profile.startup = true, or slo.admission = \"off\"")
+
+
+def _validate_speculative(cfg: Config) -> None:
+    sp = cfg.speculative
+    if sp.method not in ("off", "prompt_lookup", "draft"):
+        raise ConfigError(f"'speculative.method' must be \"off\", \"prompt_lookup\" or \"draft\", got {sp.method!r}")
+    if sp.method == "draft" and not sp.draft_model:
+        raise ConfigError("'speculative.method' = \"draft\" needs 'speculative.draft_model': a model with the "
+                          "served model's tokenizer (a .gguf file, an HF checkpoint directory or a bundled name)")
+    if not 1 <= sp.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"'speculative.num_speculative_tokens' must be 1 to {MAX_SPECULATIVE_TOKENS}, "
+                          f"got {sp.num_speculative_tokens}")
+    if not 1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"'speculative.prompt_lookup_min' and 'prompt_lookup_max' need 1 <= min <= max <= "
+                          f"{MAX_SPECULATIVE_TOKENS}, got {sp.prompt_lookup_min} and {sp.prompt_lookup_max}")
 
 
 def _validate_cuda_only(cfg: Config, cpu_devices: list[str]) -> None:

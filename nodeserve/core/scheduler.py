@@ -16,6 +16,7 @@ from nodeserve.core.handoff import Handoff, Migration
 from nodeserve.kv.manager import KVManager, hash_pages
 from nodeserve.kv.window import WindowPages
 from nodeserve.core.request import Request, TokenEvent
+from nodeserve.core.speculation import SeqSpeculation, Speculator
 
 FORWARD_FAILED = "the model's forward pass failed for this request (the error is in the server log)"
 SAMPLING_FAILED = "sampling the next token failed for this request (the error is in the server log)"
@@ -48,6 +49,9 @@ class SeqChunk:
     start_pos: int             # tokens of this sequence already in the pool (num_computed_tokens)
     page_table: Sequence[int]  # its pages in this pool, covering at least start_pos + len tokens
     want_logits: bool = True    # whether to return logits for the last token fed
+    # decodes only: token_ids[1:] are guesses (core/speculation.py), each fed as a decode row of its own, with
+    # logits for every row; their K/V count only as far as the verify step accepts them
+    num_draft_tokens: int = 0
     # its windowed layers' pages (kv/window.py) where the pool keeps them apart: -1 for pages no query reads
     window_table: Sequence[int] | None = None
 
@@ -73,6 +77,7 @@ class Seq:
     load: PageLoad | None = None  # pages being filled from other devices or tiers first, or None
     ready: bool = True       # False until the load knows how many pages it fills (not scheduled until then)
     window: WindowPages | None = None  # its windowed layers' pages here (kv/window.py), if the pool has them
+    speculation: SeqSpeculation | None = None  # its acceptance rate and drafter state here, once it speculates
 
 
 @dataclass
@@ -82,14 +87,16 @@ class Batch:
     num_decodes: int
 
 
-def chunk_of(seq: Seq, num_tokens: int) -> SeqChunk:
-    """What `seq` feeds in a step of num_tokens tokens; its window pages (if any) advance to that step."""
+def chunk_of(seq: Seq, num_tokens: int, drafts: Sequence[int] = ()) -> SeqChunk:
+    """What `seq` feeds in a step of num_tokens tokens (a decode: 1, and its guesses); its window pages (if any)
+    advance to that step."""
     req, c = seq.req, seq.req.num_computed_tokens
-    ids = req.prompt_ids[c:c + num_tokens] if c < req.num_prompt_tokens else req.output_ids[-1:]
+    ids = req.prompt_ids[c:c + num_tokens] if c < req.num_prompt_tokens else [req.output_ids[-1], *drafts]
     if seq.window is not None:
-        seq.window.advance(c, c + num_tokens)
+        seq.window.advance(c, c + len(ids))
     return SeqChunk(ids, c, seq.page_table, want_logits=c + num_tokens >= req.num_prompt_tokens,
-                    window_table=seq.window.table if seq.window is not None else None)
+                    window_table=seq.window.table if seq.window is not None else None,
+                    num_draft_tokens=len(ids) - 1 if c >= req.num_prompt_tokens else 0)
 
 
 @dataclass
@@ -112,6 +119,10 @@ class Scheduler:
         # Which waiting prompt goes first (core/prefill_order.py): order(waiting, running) -> (the prompts to run
         # first, in order; the rest, for steps with none of the first); None: oldest first.
         self.order: Callable[[Sequence[Seq], Sequence[Seq]], tuple[list[Seq], list[Seq]]] | None = None
+        self.speculator: Speculator | None = None  # guesses for decodes to verify (core/speculation.py)
+
+    def use_speculator(self, speculator: Speculator) -> None:
+        self.speculator = speculator
 
     def use_order(self, order: Callable[[Sequence[Seq], Sequence[Seq]], tuple[list[Seq], list[Seq]]]) -> None:
         """The prefill order (core/prefill_order.py), once the cost model it predicts with is measured."""
@@ -147,12 +158,36 @@ class Scheduler:
                 break
         if not decodes and not prefills:
             return None
-        seqs = decodes + prefills
-        return Batch(seqs, [chunk_of(s, n) for s, n in zip(seqs, [1] * len(decodes) + sizes)], len(decodes))
+        room = self.limits.max_num_batched_tokens - len(decodes) - sum(sizes)
+        drafts: Sequence[Sequence[int]] = [()] * len(decodes)
+        if self.speculator is not None and decodes and room > 0:
+            drafts = self._drafts(self.speculator, decodes, prefills, sizes, room)
+        return Batch(decodes + prefills, [chunk_of(s, 1, d) for s, d in zip(decodes, drafts)] +
+                     [chunk_of(s, n) for s, n in zip(prefills, sizes)], len(decodes))
 
-    def postprocess(self, batch: Batch, outcomes: list[TokenEvent | Exception | None], now: float) -> StepOutput:
+    def _drafts(self, speculator: Speculator, decodes: list[Seq], prefills: list[Seq], sizes: list[int],
+                room: int) -> list[list[int]]:
+        """The guesses each decode verifies this step, within the step's token budget and each request's limits:
+        its max_tokens, the context, its pages. None where its KV is being moved or kept in window pages (both
+        size what they hold by one token a step)."""
+        page_size, limits, states = self.kv.page_size, [], []
+        for seq in decodes:
+            req = seq.req
+            last = min(req.max_total_tokens, self.limits.max_model_len, len(seq.page_table) * page_size) - 1
+            ok = seq.migration is None and seq.window is None and seq.load is None
+            limits.append(max(0, last - req.num_computed_tokens) if ok else 0)
+            if seq.speculation is None:
+                seq.speculation = SeqSpeculation()
+            states.append(seq.speculation)
+        cached = [s.req.num_computed_tokens for s in prefills]
+        return speculator.drafts(states, [s.req for s in decodes], limits, [s.req.num_computed_tokens for s in decodes],
+                                 sum(sizes), sum(n * (c + n / 2) for n, c in zip(sizes, cached)), room)
+
+    def postprocess(self, batch: Batch, outcomes: Sequence[TokenEvent | list[TokenEvent] | Exception | None],
+                    now: float) -> StepOutput:
         """outcomes[i]: the token sampled for batch.seqs[i], None if it sampled nothing (a prompt's middle chunk),
-        or the exception that failed it."""
+        the tokens a verify step kept (a decode with guesses: the accepted guesses and the one after them), or
+        the exception that failed it."""
         out = StepOutput()
         for i, (seq, chunk, outcome) in enumerate(zip(batch.seqs, batch.chunks, outcomes)):
             req, n = seq.req, len(chunk.token_ids)
@@ -166,6 +201,9 @@ class Scheduler:
             if i >= batch.num_decodes:  # the first chunk also settles what the cache spared
                 out.num_prompt_tokens_done += n + (req.num_cached_tokens if chunk.start_pos == req.num_cached_tokens
                                                    else 0)
+            if isinstance(outcome, list):
+                self._verified(seq, chunk, outcome, out)
+                continue
             req.num_computed_tokens += n
             self._publish(seq)
             if outcome is None:
@@ -185,6 +223,41 @@ class Scheduler:
             elif first:
                 self.start_decode(seq, now)
         return out
+
+    def _verified(self, seq: Seq, chunk: SeqChunk, events: list[TokenEvent], out: StepOutput) -> None:
+        """A verify step's outcome: event j's token came from the logits of the j-th token fed, which counted (its
+        K/V stays) because every guess before it was accepted. The K/V of guesses past the kept ones is left in
+        slots past num_computed_tokens: never published, and written over by the next step."""
+        req, drafts = seq.req, chunk.token_ids[1:]
+        num_accepted = 0
+        while num_accepted < min(len(drafts), len(events)) and events[num_accepted].token_id == drafts[num_accepted]:
+            num_accepted += 1
+        if drafts and seq.speculation is not None:
+            seq.speculation.observe(len(drafts), num_accepted)
+            if self.speculator is not None:
+                self.speculator.counts.add(len(drafts), num_accepted)
+        ended = False
+        for event in events:
+            if event.token_id is None:
+                raise ValueError("a verify step's kept tokens each carry their token id")
+            req.num_computed_tokens += 1
+            req.output_ids.append(event.token_id)
+            event.finish_reason = self._finish_reason(req)
+            out.events.append((req, event))
+            if ended := event.finish_reason is not None:
+                break
+        self._publish(seq)
+        if ended:
+            self._retire(seq, out)
+
+    def finish_reason(self, req: Request, token_id: int, num_output_tokens: int) -> str | None:
+        """Why req ends if token_id is its output token number num_output_tokens (counting it), or None."""
+        p = req.params
+        if (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids:
+            return "stop"
+        if num_output_tokens >= req.max_tokens or req.num_prompt_tokens + num_output_tokens >= self.limits.max_model_len:
+            return "length"
+        return None
 
     def start_decode(self, seq: Seq, now: float) -> None:
         if seq.req.decode_start is None:
@@ -216,12 +289,7 @@ class Scheduler:
         seq.num_published = num_full
 
     def _finish_reason(self, req: Request) -> str | None:
-        tok, p = req.output_ids[-1], req.params
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            return "stop"
-        if len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.limits.max_model_len:
-            return "length"
-        return None
+        return self.finish_reason(req, req.output_ids[-1], len(req.output_ids))
 
     def _retire(self, seq: Seq, out: StepOutput) -> None:
         """Takes an ended request out of this device. Pages bound for another device go with the handoff, which

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -11,6 +12,7 @@ from typing import Any, Callable
 
 from nodeserve.config import Config, ConfigError
 from nodeserve.core.admission import QueueFull, SloAdmission, TooLarge
+from nodeserve.core.cost_model import StepModel
 from nodeserve.core.handoff import MigrationOutcome
 from nodeserve.core.load import SloTarget, StepLimits
 from nodeserve.core.placer import AdaptivePlacer
@@ -144,6 +146,9 @@ class Engine:
         if not cfg.profile.startup:
             return
         self.profiler.measure(cfg.profile.budget_s)
+        for w in self.workers:  # speculation weighs guesses by the device's own step times
+            if w.scheduler.speculator is not None:
+                w.scheduler.speculator.use_step_model(functools.partial(self._step_model, w.name))
         limits = StepLimits(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
         slo = SloTarget(cfg.slo.ttft_s, cfg.slo.tpot_s, cfg.slo.ttft_per_token_s)
         cost = self.cost_model
@@ -156,6 +161,9 @@ class Engine:
             for w in self.workers:
                 w.scheduler.use_order(DeadlineOrder(w.name, slo, limits, lambda: self.profiler.model,
                                                     time.monotonic))
+
+    def _step_model(self, device: str) -> StepModel | None:
+        return self.profiler.model.devices.get(device)
 
     def cost_model(self):
         """The cost model as the profiler holds it, refitted from fresh step records at most once a second."""

@@ -46,7 +46,8 @@ def prefill_share(records: StepRecords, now: float, window: float = PREFILL_WIND
 
 def decode_rate(records, now: float, window: float = PREFILL_WINDOW_S) -> float:
     """Decode tokens a second over the last `window` seconds of a worker's step records."""
-    return sum(r.num_decodes for r in records.since(now - window)) / window
+    return sum(r.num_decodes if r.num_decode_tokens < 0 else r.num_decode_tokens
+               for r in records.since(now - window)) / window
 
 
 def worker_load(w: ServingUnit, now: float, seated: Sequence[Request], req: Request | None = None) -> DeviceLoad:

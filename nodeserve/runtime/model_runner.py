@@ -80,8 +80,9 @@ class ModelRunner:
 
     def run(self, chunks: Sequence[SeqChunk], on_layer_done: Callable[[int], None] | None = None,
             before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Returns float32 logits [N, vocab], one row per chunk with want_logits, in chunk order. The hooks: see
-        LlamaModel.forward."""
+        """Returns float32 logits [N, vocab], one row per chunk with want_logits and one per token fed for a
+        decode with guesses (a verify step), in chunk order. The hooks: see LlamaModel.forward."""
+        chunks = verify_rows(chunks)
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)  # stable: decodes first
         ordered = [chunks[i] for i in order]
         ids, positions, meta, rows = self.prepare(ordered)
@@ -99,3 +100,15 @@ class ModelRunner:
             return logits
         # row k of `logits` belongs to chunk wanted[k]; put the rows back in chunk order
         return logits[upload(sorted(range(len(wanted)), key=wanted.__getitem__), self.device, torch.int64)]
+
+
+def verify_rows(chunks: Sequence[SeqChunk]) -> Sequence[SeqChunk]:
+    """Each decode with guesses as one decode row per token fed, over the same pages: row j attends the first
+    start_pos + j + 1 positions, so it reads what the rows before it wrote this step and nothing after. As decode
+    rows they run the very kernels (and rounding) a plain decode step does, so a verify step's logits for a
+    position equal the ones decoding it alone would give: greedy output is the same token for token."""
+    if not any(c.num_draft_tokens for c in chunks):
+        return chunks
+    return [row for c in chunks for row in (
+        [SeqChunk([t], c.start_pos + j, c.page_table, True, c.window_table) for j, t in enumerate(c.token_ids)]
+        if c.num_draft_tokens else [c])]

@@ -21,11 +21,12 @@ import torch
 from nodeserve.attention import auto_fallback, make_backend
 
 from nodeserve.attention.flashinfer_backend import FlashInferAttention
-from nodeserve.config import Config
+from nodeserve.config import Config, ConfigError
 from nodeserve.core.handoff import FreePages, MigrationOutcome
 from nodeserve.core.load import Role
 from nodeserve.core.placer import StaticPlacer
 from nodeserve.core.request import Request, TokenEvent
+from nodeserve.core.speculation import Speculator
 from nodeserve.core.start import DeviceStart, start_plan
 from nodeserve.device import Device, make_device
 from nodeserve.device.collectives import make_all_reduce
@@ -34,6 +35,7 @@ from nodeserve.device.group import DeviceGroup
 from nodeserve.kv.events import KVEventLog
 from nodeserve.kv.pool import KVPool, kv_cache_dtype, kv_pages_for_device
 from nodeserve.kv.window import split_pages
+from nodeserve.model.block_quant import gemv_rows
 from nodeserve.model.config import ModelConfig
 from nodeserve.model.flashinfer_ops import DTYPES as FLASHINFER_OPS_DTYPES, FlashInferOps
 from nodeserve.model.llama import LlamaModel
@@ -49,6 +51,7 @@ from nodeserve.runtime.tp_group import GroupAttention, TPGroupModel
 from nodeserve.runtime.transfer import KVTransfer
 from nodeserve.runtime.worker import Worker
 from nodeserve.sampling.sampler import Sampler
+from nodeserve.speculative.prompt_lookup import PromptLookup
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +146,10 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
             inboxes[s.name], transfers.get(s.name), tiers.loaders[s.name] if tiers is not None else None,
             SlackLending(backlog_of(workers[borrower]), LEND_GAP_SHARE * cfg.slo.tpot_s)
             if borrower is not None else None)
+    if cfg.speculative.method != "off":
+        for s in starts:
+            if s.role is not Role.PREFILL:  # decodes nothing
+                workers[s.name].scheduler.use_speculator(speculator(cfg, workers[s.name].runner.model))
     prefill = [workers[s.name] for s in starts if s.role is Role.PREFILL]
     decode = [workers[s.name] for s in starts if s.role is not Role.PREFILL]
     router = Router(prefill, decode, cfg.devices.local_prefill_threshold, cfg.server.max_waiting,
@@ -157,6 +164,17 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
         publisher = KVEventPublisher(cfg.kv_events, topic, event_log, cfg.server.host)
     return Node(prefill, decode, [t for ts in transfers.values() for t in ts.values()], router, tiers, publisher,
                 lending, warnings)
+
+
+def speculator(cfg: Config, model: torch.nn.Module) -> Speculator:
+    """[speculative] for one decode device: prompt lookup's guesses, as many as its per-row kernels take in one
+    step (past them a step runs as a GEMM whose rows round differently) and its step model finds worth it."""
+    sp = cfg.speculative
+    if sp.method == "draft":
+        raise ConfigError("'speculative.method' = \"draft\" is not built yet; use \"prompt_lookup\" or \"off\"")
+    max_rows, _ = gemv_rows(model)
+    return Speculator(PromptLookup(sp.prompt_lookup_min, sp.prompt_lookup_max), sp.num_speculative_tokens,
+                      sp.adaptive, max_rows, cfg.slo.tpot_s)
 
 
 def core_lending(cfg: Config, names: list[str]) -> CoreLending | None:

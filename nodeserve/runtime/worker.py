@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping, cast
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, cast
 
 import torch
 
@@ -28,7 +28,8 @@ from nodeserve.core.handoff import (Arrival, CopyPlan, FreePages, Handoff, Migra
                                     MigrationStep, Prefill, copy_plan, next_migration_step)
 from nodeserve.core.load import Role
 from nodeserve.core.request import Request, TokenEvent
-from nodeserve.core.scheduler import Batch, PageLoad, SamplingFailed, SamplingLimit, Scheduler, Seq, StepOutput, WorkerLimits
+from nodeserve.core.scheduler import (Batch, PageLoad, SamplingFailed, SamplingLimit, Scheduler, Seq, SeqChunk, StepOutput,
+                                      WorkerLimits)
 from nodeserve.device import Device
 from nodeserve.runtime.model_runner import ModelRunner
 from nodeserve.runtime.records import RecordLog
@@ -47,6 +48,16 @@ log = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3  # consecutive steps in which every request failed: the device is taken for dead
 MAX_STEP_RECORDS = 100_000  # kept for /debug/steps and the profiler: about an hour of steps, ~5 MiB
 
+def _per_chunk(chunks: list[SeqChunk], logits: torch.Tensor) -> Iterator[torch.Tensor | None]:
+    """The runner's logits split by chunk: a row [V] for a chunk with logits, rows [k + 1, V] for a decode with k
+    guesses, None for a chunk without (ModelRunner.run's order)."""
+    r = 0
+    for c in chunks:
+        n = (1 + c.num_draft_tokens) if c.want_logits else 0
+        yield None if not n else logits[r] if not c.num_draft_tokens else logits[r:r + n]
+        r += n
+
+
 __all__ = ["Arrival", "FreePages", "Handoff", "Migrate", "Role", "StepRecord", "Worker", "WorkerLimits"]
 
 
@@ -60,6 +71,7 @@ class StepRecord:
     num_decodes: int
     decode_context: int = 0      # tokens the decode rows attend, in total
     prefill_pairs: float = 0.0   # query-key pairs the prefill chunks attend (cost_model.StepShape)
+    num_decode_tokens: int = -1  # tokens the decode rows made (a verify step's: fewer than its rows); -1: one a row
 
 
 class Worker:
@@ -323,9 +335,13 @@ class Worker:
         end = time.monotonic()
         decodes, prefills = batch.chunks[:batch.num_decodes], batch.chunks[batch.num_decodes:]
         self.num_computed_prompt_tokens += sum(len(c.token_ids) for c in prefills)
-        self.records.append(StepRecord(start, end, sum(len(c.token_ids) for c in prefills), batch.num_decodes,
-                                       sum(c.start_pos for c in decodes),
-                                       sum(len(c.token_ids) * (c.start_pos + len(c.token_ids) / 2) for c in prefills)))
+        # a verify step's guesses are decode rows: the cost model sees each (a row attends up to its position)
+        self.records.append(StepRecord(start, end, sum(len(c.token_ids) for c in prefills),
+                                       sum(len(c.token_ids) for c in decodes),
+                                       sum(len(c.token_ids) * c.start_pos + c.num_draft_tokens * (c.num_draft_tokens + 1) // 2
+                                           for c in decodes),
+                                       sum(len(c.token_ids) * (c.start_pos + len(c.token_ids) / 2) for c in prefills),
+                                       sum(len(o) if isinstance(o, list) else 1 for o in outcomes[:batch.num_decodes])))
         self._finish(self.scheduler.postprocess(batch, outcomes, end))
 
     def _count_failed_step(self, failed: bool, error: BaseException | None) -> None:
@@ -346,8 +362,8 @@ class Worker:
         chunks = batch.chunks
         plan = self._copy_plan(batch, range(len(chunks)))
         try:
-            rows = iter(self.runner.run(chunks, self._layer_hook(plan), self._load_hook(batch.seqs)))
-            results: list[torch.Tensor | Exception | None] = [next(rows) if c.want_logits else None for c in chunks]
+            logits = self.runner.run(chunks, self._layer_hook(plan), self._load_hook(batch.seqs))
+            results: list[torch.Tensor | Exception | None] = list(_per_chunk(chunks, logits))
             plan.commit(range(len(chunks)))
             return results
         except Exception as e:  # find which request fails, alone: slower, so say so every time
@@ -359,7 +375,7 @@ class Worker:
             plan = self._copy_plan(batch, [i])
             try:
                 logits = self.runner.run([chunk], self._layer_hook(plan), self._load_hook([seq]))
-                results.append(logits[0] if chunk.want_logits else None)
+                results.append(next(_per_chunk([chunk], logits)))
                 plan.commit([i])
             except Exception as e:
                 log.error("worker %s: request %s failed: %s\n%s", self.name, seq.req.request_id, e,
@@ -367,36 +383,67 @@ class Worker:
                 results.append(e)
         return results
 
-    def _sample(self, batch: Batch, results: list[torch.Tensor | Exception | None]) -> list[TokenEvent | Exception | None]:
-        """One batched sampler call over the rows that have logits. If it raises, each row is sampled alone, so a
-        request whose sampling fails (its parameters, its grammar) fails alone, as a failed forward does."""
-        rows = [i for i, r in enumerate(results) if isinstance(r, torch.Tensor)]
-        # rows with logits get their sampled outcome below; the others keep their error or None
-        outcomes: list[TokenEvent | Exception | None] = [None if isinstance(r, torch.Tensor) else r for r in results]
-        if not rows:
-            return outcomes
-        try:
-            outcomes_of = self._sample_rows(batch, results, rows)
-        except Exception:
-            outcomes_of = {}
-            for i in rows:
-                try:
-                    outcomes_of.update(self._sample_rows(batch, results, [i]))
-                except Exception as e:
-                    log.error("worker %s: sampling request %s failed: %s\n%s", self.name,
-                              batch.seqs[i].req.request_id, e, "".join(traceback.format_exception(e)))
-                    outcomes_of[i] = SamplingFailed(str(e))
-        for i, outcome in outcomes_of.items():
-            outcomes[i] = outcome
+    def _sample(self, batch: Batch, results: list[torch.Tensor | Exception | None]
+                ) -> list[TokenEvent | list[TokenEvent] | Exception | None]:
+        """Samples every row that has logits. A decode with guesses (a verify step) is sampled position by
+        position, as decoding would, from the logits its guesses gave: while the token sampled equals the next
+        guess (and does not end the request), the next position's logits stand and are sampled too; its outcome
+        is the tokens kept. Sampling draws from the request's own generator and advances its grammar only for
+        tokens kept, so nothing is rolled back: seeded output is the same with speculation on or off, and at any
+        temperature each token comes from the target distribution."""
+        outcomes: list[TokenEvent | list[TokenEvent] | Exception | None] = \
+            [None if isinstance(r, torch.Tensor) else r for r in results]
+        live = [i for i, r in enumerate(results) if isinstance(r, torch.Tensor)]
+        kept: dict[int, list[TokenEvent]] = {i: [] for i in live if batch.chunks[i].num_draft_tokens}
+        depth = 0
+        while live:
+            sampled = self._sample_depth(batch, results, live, depth, kept)
+            next_live = []
+            for i in live:
+                event = sampled[i]
+                if i not in kept or isinstance(event, Exception):
+                    outcomes[i] = event
+                    continue
+                kept[i].append(event)
+                req, drafts = batch.seqs[i].req, batch.chunks[i].token_ids[1:]
+                num_output = len(req.output_ids) + len(kept[i])
+                if depth < len(drafts) and event.token_id == drafts[depth] and event.token_id is not None and \
+                        self.scheduler.finish_reason(req, event.token_id, num_output) is None:
+                    next_live.append(i)
+                else:
+                    outcomes[i] = kept[i]
+            live, depth = next_live, depth + 1
         return outcomes
 
-    def _sample_rows(self, batch: Batch, results: list, rows: list[int]) -> dict[int, TokenEvent | Exception]:
+    def _sample_depth(self, batch: Batch, results: list, rows: list[int], depth: int,
+                      kept: dict[int, list[TokenEvent]]) -> dict[int, TokenEvent | Exception]:
+        """One batched sampler call over rows (at `depth` of the verify steps'); if it raises, each row alone, so
+        a request whose sampling fails (its parameters, its grammar) fails alone, as a failed forward does."""
+        try:
+            return self._sample_rows(batch, results, rows, depth, kept)
+        except Exception:
+            pass
+        outcomes: dict[int, TokenEvent | Exception] = {}
+        for i in rows:
+            try:
+                outcomes.update(self._sample_rows(batch, results, [i], depth, kept))
+            except Exception as e:
+                log.error("worker %s: sampling request %s failed: %s\n%s", self.name,
+                          batch.seqs[i].req.request_id, e, "".join(traceback.format_exception(e)))
+                outcomes[i] = SamplingFailed(str(e))
+        return outcomes
+
+    def _sample_rows(self, batch: Batch, results: list, rows: list[int], depth: int = 0,
+                     kept: Mapping[int, list[TokenEvent]] | None = None) -> dict[int, TokenEvent | Exception]:
         reqs = [batch.seqs[i].req for i in rows]
-        for req in reqs:
-            req.generator = self.sampler.request_generator(req.generator, req.params.seed, len(req.output_ids))
-        out = self.sampler(torch.stack([results[i] for i in rows]), [r.params for r in reqs],
-                           [r.prompt_ids for r in reqs], [r.output_ids for r in reqs], [r.generator for r in reqs],
-                           [r.grammar for r in reqs])
+        # what each row's request has output before this position: its tokens, and those kept this step
+        outputs = [r.output_ids + [e.token_id for e in kept[i] if e.token_id is not None]
+                   if kept and kept.get(i) else r.output_ids for i, r in zip(rows, reqs)]
+        for req, out_ids in zip(reqs, outputs):
+            req.generator = self.sampler.request_generator(req.generator, req.params.seed, len(out_ids))
+        logits = torch.stack([results[i] if results[i].dim() == 1 else results[i][depth] for i in rows])
+        out = self.sampler(logits, [r.params for r in reqs], [r.prompt_ids for r in reqs], outputs,
+                           [r.generator for r in reqs], [r.grammar for r in reqs])
         outcomes: dict[int, TokenEvent | Exception] = {
             i: TokenEvent(out.token_ids[k], out.logprobs[k] if out.logprobs is not None else None,
                           out.top_logprobs[k] if out.top_logprobs is not None else None)
