@@ -107,6 +107,12 @@ class PoolStats:
     # its windowed layers' pages (kv/window.py; 0 where it has none): all, and those neither held nor promised
     num_window_pages: int = 0
     num_window_free: int = 0
+    # cumulative, speculative decoding (core/speculation.SpecCounts): request-steps that verified guesses, the
+    # guesses, those accepted, and those accepted per position
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def whole(self) -> bool:
@@ -279,6 +285,60 @@ class _KVEventsCollector(Collector):
         return fams
 
 
+class _SpecCollector(Collector):
+    """Speculative decoding's counters from the same PoolStats, per device under our names and for the node under
+    vLLM's (vllm:spec_decode_*, which dashboards built for vLLM read)."""
+
+    def __init__(self, model_name: str, state: _StateCollector):
+        self.model_name, self.state = model_name, state
+
+    def _families(self) -> tuple[CounterMetricFamily, ...]:
+        m, d = ["model_name"], ["model_name", "device"]
+        fams = []
+        for prefix, labels, scope in ((PREFIX, d, "on a device"), (VLLM, m, "on the node")):
+            fams += [
+                CounterMetricFamily(prefix + "spec_decode_num_drafts", f"Request-steps {scope} that verified at "
+                                    "least one guessed token (speculative decoding).", labels=labels),
+                CounterMetricFamily(prefix + "spec_decode_num_draft_tokens", f"Guessed tokens verified {scope}.",
+                                    labels=labels),
+                CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens", f"Guessed tokens accepted {scope}.",
+                                    labels=labels),
+                CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos", "Guessed tokens accepted "
+                                    f"{scope}, by position in the guess (0: the first).", labels=labels + ["position"]),
+            ]
+        return tuple(fams)
+
+    def describe(self) -> Iterable[CounterMetricFamily]:
+        return self._families()
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        fams = self._families()
+        states: Sequence[Any] = ()
+        if self.state.source is not None:
+            try:
+                states = list(self.state.source())
+            except Exception:
+                log.exception("metrics: state source failed")
+        node = [0, 0, 0]
+        node_pos: list[int] = []
+        for s in states:
+            values = [getattr(s, "num_spec_drafts", 0), getattr(s, "num_spec_draft_tokens", 0),
+                      getattr(s, "num_spec_accepted_tokens", 0)]
+            labels = [self.model_name, s.device]
+            for fam, v in zip(fams[:3], values):
+                fam.add_metric(labels, v)
+            per_pos = getattr(s, "spec_accepted_per_pos", ())
+            for j, v in enumerate(per_pos):
+                fams[3].add_metric(labels + [str(j)], v)
+            node = [a + b for a, b in zip(node, values)]
+            node_pos = [a + b for a, b in zip(node_pos + [0] * len(per_pos), list(per_pos) + [0] * len(node_pos))]
+        for fam, v in zip(fams[4:7], node):
+            fam.add_metric([self.model_name], v)
+        for j, v in enumerate(node_pos):
+            fams[7].add_metric([self.model_name, str(j)], v)
+        return fams
+
+
 class _VllmCollector(Collector):
     """vLLM's load gauges and prefix counters, one series each, read at scrape time from a NodeLoad-like object."""
 
@@ -427,6 +487,7 @@ class Metrics:
 
         self._state = _StateCollector(model_name)
         reg.register(self._state)
+        reg.register(_SpecCollector(model_name, self._state))
         self._tiers = _TierCollector(model_name)
         reg.register(self._tiers)
         self._kv_events = _KVEventsCollector(model_name)

@@ -138,6 +138,24 @@ def test_gauges_read_at_scrape_time():
     assert value(f, "nodeserve:request_success", "nodeserve:request_success_total", finished_reason="stop") == 0
 
 
+def test_speculative_decoding_counters_per_device_and_with_vllm_names():
+    m = Metrics(MODEL)
+    states = [PoolStats("cpu:0", "prefill", 10, 10, 0, 0),
+              PoolStats("cpu:1", "decode", 10, 10, 0, 0, num_spec_drafts=4, num_spec_draft_tokens=12,
+                        num_spec_accepted_tokens=7, spec_accepted_per_pos=(4, 2, 1)),
+              PoolStats("cpu:2", "decode", 10, 10, 0, 0, num_spec_drafts=1, num_spec_draft_tokens=1,
+                        num_spec_accepted_tokens=1, spec_accepted_per_pos=(1,))]
+    m.set_state_source(lambda: states)
+    f = scrape(m)
+    assert value(f, "nodeserve:spec_decode_num_draft_tokens", "nodeserve:spec_decode_num_draft_tokens_total",
+                 device="cpu:1") == 12
+    assert value(f, "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_drafts_total") == 5
+    assert value(f, "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens_total") == 13
+    assert value(f, "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_total") == 8
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos"
+    assert [value(f, per_pos, per_pos + "_total", position=str(j)) for j in range(3)] == [5, 2, 1]
+
+
 def test_aiohttp_handler():
     m = Metrics(MODEL)
     fill(m)

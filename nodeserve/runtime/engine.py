@@ -299,7 +299,8 @@ class Engine:
                           len(w.scheduler.waiting), w.kv.num_queried_tokens, w.kv.num_hit_tokens,
                           changes.get(w.name, 0), w.num_batch_failures, w.kv.num_evictions,
                           w.num_computed_prompt_tokens, w.lent_seconds,
-                          *((w.window.manager.num_usable, w.window.manager.num_available) if w.window else ()))
+                          *((w.window.manager.num_usable, w.window.manager.num_available) if w.window else (0, 0)),
+                          *_spec_counts(w))
                 for w in self.workers]
 
     def node_load(self) -> NodeLoad:
@@ -355,3 +356,12 @@ class Engine:
     def num_pending(self) -> int:
         return self.router.num_pending if self.router else 0
 
+
+
+def _spec_counts(w: Worker) -> tuple[int, int, int, tuple[int, ...]]:
+    """A worker's speculative decoding counters for PoolStats (zeros where it does not speculate)."""
+    sp = w.scheduler.speculator
+    if sp is None:
+        return 0, 0, 0, ()
+    c = sp.counts
+    return c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, tuple(c.accepted_per_pos)

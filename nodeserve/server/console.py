@@ -133,7 +133,13 @@ def _last_end(records: deque, end_of) -> float:
 
 
 def _step_row(r) -> list:
-    return [round(r.start, 4), round(r.end, 4), r.num_prefill_tokens, r.num_decodes]
+    # decode tokens made (a verify step's rows include guesses not kept)
+    return [round(r.start, 4), round(r.end, 4), r.num_prefill_tokens,
+            r.num_decodes if r.num_decode_tokens < 0 else r.num_decode_tokens]
+
+
+def _spec_counts(w):
+    return w.scheduler.speculator.counts if w.scheduler.speculator is not None else None
 
 
 def _copy_row(c) -> list:
@@ -210,6 +216,8 @@ class Snapshots:
                    "waiting": len(w.scheduler.waiting),
                    "dead": any(d == w.name or d.startswith(w.name + ": ") for d in dead),
                    "kv": {"pages": kv.num_usable, "used": kv.num_used, "cached": kv.num_cached, "free": kv.num_free},
+                   # speculative decoding so far: guesses verified, accepted
+                   "spec": [c.num_draft_tokens, c.num_accepted_tokens] if (c := _spec_counts(w)) is not None else None,
                    "steps": [_step_row(r) for r in new]}
             devices.append(dev)
             if history:

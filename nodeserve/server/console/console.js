@@ -211,7 +211,9 @@ const view = {
       dec += s[3]; pre += s[2]; busy += s[1] - Math.max(s[0], from);
     }
     n.querySelector(".rates").textContent = "decode " + fmt(dec / RATE_S, 0) + " tok/s, prefill " +
-      fmt(pre / RATE_S, 0) + " tok/s, busy " + fmt(100 * busy / RATE_S, 0) + "%";
+      fmt(pre / RATE_S, 0) + " tok/s, busy " + fmt(100 * busy / RATE_S, 0) + "%" +
+      (d.spec && d.spec[0] ? ", guesses " + fmt(100 * d.spec[1] / d.spec[0], 0) + "% accepted" : "");
+    n.dataset.specAccepted = d.spec && d.spec[0] ? String(d.spec[1] / d.spec[0]) : "";
     n.dataset.decodeRate = String(dec / RATE_S);
     const kv = d.kv, total = Math.max(kv.pages, 1);
     lane.used.style.width = (100 * kv.used / total).toFixed(1) + "%";

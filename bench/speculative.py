@@ -1,0 +1,172 @@
+"""Speculative decoding (prompt lookup) on and off, on real servers: output tok/s, identical outputs, token gaps.
+
+For each mode (--modes) and method (off, prompt_lookup), one server (bench/local_server.py, default model and
+config plus the [speculative] method), then, greedy and streamed (SSE arrival times are what a client sees):
+- repetition: requests whose answer repeats the prompt (rewrite code with one change, extract fields to JSON,
+  answer quoting a passage, fix a typo in a paragraph), one stream at a time: output tok/s over the whole
+  request and over its decode (first token to last);
+- chat (--chat-prompts short questions): one stream at a time, then 32 at once: output tok/s;
+- the gaps between consecutive streamed chunks of the 32-stream run: p50 / p99 (the split's figure).
+Outputs of the two methods are compared text for text per request (greedy: they must be the same).
+
+    python bench/speculative.py --out bench/results/speculative.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import aiohttp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from local_server import cpu_model, start_server  # noqa: E402
+
+CODE = '''def merge_sorted(a, b):
+    """Merge two sorted lists into one sorted list."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i])
+            i += 1
+        else:
+            out.append(b[j])
+            j += 1
+    out.extend(a[i:])
+    out.extend(b[j:])
+    return out
+
+
+def dedupe(items):
+    """Return the items without repeats, first occurrence kept."""
+    seen = set()
+    result = []
+    for item in items:
+        if item not in seen:
+            seen.add(item)
+            result.append(item)
+    return result
+'''
+PASSAGE = ("The Rhine rises in the Swiss Alps, flows through Lake Constance and forms part of the border between "
+           "Germany and France before turning north through the Rhineland. It reaches the North Sea in the "
+           "Netherlands after a course of about 1,230 kilometres, and it has been a major trade route since "
+           "Roman times, carrying coal, grain and containers between Basel and Rotterdam.")
+REPETITION = [
+    "Rewrite this code, renaming the function `dedupe` to `unique`. Reply with the whole code only.\n\n" + CODE,
+    "Add type hints to this code. Reply with the whole code only.\n\n" + CODE,
+    'Extract every place name and number from this passage as JSON, like {"places": [...], "numbers": [...]}:\n\n'
+    + PASSAGE,
+    "Quote the sentence of this passage that says where the Rhine ends, word for word, then explain it.\n\n"
+    + PASSAGE,
+    "Fix the spelling mistakes in this paragraph and reply with the corrected paragraph only:\n\nThe Rhine rises "
+    "in the Swiss Alpps, flows through Lake Constanse and forms part of the bordr between Germany and France "
+    "before turning north through the Rhineland. It reaches the North Sea in the Netherlands.",
+]
+CHAT = ["What is the capital of France?", "Give me three tips for sleeping better.",
+        "Write a haiku about autumn.", "Explain what a hash table is in two sentences.",
+        "What causes the seasons on Earth?", "Name three famous painters and one work of each.",
+        "How do I boil an egg?", "What is the difference between weather and climate?"]
+
+
+async def one(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start, times, text, usage = time.monotonic(), [], [], None
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            if msg.get("usage"):
+                usage = msg["usage"]
+            for c in msg.get("choices", []):
+                piece = c.get("delta", {}).get("content")
+                if piece:
+                    times.append(time.monotonic())
+                    text.append(piece)
+    tokens = usage["completion_tokens"] if usage else len(times)
+    return {"text": "".join(text), "tokens": tokens, "seconds": time.monotonic() - start,
+            "decode_seconds": times[-1] - times[0] if len(times) > 1 else None,
+            "gaps": [b - a for a, b in zip(times, times[1:])]}
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+async def workload(url: str, max_tokens: int) -> dict:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        await one(s, url, CHAT[0], 8)  # warm
+        rep = [await one(s, url, p, max_tokens) for p in REPETITION]
+        chat1 = [await one(s, url, p, 128) for p in CHAT]
+        t0 = time.monotonic()
+        chat32 = await asyncio.gather(*(one(s, url, CHAT[i % len(CHAT)] + f" (#{i})", 128) for i in range(32)))
+        wall32 = time.monotonic() - t0
+        async with s.get(url + "/metrics") as r:
+            metrics = await r.text()
+    spec = {line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+            if line.startswith("vllm:spec_decode_num_") and "_per_pos" not in line and not line.startswith("#")}
+
+    def rate(rs):  # output tokens a second, whole requests, one at a time
+        return sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs)
+
+    gaps = [g for r in chat32 for g in r["gaps"]]
+    return {"repetition": {"tok_s": rate(rep), "decode_tok_s": sum(r["tokens"] - 1 for r in rep) /
+                           sum(r["decode_seconds"] for r in rep), "tokens": [r["tokens"] for r in rep]},
+            "chat_1": {"tok_s": rate(chat1)},
+            "chat_32": {"tok_s": sum(r["tokens"] for r in chat32) / wall32,
+                        "gap_p50_ms": 1e3 * (pct(gaps, 0.5) or 0), "gap_p99_ms": 1e3 * (pct(gaps, 0.99) or 0)},
+            "spec_counters": spec,
+            "texts": [r["text"] for r in rep + chat1 + list(chat32)]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default="disaggregated,colocated")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--out", default="bench/results/speculative.json")
+    args = ap.parse_args()
+    results: dict = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+                                 "load_before": os.getloadavg()},
+                     "command": " ".join(["python"] + sys.argv), "modes": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in args.modes.split(","):
+            runs = {}
+            for method in ("off", "prompt_lookup"):
+                proc, url = start_server(mode, "auto", tmp, os.path.join(tmp, f"{mode}-{method}.log"),
+                                         extra=f'[speculative]\nmethod = "{method}"\n')
+                try:
+                    runs[method] = asyncio.run(workload(url, args.max_tokens))
+                finally:
+                    proc.terminate()
+                    proc.wait(60)
+            off, on = runs["off"], runs["prompt_lookup"]
+            same = [a == b for a, b in zip(off.pop("texts"), on.pop("texts"))]
+            row = {"off": off, "prompt_lookup": on, "outputs_identical": sum(same), "outputs": len(same),
+                   "speedup": {"repetition_1": on["repetition"]["tok_s"] / off["repetition"]["tok_s"],
+                               "repetition_1_decode": on["repetition"]["decode_tok_s"] /
+                               off["repetition"]["decode_tok_s"],
+                               "chat_1": on["chat_1"]["tok_s"] / off["chat_1"]["tok_s"],
+                               "chat_32": on["chat_32"]["tok_s"] / off["chat_32"]["tok_s"]}}
+            results["modes"][mode] = row
+            print(mode, json.dumps(row["speedup"]), "gap p99 ms off/on:", round(off["chat_32"]["gap_p99_ms"], 1),
+                  round(on["chat_32"]["gap_p99_ms"], 1), f"identical {sum(same)}/{len(same)}",
+                  "counters:", on["spec_counters"], flush=True)
+    results["machine"]["load_after"] = os.getloadavg()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
