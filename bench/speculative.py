@@ -134,6 +134,7 @@ def main() -> int:
     ap.add_argument("--modes", default="disaggregated,colocated")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--out", default="bench/results/speculative.json")
+    ap.add_argument("--log-dir", default="", help="keep the servers' logs here (default: a temporary directory)")
     args = ap.parse_args()
     results: dict = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                                  "load_before": os.getloadavg()},
@@ -142,7 +143,7 @@ def main() -> int:
         for mode in args.modes.split(","):
             runs = {}
             for method in ("off", "prompt_lookup"):
-                proc, url = start_server(mode, "auto", tmp, os.path.join(tmp, f"{mode}-{method}.log"),
+                proc, url = start_server(mode, "auto", tmp, os.path.join(args.log_dir or tmp, f"{mode}-{method}.log"),
                                          extra=f'[speculative]\nmethod = "{method}"\n')
                 try:
                     runs[method] = asyncio.run(workload(url, args.max_tokens))

@@ -311,7 +311,8 @@ class Simulation:
                 if seq.req.prefill_start is None:
                     seq.req.prefill_start = self.now
             prefill = [(len(c.token_ids), c.start_pos) for c in chunks[nd:]]
-        shape = StepShape.of(prefill, [c.start_pos for c in chunks[:nd]])
+        # a verify step's guesses are decode rows (one a token fed), as the worker's step records count them
+        shape = StepShape.of(prefill, [c.start_pos + j for c in chunks[:nd] for j in range(len(c.token_ids))])
         key = (d.name, shape)
         seconds = self._step_times.get(key)
         if seconds is None:

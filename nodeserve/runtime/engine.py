@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import time
@@ -147,8 +146,12 @@ class Engine:
             return
         self.profiler.measure(cfg.profile.budget_s)
         for w in self.workers:  # speculation weighs guesses by the device's own step times
-            if w.scheduler.speculator is not None:
-                w.scheduler.speculator.use_step_model(functools.partial(self._step_model, w.name))
+            if w.scheduler.speculator is not None and w.name in self.profiler.model.devices:
+                # The profile's fit, kept: its decode batches of 1 to N rows tell a row's cost from a step's; the
+                # online refits see mostly one batch size and can move cost between the two at will.
+                m = self.profiler.model.devices[w.name]
+                fitted = StepModel(coef=list(m.coef), kernels=m.kernels)
+                w.scheduler.speculator.use_step_model(lambda fitted=fitted: fitted)
         limits = StepLimits(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
         slo = SloTarget(cfg.slo.ttft_s, cfg.slo.tpot_s, cfg.slo.ttft_per_token_s)
         cost = self.cost_model
@@ -161,9 +164,6 @@ class Engine:
             for w in self.workers:
                 w.scheduler.use_order(DeadlineOrder(w.name, slo, limits, lambda: self.profiler.model,
                                                     time.monotonic))
-
-    def _step_model(self, device: str) -> StepModel | None:
-        return self.profiler.model.devices.get(device)
 
     def cost_model(self):
         """The cost model as the profiler holds it, refitted from fresh step records at most once a second."""

@@ -173,8 +173,10 @@ def speculator(cfg: Config, model: torch.nn.Module) -> Speculator:
     if sp.method == "draft":
         raise ConfigError("'speculative.method' = \"draft\" is not built yet; use \"prompt_lookup\" or \"off\"")
     max_rows, _ = gemv_rows(model)
+    # guesses never make a step longer than lending between steps may (its streams' gaps within 0.6 x tpot_s),
+    # nor a step already past that any longer: where the batch is large the split's gaps stay what they were
     return Speculator(PromptLookup(sp.prompt_lookup_min, sp.prompt_lookup_max), sp.num_speculative_tokens,
-                      sp.adaptive, max_rows, cfg.slo.tpot_s)
+                      sp.adaptive, max_rows, LEND_GAP_SHARE * cfg.slo.tpot_s)
 
 
 def core_lending(cfg: Config, names: list[str]) -> CoreLending | None:

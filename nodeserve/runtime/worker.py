@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, cast
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Sequence, cast
 
 import torch
 
@@ -34,7 +34,7 @@ from nodeserve.device import Device
 from nodeserve.runtime.model_runner import ModelRunner
 from nodeserve.runtime.records import RecordLog
 from nodeserve.sampling.constrain import MASK_FILL_BUDGET_S
-from nodeserve.sampling.sampler import Sampler
+from nodeserve.sampling.sampler import Sampler, greedy
 
 if TYPE_CHECKING:
     from nodeserve.kv.window import WindowPages
@@ -47,6 +47,14 @@ log = logging.getLogger(__name__)
 
 MAX_FAILED_STEPS = 3  # consecutive steps in which every request failed: the device is taken for dead
 MAX_STEP_RECORDS = 100_000  # kept for /debug/steps and the profiler: about an hour of steps, ~5 MiB
+
+def _plain_greedy(req: Request) -> bool:
+    """Its token is the argmax of its logits as they are: greedy with nothing that changes them (penalties, biases,
+    min_tokens, a grammar) and no logprobs asked."""
+    p = req.params
+    return p.greedy and not p.has_penalties and not p.logit_bias and not p.min_tokens and p.logprobs is None and \
+        req.grammar is None
+
 
 def _per_chunk(chunks: list[SeqChunk], logits: torch.Tensor) -> Iterator[torch.Tensor | None]:
     """The runner's logits split by chunk: a row [V] for a chunk with logits, rows [k + 1, V] for a decode with k
@@ -395,6 +403,11 @@ class Worker:
             [None if isinstance(r, torch.Tensor) else r for r in results]
         live = [i for i, r in enumerate(results) if isinstance(r, torch.Tensor)]
         kept: dict[int, list[TokenEvent]] = {i: [] for i in live if batch.chunks[i].num_draft_tokens}
+        for i in [i for i in kept if _plain_greedy(batch.seqs[i].req)]:
+            outcomes[i] = self._verify_greedy(batch.seqs[i].req, batch.chunks[i].token_ids[1:],
+                                              cast(torch.Tensor, results[i]))
+            del kept[i]
+            live.remove(i)
         depth = 0
         while live:
             sampled = self._sample_depth(batch, results, live, depth, kept)
@@ -414,6 +427,17 @@ class Worker:
                     outcomes[i] = kept[i]
             live, depth = next_live, depth + 1
         return outcomes
+
+    def _verify_greedy(self, req: Request, drafts: Sequence[int], logits: torch.Tensor) -> list[TokenEvent]:
+        """_sample's loop for a request whose next token is its logits' argmax and nothing else: every position's
+        argmax in one call, the same tokens the loop's one call a position gives."""
+        events = []
+        for depth, token in enumerate(greedy(logits).tolist()):
+            events.append(TokenEvent(token))
+            if depth >= len(drafts) or token != drafts[depth] or \
+                    self.scheduler.finish_reason(req, token, len(req.output_ids) + depth + 1) is not None:
+                break
+        return events
 
     def _sample_depth(self, batch: Batch, results: list, rows: list[int], depth: int,
                       kept: dict[int, list[TokenEvent]]) -> dict[int, TokenEvent | Exception]:
