@@ -250,6 +250,11 @@ class Scheduler:
         if ended:
             self._retire(seq, out)
 
+    def release_speculation(self, seq: Seq) -> None:
+        """What its drafter holds for a request leaving this device (a draft model's pages)."""
+        if seq.speculation is not None and self.speculator is not None:
+            self.speculator.drafter.release(seq.speculation)
+
     def finish_reason(self, req: Request, token_id: int, num_output_tokens: int) -> str | None:
         """Why req ends if token_id is its output token number num_output_tokens (counting it), or None."""
         p = req.params
@@ -281,7 +286,7 @@ class Scheduler:
         first = seq.num_published
         parent = req.page_hashes[first - 1] if first else None  # for the KV events
         # The pages' tokens go with them: a later prompt matching their hashes is checked against them (scrub).
-        token_ids = _token_range(req, first * page_size, num_full * page_size)
+        token_ids = token_range(req, first * page_size, num_full * page_size)
         self.kv.publish(seq.page_table[first:num_full], req.page_hashes[first:num_full], parent, token_ids)
         if seq.window is not None:  # the window pages it still holds of them, for a later prompt's last window
             held = [(b, h) for b, h in zip(seq.window.table[first:num_full], req.page_hashes[first:num_full]) if b >= 0]
@@ -303,6 +308,7 @@ class Scheduler:
                                                  else 0)
             out.num_prompt_tokens_done += req.num_prompt_tokens - settled
         seq.req.finished = True
+        self.release_speculation(seq)
         if seq.migration is not None:  # moving: the target's pages are freed after the copies queued into them
             seq.handoff, seq.migration = seq.migration.handoff, None
             out.migrations_ended.append(seq)
@@ -330,7 +336,7 @@ class Scheduler:
         return out
 
 
-def _token_range(req: Request, start: int, end: int) -> list[int]:
+def token_range(req: Request, start: int, end: int) -> list[int]:
     """Tokens [start, end) of the prompt followed by the output, without copying the whole sequence."""
     num_prompt = len(req.prompt_ids)
     if end <= num_prompt:

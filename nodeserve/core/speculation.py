@@ -62,6 +62,10 @@ class Drafter(Protocol):
         """Per request: up to max_tokens[i] guesses of the tokens after its prompt and output so far."""
         ...
 
+    def release(self, state: SeqSpeculation) -> None:
+        """Gives back what it holds for a request that leaves the device (SeqSpeculation.state)."""
+        ...
+
 
 @dataclass
 class SpecCounts:

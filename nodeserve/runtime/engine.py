@@ -70,11 +70,16 @@ def window_config(config: Config, model: ModelConfig) -> Config:
 class Engine:
     def __init__(self, config: Config, loaded: LoadedModel,
                  on_transfer: Callable[[float, int, int], None] | None = None,
-                 on_migration: Callable[[str, float, int], None] | None = None):
+                 on_migration: Callable[[str, float, int], None] | None = None, draft: LoadedModel | None = None):
         """on_transfer(seconds, bytes copied, bytes the decode device already held) is called from transfer
         threads once per handed-off request; on_migration(outcome, downtime seconds, pages copied) from the event
-        loop once per move between devices."""
+        loop once per move between devices. draft: speculative.method = "draft"'s model, loaded here if None."""
         self.config, self.loaded = window_config(config, loaded.config), loaded
+        if config.speculative.method == "draft" and draft is None:
+            from nodeserve.speculative.draft_model import load_draft
+
+            draft = load_draft(config, loaded)
+        self.draft = draft
         self.on_transfer, self.on_migration = on_transfer, on_migration
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.model.max_model_len or loaded.config.max_position_embeddings,
@@ -101,7 +106,7 @@ class Engine:
         node = build_node(self.config, self.loaded, self.max_model_len, NodeEvents(
             self._emit_batch_threadsafe, self._released_threadsafe, self._migrated_threadsafe, self.on_transfer,
             self.on_migration or (lambda outcome, downtime, num_pages: None), self._arm_prefix_retry,
-            self._placement_failed))
+            self._placement_failed), self.draft)
         self.prefill_workers, self.decode_workers, self.transfers = node.prefill_workers, node.decode_workers, \
             node.transfers
         self.router, self.tiers, self.kv_events, self.lending = node.router, node.tiers, node.kv_events, node.lending

@@ -51,6 +51,7 @@ from nodeserve.runtime.tp_group import GroupAttention, TPGroupModel
 from nodeserve.runtime.transfer import KVTransfer
 from nodeserve.runtime.worker import Worker
 from nodeserve.sampling.sampler import Sampler
+from nodeserve.speculative.draft_model import DraftModel
 from nodeserve.speculative.prompt_lookup import PromptLookup
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,9 @@ class Node:
             w.start()
 
 
-def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: NodeEvents) -> Node:
+def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: NodeEvents,
+               draft: LoadedModel | None = None) -> Node:
+    """draft: speculative.method = "draft"'s model (speculative/draft_model.load_draft)."""
     cfg, model = config, loaded.model
     starts = start_plan(cfg, max_model_len)
     names = [s.name for s in starts]
@@ -149,7 +152,7 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
     if cfg.speculative.method != "off":
         for s in starts:
             if s.role is not Role.PREFILL:  # decodes nothing
-                workers[s.name].scheduler.use_speculator(speculator(cfg, workers[s.name].runner.model))
+                workers[s.name].scheduler.use_speculator(speculator(cfg, workers[s.name], devices[s.name], draft))
     prefill = [workers[s.name] for s in starts if s.role is Role.PREFILL]
     decode = [workers[s.name] for s in starts if s.role is not Role.PREFILL]
     router = Router(prefill, decode, cfg.devices.local_prefill_threshold, cfg.server.max_waiting,
@@ -166,17 +169,26 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
                 lending, warnings)
 
 
-def speculator(cfg: Config, model: torch.nn.Module) -> Speculator:
-    """[speculative] for one decode device: prompt lookup's guesses, as many as its per-row kernels take in one
-    step (past them a step runs as a GEMM whose rows round differently) and its step model finds worth it."""
+def speculator(cfg: Config, worker: Worker, device: Device, draft: LoadedModel | None) -> Speculator:
+    """[speculative] for one decode device: prompt lookup's or a draft model's guesses, as many as its per-row
+    kernels take in one step (past them a step runs as a GEMM whose rows round differently) and its step model
+    finds worth it."""
     sp = cfg.speculative
+    drafter: PromptLookup | DraftModel = PromptLookup(sp.prompt_lookup_min, sp.prompt_lookup_max)
     if sp.method == "draft":
-        raise ConfigError("'speculative.method' = \"draft\" is not built yet; use \"prompt_lookup\" or \"off\"")
-    max_rows, _ = gemv_rows(model)
+        if draft is None:
+            raise ConfigError("'speculative.method' = \"draft\": the draft model was not loaded")
+        if isinstance(device, DeviceGroup):
+            raise ConfigError(f"'speculative.method' = \"draft\" runs its draft on one device; {device.name} is a "
+                              "tensor-parallel group: use \"prompt_lookup\" there")
+        # its own pool, as many pages as the served model's here: every request seated here can have its draft
+        pool = KVPool(draft.config, worker.pool.num_pages, cfg.kv.page_size, draft.model.dtype, device.torch_device)
+        drafter = DraftModel(build_runner(draft.model.to(device.torch_device), pool, cfg.devices.attention, False,
+                                          cfg.scheduler.max_num_seqs, cfg.prompt_attention))
+    max_rows, _ = gemv_rows(worker.runner.model)
     # guesses never make a step longer than lending between steps may (its streams' gaps within 0.6 x tpot_s),
     # nor a step already past that any longer: where the batch is large the split's gaps stay what they were
-    return Speculator(PromptLookup(sp.prompt_lookup_min, sp.prompt_lookup_max), sp.num_speculative_tokens,
-                      sp.adaptive, max_rows, LEND_GAP_SHARE * cfg.slo.tpot_s)
+    return Speculator(drafter, sp.num_speculative_tokens, sp.adaptive, max_rows, LEND_GAP_SHARE * cfg.slo.tpot_s)
 
 
 def core_lending(cfg: Config, names: list[str]) -> CoreLending | None:

@@ -285,6 +285,7 @@ class Worker:
             h, transfer = m.handoff, self.transfers[m.handoff.target.name]
             if step is MigrationStep.STOP:  # copy the rest, partial page included, and hand it off
                 self.scheduler.running.remove(seq)
+                self.scheduler.release_speculation(seq)
                 seq.handoff, seq.migration = h, None
                 self._copy_pages(seq, h, -(-req.num_computed_tokens // self.pool.page_size))
                 self._hand_off(seq, migrated_at=time.monotonic())

@@ -207,8 +207,17 @@ async def start_engine(config: Config, state: ServerState, notifier: Notifier, s
                                 "load")
         if not await _unless_stopped(load, stop):
             return None
+        draft = None
+        if config.speculative.method == "draft":
+            from nodeserve.speculative.draft_model import load_draft
+
+            loaded = load.result()
+            load_d = in_daemon_thread(loop, lambda: load_draft(config, loaded), "load draft")
+            if not await _unless_stopped(load_d, stop):
+                return None
+            draft = load_d.result()
         engine = Engine(config, load.result(), on_transfer=state.metrics.observe_transfer,
-                        on_migration=state.metrics.observe_migration)
+                        on_migration=state.metrics.observe_migration, draft=draft)
         engine.start(loop)
         notifier.status("warming up")
 

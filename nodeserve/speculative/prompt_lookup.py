@@ -67,3 +67,6 @@ class PromptLookup:
             index.extend(req.output_ids[len(index) - req.num_prompt_tokens:])
             out.append(index.propose(m))
         return out
+
+    def release(self, state: SeqSpeculation) -> None:
+        state.state = None  # the index is plain memory: dropped with it

@@ -50,17 +50,17 @@ def asks(loaded_auto) -> list[list[int]]:
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": a}])) for a in ASKS]
 
 
-def _config(method: str, mode: str = "disaggregated", quantization: str = "auto", **kv):
+def _config(method: str, mode: str = "disaggregated", quantization: str = "auto", draft: str = "", **kv):
     model = {"quantization": quantization, **({"dtype": "float32"} if quantization == "none" else {})}
     return config_from_dict({"model": model, "devices": MODES[mode], "kv": {"memory_gib": 0.25, **kv},
-                             "speculative": {"method": method, "adaptive": False}})
+                             "speculative": {"method": method, "adaptive": False, "draft_model": draft}})
 
 
-def _run(config, loaded, body):
+def _run(config, loaded, body, draft=None):
     """Starts an engine, runs body(engine), checks every pool is whole again; returns (result, counts of every
     speculating device added up)."""
     async def main():
-        engine = Engine(config, loaded)
+        engine = Engine(config, loaded, draft=draft)
         engine.start(asyncio.get_running_loop())
         try:
             result = await body(engine)
@@ -70,7 +70,11 @@ def _run(config, loaded, body):
                 await asyncio.sleep(0.05)
             else:
                 pytest.fail(f"KV pages leaked: {engine.pool_stats()}")
-            counts = [w.scheduler.speculator.counts for w in engine.workers if w.scheduler.speculator is not None]
+            speculators = [w.scheduler.speculator for w in engine.workers if w.scheduler.speculator is not None]
+            for sp in speculators:  # a draft model's own pool: every page back too
+                kv = getattr(sp.drafter, "kv", None)
+                assert kv is None or kv.num_free == kv.num_usable, "draft pages leaked"
+            counts = [sp.counts for sp in speculators]
             return result, (sum(c.num_draft_tokens for c in counts), sum(c.num_accepted_tokens for c in counts))
         finally:
             engine.stop()
@@ -186,3 +190,34 @@ def test_cached_pages_written_by_verify_steps_hold_the_right_kv(loaded_auto, ask
         return _tokens(await _events(engine.add_request(follow, SamplingParams(max_tokens=24, temperature=0.0))))[0]
     computed, _ = _run(_config("off", "one device", prefix_cache=False), loaded_auto, fresh)
     assert cached == computed
+
+
+def test_a_draft_model_gives_the_same_tokens_and_its_pages_back(loaded_auto, asks):
+    """The served model as its own draft (SmolLM2-135M has no smaller sibling here): guesses are mostly right, the
+    outputs the same as without speculation, and the draft's pool whole again after finished and aborted ones."""
+    from nodeserve.speculative.draft_model import load_draft
+
+    cfg = _config("draft", draft="smollm2-135m-instruct")
+    draft = load_draft(cfg, loaded_auto)
+    params = [SamplingParams(max_tokens=48, temperature=0.0), SamplingParams(max_tokens=48, temperature=0.8, seed=5),
+              SamplingParams(max_tokens=48, temperature=0.0)]
+
+    async def body(engine):
+        streams = [engine.add_request(ids, p) for ids, p in zip(asks, params)]
+        cut = engine.add_request(asks[0], SamplingParams(max_tokens=100, temperature=0.0))
+        results = [await _events(s) for s in streams]
+        async for ev in cut:
+            engine.abort(cut)
+            break
+        return [_tokens(r) for r in results]
+    on, (drafted, accepted) = _run(cfg, loaded_auto, body, draft)
+    off, _ = _run(_config("off"), loaded_auto, body)
+    assert on == off and accepted > drafted / 2
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(loaded_auto):
+    from nodeserve.config import ConfigError
+    from nodeserve.speculative.draft_model import load_draft
+
+    with pytest.raises(ConfigError, match="tokenizer"):
+        load_draft(_config("draft", draft="gemma-3-270m"), loaded_auto)

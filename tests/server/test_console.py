@@ -35,7 +35,7 @@ class FakeEngine:
     def __init__(self):
         def worker(name, role):
             return SimpleNamespace(name=name, role=role, records=deque(maxlen=100_000),
-                                   scheduler=SimpleNamespace(running=[], waiting=deque()),
+                                   scheduler=SimpleNamespace(running=[], waiting=deque(), speculator=None),
                                    kv=SimpleNamespace(num_usable=100, num_used=10, num_cached=5, num_free=90))
         self.workers = [worker("cpu:0", "prefill"), worker("cpu:1", "decode")]
         self.transfers = [SimpleNamespace(name="kv cpu:0->cpu:1", src_device=SimpleNamespace(name="cpu:0"),
