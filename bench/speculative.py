@@ -1,6 +1,6 @@
 """Speculative decoding (prompt lookup) on and off, on real servers: output tok/s, identical outputs, token gaps.
 
-For each mode (--modes) and method (off, prompt_lookup), one server (bench/local_server.py, default model and
+For each mode (--modes) and method (off and --methods: prompt_lookup, draft), one server (bench/local_server.py, default model and
 config plus the [speculative] method), then, greedy and streamed (SSE arrival times are what a client sees):
 - repetition: requests whose answer repeats the prompt (rewrite code with one change, extract fields to JSON,
   answer quoting a passage, fix a typo in a paragraph), one stream at a time: output tok/s over the whole
@@ -134,6 +134,8 @@ def main() -> int:
     ap.add_argument("--modes", default="disaggregated,colocated")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--out", default="bench/results/speculative.json")
+    ap.add_argument("--methods", default="prompt_lookup", help="compared with off, e.g. prompt_lookup,draft")
+    ap.add_argument("--draft-model", default="smollm2-135m-instruct", help="method draft's model")
     ap.add_argument("--log-dir", default="", help="keep the servers' logs here (default: a temporary directory)")
     args = ap.parse_args()
     results: dict = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
@@ -142,26 +144,30 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes.split(","):
             runs = {}
-            for method in ("off", "prompt_lookup"):
+            for method in ["off", *args.methods.split(",")]:
                 proc, url = start_server(mode, "auto", tmp, os.path.join(args.log_dir or tmp, f"{mode}-{method}.log"),
-                                         extra=f'[speculative]\nmethod = "{method}"\n')
+                                         extra=f'[speculative]\nmethod = "{method}"\n'
+                                               f'draft_model = "{args.draft_model}"\n')
                 try:
                     runs[method] = asyncio.run(workload(url, args.max_tokens))
                 finally:
                     proc.terminate()
                     proc.wait(60)
-            off, on = runs["off"], runs["prompt_lookup"]
-            same = [a == b for a, b in zip(off.pop("texts"), on.pop("texts"))]
-            row = {"off": off, "prompt_lookup": on, "outputs_identical": sum(same), "outputs": len(same),
-                   "speedup": {"repetition_1": on["repetition"]["tok_s"] / off["repetition"]["tok_s"],
-                               "repetition_1_decode": on["repetition"]["decode_tok_s"] /
-                               off["repetition"]["decode_tok_s"],
-                               "chat_1": on["chat_1"]["tok_s"] / off["chat_1"]["tok_s"],
-                               "chat_32": on["chat_32"]["tok_s"] / off["chat_32"]["tok_s"]}}
-            results["modes"][mode] = row
-            print(mode, json.dumps(row["speedup"]), "gap p99 ms off/on:", round(off["chat_32"]["gap_p99_ms"], 1),
-                  round(on["chat_32"]["gap_p99_ms"], 1), f"identical {sum(same)}/{len(same)}",
-                  "counters:", on["spec_counters"], flush=True)
+            off = runs["off"]
+            texts = off.pop("texts")
+            row = results["modes"][mode] = {"off": off}
+            for method in args.methods.split(","):
+                on = runs[method]
+                same = [a == b for a, b in zip(texts, on.pop("texts"))]
+                row[method] = {**on, "outputs_identical": sum(same), "outputs": len(same),
+                               "speedup": {"repetition_1": on["repetition"]["tok_s"] / off["repetition"]["tok_s"],
+                                           "repetition_1_decode": on["repetition"]["decode_tok_s"] /
+                                           off["repetition"]["decode_tok_s"],
+                                           "chat_1": on["chat_1"]["tok_s"] / off["chat_1"]["tok_s"],
+                                           "chat_32": on["chat_32"]["tok_s"] / off["chat_32"]["tok_s"]}}
+                print(mode, method, json.dumps(row[method]["speedup"]), "gap p99 ms off/on:",
+                      round(off["chat_32"]["gap_p99_ms"], 1), round(on["chat_32"]["gap_p99_ms"], 1),
+                      f"identical {sum(same)}/{len(same)}", "counters:", on["spec_counters"], flush=True)
     results["machine"]["load_after"] = os.getloadavg()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
