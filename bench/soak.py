@@ -71,10 +71,12 @@ import os
 import platform
 import random
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -931,6 +933,67 @@ def _fmt_s(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class EventSubscribers:
+    """Two SUB sockets on the server's KV events, each owned by its thread: `stalled` connects with the smallest
+    buffers and never reads; `healthy` reads every batch and notes when. close() says what each got."""
+
+    def __init__(self, endpoint: str):
+        import zmq
+
+        self.ctx, self.endpoint, self.stop = zmq.Context(), endpoint, threading.Event()
+        self.times: list[float] = []
+        self.gaps = 0
+        self.start = time.monotonic()
+        self.threads = [threading.Thread(target=self._healthy, daemon=True),
+                        threading.Thread(target=self._stalled, daemon=True)]
+        for t in self.threads:
+            t.start()
+
+    def _healthy(self) -> None:
+        import zmq
+
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self.endpoint)
+        last = None
+        while not self.stop.is_set():
+            if sub.poll(100):
+                seq = int.from_bytes(sub.recv_multipart()[1], "big")
+                self.gaps += last is not None and seq != last + 1
+                last = seq
+                self.times.append(time.monotonic())
+        sub.close(0)
+
+    def _stalled(self) -> None:
+        import zmq
+
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, 1)
+        sub.setsockopt(zmq.RCVBUF, 4096)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self.endpoint)
+        self.stop.wait()  # never reads
+        sub.close(0)
+
+    def close(self) -> dict:
+        self.stop.set()
+        for t in self.threads:
+            t.join(5)
+        self.ctx.term()
+        end = time.monotonic()
+        last = self.times[-1] - self.start if self.times else None
+        # the load ends a minute or two before close() (idle wait): batches must have come until then
+        return {"healthy_batches": len(self.times), "healthy_sequence_gaps": self.gaps,
+                "healthy_last_batch_s": last, "run_s": end - self.start,
+                "healthy_kept_up": bool(self.times) and self.gaps == 0 and end - self.times[-1] < 300}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     length = ap.add_mutually_exclusive_group(required=True)
@@ -957,6 +1020,9 @@ def main() -> int:
     ap.add_argument("--no-rss-verdict", action="store_true",
                     help="report RSS but leave it out of the verdict (a minutes-long run, e.g. CI's, still sees "
                          "lazy first-time allocations; the RSS criterion is for the hour)")
+    ap.add_argument("--kv-events", action="store_true",
+                    help="publish KV events, with two subscribers through the soak: one that never reads (its "
+                         "buffers fill) and one that reads every batch (it must keep getting them)")
     ap.add_argument("--out", default=out_path("soak.json"))
     args = ap.parse_args()
     duration = args.duration if args.duration is not None else args.minutes * 60
@@ -973,8 +1039,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         log_path = os.path.join(tmp, "server.log")
         t_start = time.perf_counter()
+        events_port = free_port() if args.kv_events else 0
         proc, url = start_server(args.mode, args.dtype, tmp, log_path, kv_memory_gib=args.kv_memory_gib,
-                                 kv_extra=args.kv_extra.replace("\\n", "\n"))
+                                 kv_extra=args.kv_extra.replace("\\n", "\n").replace("{tmp}", tmp),
+                                 extra=f"[kv_events]\nenabled = true\nport = {events_port}\n" if args.kv_events
+                                 else "")
+        subscribers = EventSubscribers(f"tcp://127.0.0.1:{events_port}") if args.kv_events else None
         print(f"server up in {time.perf_counter() - t_start:.1f} s ({args.mode}, dtype {args.dtype}), pid {proc.pid}",
               flush=True)
         try:
@@ -1003,6 +1073,7 @@ def main() -> int:
             leaked = leaked_pages(idle) if idle is not None else None
             counters = scrape_counters(url)
         finally:
+            events = subscribers.close() if subscribers is not None else None
             proc.terminate()
             try:
                 proc.wait(timeout=60)
@@ -1017,6 +1088,9 @@ def main() -> int:
     windows = latency_windows(records, duration)
     passed, reasons = verdict(summary, leaked, alive, rss=None if args.no_rss_verdict else plateau,
                               windows=None if args.no_latency_verdict else windows)
+    if events is not None and not events["healthy_kept_up"]:
+        passed = False
+        reasons.append(f"the reading KV-event subscriber stopped getting batches: {events}")
     changes = counters.get("device_role_changes", {})
     changes_before = counters_before.get("device_role_changes", {})
     role_changes = {"total": int(sum(changes.values())),
@@ -1031,7 +1105,7 @@ def main() -> int:
                    rss_samples=samples, server_counters=counters, server_counters_after_warmup=counters_before,
                    fresh_schemas=workload.num_fresh_schemas if workload else 0,
                    consoles={"open": args.consoles, **console_stats},
-                   passed=passed, reasons=reasons, records=records)
+                   kv_events=events, passed=passed, reasons=reasons, records=records)
     if not passed:
         results["server_log_tail"] = log_tail
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
