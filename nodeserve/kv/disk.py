@@ -196,14 +196,37 @@ def _load_key(root: str) -> bytes:
     return key
 
 
+def lock_path(root: str) -> int:
+    """Takes the flock on <root>/lock (creating root 0700) and returns its descriptor: closing it (or the process
+    ending) releases it. DiskTierLocked names the pid holding it. The server takes it before loading its model, so
+    a second server on one directory stops in a second, not after a minute's load."""
+    _private_dir(root, follow=True)
+    fd = _open_regular(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise DiskTierLocked(f"kv.disk_path {root} is in use by another nodeserve process (pid {owner}); "
+                             f"give each server its own disk_path") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.fchmod(fd, 0o600)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 class DiskTier:
     """Pages on disk, in an LRU index (hash -> file size) rebuilt by start() from a directory scan."""
 
     def __init__(self, path: str, max_bytes: int, fingerprint: str, page_nbytes: int, *, page_size: int,
                  max_queued_bytes: int = MAX_QUEUED_BYTES, events: KVEventSink | None = None,
-                 write: Callable[[int, Sequence[Any]], None] = _write_all):
+                 write: Callable[[int, Sequence[Any]], None] = _write_all, lock_fd: int | None = None):
         """page_nbytes: a page's K/V bytes; page_size: its tokens; max_queued_bytes: pages waiting to be written
-        (at least one); write(fd, buffers): writes every buffer to fd (tests inject a full disk here)."""
+        (at least one); write(fd, buffers): writes every buffer to fd (tests inject a full disk here); lock_fd:
+        path's lock, taken already (lock_path), which this tier then holds and releases."""
         if len(fingerprint) != 32:
             raise ValueError(f"fingerprint must be 32 hex chars, got {fingerprint!r}")
         if page_nbytes <= 0 or page_size <= 0:
@@ -228,7 +251,7 @@ class DiskTier:
             self.disabled = f"max_bytes {max_bytes} is smaller than one page file ({self.file_nbytes} bytes)"
         self.write = write
         self._key = b""
-        self._lock_fd: int | None = None
+        self._lock_fd: int | None = lock_fd
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._pending: set[bytes] = set()  # queued or being written
         self._lock = threading.Condition()
@@ -267,24 +290,10 @@ class DiskTier:
                     self.events.removed([h])
 
     def _take_lock(self) -> None:
-        """The flock on <path>/lock, held until stop() (or the process's end: a SIGKILL releases it too)."""
-        _private_dir(self.root, follow=True)
-        path = os.path.join(self.root, LOCK_NAME)
-        fd = _open_regular(path, os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise DiskTierLocked(f"kv.disk_path {self.root} is in use by another nodeserve process (pid {owner}); "
-                                 f"give each server its own disk_path") from None
-        except BaseException:
-            os.close(fd)
-            raise
-        os.fchmod(fd, 0o600)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+        """The flock on <path>/lock (lock_path's, taken before the model load where the server does), held until
+        stop() (or the process's end: a SIGKILL releases it too)."""
+        if self._lock_fd is None:
+            self._lock_fd = lock_path(self.root)
 
     def _release_lock(self) -> None:
         fd, self._lock_fd = self._lock_fd, None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import logging
 import time
 from dataclasses import replace
@@ -70,10 +71,13 @@ def window_config(config: Config, model: ModelConfig) -> Config:
 class Engine:
     def __init__(self, config: Config, loaded: LoadedModel,
                  on_transfer: Callable[[float, int, int], None] | None = None,
-                 on_migration: Callable[[str, float, int], None] | None = None, draft: LoadedModel | None = None):
+                 on_migration: Callable[[str, float, int], None] | None = None, draft: LoadedModel | None = None,
+                 disk_lock: int | None = None):
         """on_transfer(seconds, bytes copied, bytes the decode device already held) is called from transfer
         threads once per handed-off request; on_migration(outcome, downtime seconds, pages copied) from the event
-        loop once per move between devices. draft: speculative.method = "draft"'s model, loaded here if None."""
+        loop once per move between devices. draft: speculative.method = "draft"'s model, loaded here if None;
+        disk_lock: kv.disk_path's lock, where the server took it before the model load (kv/disk.lock_path)."""
+        self.disk_lock = disk_lock
         self.config, self.loaded = window_config(config, loaded.config), loaded
         if config.speculative.method == "draft" and draft is None:
             from nodeserve.speculative.draft_model import load_draft
@@ -137,7 +141,10 @@ class Engine:
         for w in self.workers:
             warmup_runner(w.runner)
         if self.tiers is not None:  # the disk's fingerprint names the FP8 scales, known from here on
-            self.tiers.start_disk(self.config, self.loaded)
+            self.tiers.start_disk(self.config, self.loaded, self.disk_lock)
+        elif self.disk_lock is not None:  # no tiers after all (no prefix cache, window pages)
+            os.close(self.disk_lock)
+        self.disk_lock = None
         self._install_policy()
 
     def _install_policy(self) -> None:

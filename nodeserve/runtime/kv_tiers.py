@@ -171,10 +171,13 @@ class KVTiers:
         for loader in self.loaders.values():
             loader.start()
 
-    def start_disk(self, config: Config, loaded: LoadedModel) -> None:
-        """Opens the disk tier (kv.disk_path, kv.disk_gib), if set: scans what earlier runs left there."""
+    def start_disk(self, config: Config, loaded: LoadedModel, lock_fd: int | None = None) -> None:
+        """Opens the disk tier (kv.disk_path, kv.disk_gib), if set: scans what earlier runs left there. lock_fd:
+        the directory's lock, where the server took it before loading the model (kv/disk.lock_path)."""
         path, gib = self.disk_settings
         if not path or gib <= 0 or self.host is None:
+            if lock_fd is not None:
+                os.close(lock_fd)
             return
         pool = next(iter(self.pools.values()))
         scales = repr((pool.k_scales, pool.v_scales)) if pool.is_fp8 else ""
@@ -184,7 +187,8 @@ class KVTiers:
         queued = min(MAX_QUEUED_BYTES, self.host.num_slots * self.host.page_nbytes // 4)
         self.disk = DiskTier(path, int(gib * 2**30), fingerprint, self.host.page_nbytes, page_size=pool.page_size,
                              max_queued_bytes=queued,
-                             events=self.events.sink("disk", False) if self.events is not None else None)
+                             events=self.events.sink("disk", False) if self.events is not None else None,
+                             lock_fd=lock_fd)
         try:
             self.disk.start()
         except DiskTierLocked as e:

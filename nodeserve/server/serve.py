@@ -195,10 +195,29 @@ def stop_on_signals(loop: asyncio.AbstractEventLoop, state: ServerState, drain_t
     return stop
 
 
+def take_disk_lock(config: Config) -> int | None:
+    """kv.disk_path's lock (kv/disk.lock_path) where the disk tier is configured; ConfigError (one line, exit 2)
+    when another server holds it."""
+    from nodeserve.config import ConfigError
+    from nodeserve.kv.disk import DiskTierLocked, lock_path
+
+    kv = config.kv
+    if not kv.disk_path or kv.disk_gib <= 0:
+        return None
+    try:
+        return lock_path(kv.disk_path)
+    except DiskTierLocked as e:
+        raise ConfigError(str(e)) from None
+    except OSError:  # the tier itself says why it is off, later, in one warning
+        return None
+
+
 async def start_engine(config: Config, state: ServerState, notifier: Notifier, stop: asyncio.Event) -> Engine | None:
     """Loads the model, starts the engine and warms it up, each off the loop in a daemon thread; None if a signal
     came first (the threads are left to die with the process: the cli ends it without waiting for them)."""
     loop = asyncio.get_running_loop()
+    # kv.disk_path's lock first: a second server on one directory stops now, not after loading its model
+    disk_lock = take_disk_lock(config)
     keep_alive = asyncio.create_task(_extend_start_timeout(notifier))
     try:
         load = in_daemon_thread(loop, lambda: load_model(config.model.path, parse_dtype(config.dtype),
@@ -217,7 +236,7 @@ async def start_engine(config: Config, state: ServerState, notifier: Notifier, s
                 return None
             draft = load_d.result()
         engine = Engine(config, load.result(), on_transfer=state.metrics.observe_transfer,
-                        on_migration=state.metrics.observe_migration, draft=draft)
+                        on_migration=state.metrics.observe_migration, draft=draft, disk_lock=disk_lock)
         engine.start(loop)
         notifier.status("warming up")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import re
+import os
 import signal
 import threading
 import time
@@ -245,3 +246,19 @@ def test_an_event_loop_blocked_for_a_second(fault_server, baseline):
     stalls = [l for l in s.full_log().splitlines() if re.search(r"event loop stalled (9\d\d|1\d\d\d) ms", l)]
     assert len(stalls) == 1, stalls  # one line for the one long stall (a busy CI machine may add short ones)
     _assert_drained(s)
+
+
+def test_fuzzed_requests_get_no_5xx_and_leave_nothing_held(fault_server):
+    """bench/fuzz_http.py, seeded and short: malformed request lines, paths and headers on raw sockets, mutated
+    JSON on every route; every answer below 500, every well-formed request answered, then a normal completion
+    and no page held. (The 10,000-request run is the benchmark's: bench/results/fuzz-http.json.)"""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "fuzz_http.py")
+    spec = importlib.util.spec_from_file_location("nodeserve_bench_fuzz_http", path)
+    fuzz_http = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fuzz_http)
+    result = fuzz_http.fuzz(fault_server.url, 600, 8, seed=7)
+    assert result["passed"], result
+    statuses = result["statuses"]
+    assert statuses.get("http 200", 0) > 0 and statuses.get("http 400", 0) > 0 and statuses.get("raw 400", 0) > 0
