@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from nodeserve.config import Config, ConfigError
 from nodeserve.core.admission import QueueFull, SloAdmission, TooLarge
-from nodeserve.core.cost_model import StepModel
+from nodeserve.core.cost_model import FEATURES, StepModel
 from nodeserve.core.handoff import MigrationOutcome
 from nodeserve.core.load import SloTarget, StepLimits
 from nodeserve.core.placer import AdaptivePlacer
@@ -66,6 +66,9 @@ def window_config(config: Config, model: ModelConfig) -> Config:
                     "tiers and fetching prefixes across devices are off; kv.window_pages = \"keep\" keeps every "
                     "page and them")
     return replace(config, kv=replace(config.kv, host_memory_gib=0.0, disk_gib=0.0, disk_path=""))
+
+
+MAX_SPEC_FIT_ERROR = 0.3  # the profile fit's RMS relative error past which speculation does not weigh by it
 
 
 class Engine:
@@ -158,12 +161,18 @@ class Engine:
             return
         self.profiler.measure(cfg.profile.budget_s)
         for w in self.workers:  # speculation weighs guesses by the device's own step times
-            if w.scheduler.speculator is not None and w.name in self.profiler.model.devices:
-                # The profile's fit, kept: its decode batches of 1 to N rows tell a row's cost from a step's; the
-                # online refits see mostly one batch size and can move cost between the two at will.
-                m = self.profiler.model.devices[w.name]
+            m = self.profiler.model.devices.get(w.name)
+            # The profile's fit, kept: its decode batches of 1 to N rows tell a row's cost from a step's; the
+            # online refits see mostly one batch size and can move cost between the two at will. A fit that
+            # finds rows free, or misses by more than MAX_SPEC_FIT_ERROR (a profile taken on a starved core),
+            # is not used: guesses are then kept by their odds alone.
+            if w.scheduler.speculator is not None and m is not None and m.rel_error is not None and \
+                    m.rel_error <= MAX_SPEC_FIT_ERROR and m.coef[FEATURES.index("decodes")] > 0:
                 fitted = StepModel(coef=list(m.coef), kernels=m.kernels)
                 w.scheduler.speculator.use_step_model(lambda fitted=fitted: fitted)
+            elif w.scheduler.speculator is not None:
+                log.info("%s: speculation keeps guesses by their odds alone (the start-up profile's fit is %s)",
+                         w.name, "missing" if m is None else f"off by {m.rel_error or 0:.0%} or finds rows free")
         limits = StepLimits(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
         slo = SloTarget(cfg.slo.ttft_s, cfg.slo.tpot_s, cfg.slo.ttft_per_token_s)
         cost = self.cost_model
