@@ -19,6 +19,7 @@ LAYERS = [
     {"kv"},
     {"core"},
     {"sampling", "workloads", "goodput", "metrics"},
+    {"speculative"},
     {"runtime"},
     {"plan"},
     {"server"},

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 import torch
 
@@ -12,6 +12,8 @@ from nodeserve.device import upload
 from nodeserve.model.llama import LlamaModel
 
 if TYPE_CHECKING:
+    from nodeserve.kv.manager import KVManager
+    from nodeserve.kv.pool import KVPool
     from nodeserve.runtime.cuda_graphs import DecodeGraphs
 
 
@@ -21,6 +23,11 @@ class ModelRunner:
         captured (CUDA + FlashInfer only)."""
         self.model, self.pool, self.backend, self.graphs = model, backend.pool, backend, graphs
         self.device = self.pool.device
+
+    @property
+    def kv(self) -> KVManager:
+        """The pages of the pool it runs over (a KVPool's manager)."""
+        return cast("KVPool", self.pool).manager
 
     def prepare(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Chunks must be ordered with every single-token chunk first (those attend as one batched decode)."""

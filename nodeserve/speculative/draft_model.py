@@ -12,7 +12,7 @@ it: every guess is verified by the served model (core/speculation.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -21,8 +21,8 @@ from nodeserve.core.request import Request
 from nodeserve.core.scheduler import SeqChunk, token_range
 from nodeserve.core.speculation import SeqSpeculation
 from nodeserve.kv.reservation import reserve_tokens
+from nodeserve.kv.manager import KVManager
 from nodeserve.model.loader import LoadedModel, load_model
-from nodeserve.runtime.model_runner import ModelRunner
 from nodeserve.sampling.sampler import greedy
 
 MAX_CATCH_UP = 256  # prompt tokens a request's draft computes in one step before it guesses
@@ -44,6 +44,15 @@ def load_draft(cfg: Config, target: LoadedModel) -> LoadedModel:
     return draft
 
 
+class DraftRunner(Protocol):
+    """What the draft needs of runtime/model_runner.ModelRunner: its pool's pages and a forward over chunks."""
+
+    @property
+    def kv(self) -> KVManager: ...
+
+    def run(self, chunks: Sequence[SeqChunk]) -> torch.Tensor: ...
+
+
 @dataclass
 class DraftSeq:
     pages: list[int]
@@ -51,10 +60,10 @@ class DraftSeq:
 
 
 class DraftModel:
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: DraftRunner):
         """runner: the draft model over its own pool on the decode device (no prefix cache)."""
         self.runner = runner
-        self.kv = runner.pool.manager
+        self.kv = runner.kv
 
     def propose(self, states: Sequence[SeqSpeculation], reqs: Sequence[Request],
                 max_tokens: Sequence[int]) -> list[list[int]]:
