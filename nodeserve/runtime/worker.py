@@ -461,11 +461,15 @@ class Worker:
     def _sample_rows(self, batch: Batch, results: list, rows: list[int], depth: int = 0,
                      kept: Mapping[int, list[TokenEvent]] | None = None) -> dict[int, TokenEvent | Exception]:
         reqs = [batch.seqs[i].req for i in rows]
-        # what each row's request has output before this position: its tokens, and those kept this step
+        kept = kept or {}
+        extra = [len(kept.get(i, ())) for i in rows]  # tokens kept before this position
+        # what each row's request has output before this position, copied only where the sampler reads more than
+        # its length-independent parts (penalties count it; min_tokens reads its length): never the hot greedy case
         outputs = [r.output_ids + [e.token_id for e in kept[i] if e.token_id is not None]
-                   if kept and kept.get(i) else r.output_ids for i, r in zip(rows, reqs)]
-        for req, out_ids in zip(reqs, outputs):
-            req.generator = self.sampler.request_generator(req.generator, req.params.seed, len(out_ids))
+                   if n and (r.params.has_penalties or len(r.output_ids) < r.params.min_tokens) else r.output_ids
+                   for i, r, n in zip(rows, reqs, extra)]
+        for req, n in zip(reqs, extra):
+            req.generator = self.sampler.request_generator(req.generator, req.params.seed, len(req.output_ids) + n)
         logits = torch.stack([results[i] if results[i].dim() == 1 else results[i][depth] for i in rows])
         out = self.sampler(logits, [r.params for r in reqs], [r.prompt_ids for r in reqs], outputs,
                            [r.generator for r in reqs], [r.grammar for r in reqs])
