@@ -122,7 +122,10 @@ class KVEventsSection:
     include_tokens: bool = False          # BlockStored carries each page's token ids (vLLM always does; Dynamo's
                                           # router needs them): they are the prompts' and completions' text
     buffer_steps: int = 10_000            # batches kept for replay
-    hwm: int = 100_000                    # batches queued per subscriber; past it that subscriber loses batches
+    hwm: int = 10_000                     # batches queued per subscriber; past it that subscriber loses batches.
+                                          # = buffer_steps: a subscriber further behind can't be caught up by replay
+                                          # either, and a dead one holds ~6 MB, not vLLM's 100,000 (~60 MB, seen
+                                          # as RSS growth in the one-hour soak)
     sndbuf: int = 0                       # kernel send buffer per subscriber connection, bytes (0: the OS's); with
                                           # hwm, bounds what a stalled subscriber holds before it loses batches
     max_queue_size: int = 100_000         # events waiting for the publisher; past it they are dropped and counted
