@@ -33,6 +33,24 @@ def gguf_dense(blocks: torch.Tensor, name: str, k: int) -> torch.Tensor:
     return torch.from_numpy(dequantize(blocks.numpy(), gguf.GGMLQuantizationType[name]).reshape(-1, k).copy())
 
 
+# Where each type's quants lie in a block ([start, end) bytes). The kernels split a weight as w = s * q + o per
+# group of 16 or 32 and multiply only s * q by the rounded activations (o by the exact float sum of the group), so
+# the int16 rounding bounds below weigh |s * q|, not |w|. Q6_K's and Q8_0's quants are signed (o = 0).
+QUANT_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_1": (4, 24), "Q4_K": (16, 144), "Q5_K": (16, 176)}
+
+
+def rounded_part(blocks: torch.Tensor, name: str, k: int) -> torch.Tensor:
+    """s * q of every weight [N, K]: the weights less their groups' offsets o (the weights of all-zero quants)."""
+    dense = gguf_dense(blocks, name, k)
+    if name not in QUANT_BYTES:
+        return dense
+    start, end = QUANT_BYTES[name]
+    qtype = getattr(native, name)
+    zeroed = blocks.clone().view(blocks.shape[0], -1, native.BLOCK_LAYOUTS[qtype][1])  # [N, blocks, bytes]
+    zeroed[..., start:end] = 0
+    return dense - gguf_dense(zeroed.reshape(blocks.shape[0], -1), name, k)
+
+
 @pytest.fixture(scope="module")
 def matrices():
     rng = np.random.default_rng(0)
@@ -63,14 +81,15 @@ def test_linear_is_float32_math_on_the_blocks_weights(matrices, name, m):
 @pytest.mark.parametrize("name", TYPES)
 def test_one_row_rounds_activations_to_int16_per_block(matrices, name):
     """Batch-1 decode: activations are rounded to 15 bits per block of 32, so each output is within
-    sum_b |w_b| * amax(x_b) / 32767 / 2 of the float32 product, and far closer than int8 activations."""
+    sum_b |s q_b| * amax(x_b) / 32767 / 2 of the float32 product (rounded_part), and far closer than int8 activations."""
     torch.manual_seed(1)
     x = torch.randn(1, 96) * torch.logspace(-2, 1, 96)  # blocks of very different scales
     dense = gguf_dense(matrices[name], name, 96)
     want = x @ dense.T
     got = kernels.linear(TYPES[name], matrices[name], x, 40)
     xb = x.view(1, 3, 32).abs().amax(-1)  # [1, blocks]
-    bound = (dense.abs().view(40, 3, 32).sum(-1) * xb / 32767 / 2).sum(-1) + 1e-5  # [40]
+    sq = rounded_part(matrices[name], name, 96).abs()  # [40, 96]
+    bound = (sq.view(40, 3, 32).sum(-1) * xb / 32767 / 2).sum(-1) + 1e-5  # [40]
     assert ((got - want).abs()[0] <= bound).all()
     assert not torch.equal(got, want)  # the rounding is real
 
@@ -159,7 +178,7 @@ def test_repacked_weights_dequantize_to_the_files_weights(r16, matrices, name):
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 8, 12, 13, 20])
 def test_repacked_linear_rounds_activations_to_int16_per_block(r16, matrices, name, m):
     """Every row count: activations rounded to 15 bits per block of 32, so each output is within
-    sum_b |w_b| * amax(x_b) / 32767 / 2 of the float32 product (and padded rows are never written)."""
+    sum_b |s q_b| * amax(x_b) / 32767 / 2 of the float32 product (rounded_part; and padded rows are never written)."""
     build, flags = r16
     torch.manual_seed(m)
     x = torch.randn(m, 96) * torch.logspace(-2, 1, 96)
@@ -168,7 +187,8 @@ def test_repacked_linear_rounds_activations_to_int16_per_block(r16, matrices, na
     packed = build.repack(TYPES[name], matrices[name], 40, 96)
     got = build.linear(TYPES[name] | flags, packed, x, 40)
     xb = x.view(m, 3, 32).abs().amax(-1)                                      # [m, blocks]
-    bound = (dense.abs().view(40, 3, 32).sum(-1)[None] * xb[:, None] / 32767 / 2).sum(-1) + 1e-5  # [m, 40]
+    sq = rounded_part(matrices[name], name, 96).abs()  # [40, 96]
+    bound = (sq.view(40, 3, 32).sum(-1)[None] * xb[:, None] / 32767 / 2).sum(-1) + 1e-5  # [m, 40]
     assert ((got - want).abs() <= bound).all()
     assert not torch.equal(got, want)
     if m == 1:  # the same rounding as the AVX2 path's one-row kernel on the GGUF layout (float sums reordered)
@@ -861,7 +881,8 @@ def test_kquant_one_row_rounds_activations_to_int16_per_block(kq_build, name):
     want = x @ dense.T
     got = kq_build.linear(KQ_TYPES[name], blocks, x, 40)
     xb = x.view(1, k // 32, 32).abs().amax(-1)  # [1, blocks]
-    bound = (dense.abs().view(40, k // 32, 32).sum(-1) * xb / 32767 / 2).sum(-1)  # [40]
+    sq = rounded_part(blocks, name, k).abs()  # [40, k]
+    bound = (sq.view(40, k // 32, 32).sum(-1) * xb / 32767 / 2).sum(-1)  # [40]
     slack = 2e-6 * (x.abs() @ dense.abs().T)[0]  # the float32 sums
     assert ((got - want).abs()[0] <= bound + slack).all()
     assert torch.equal(got[0, 3], torch.tensor(0.0))  # zero scales: zero weights
