@@ -29,6 +29,8 @@ teacher-forced positions there; the count is reported; a SentencePiece byte toke
 Gemma's <0x0A> and piece "\\n", counts as the piece). Any of the tokenizer's end ids (Gemma: <eos> and
 <end_of_turn>) is the end of sequence.
 
+`--cpu-class avx2`: every server as an AVX2-only CPU runs it (bench/cpu_class.py; a proxy on a CPU with more).
+
 Targets: `nodeserve-default` (nodeserve's default config, plus `--default-extra` TOML lines for its [model]
 table), `nodeserve-none` (`quantization = "none"`, dtype auto: float32 on a CPU without hardware bf16, where it
 must score 100 %, a check of this harness) and `llama-server` (llama.cpp's server on the same GGUF, via
@@ -63,6 +65,7 @@ from outputs import load_json, out_path  # noqa: E402
 import llama_server as L  # noqa: E402  (bench/ is scripts, not a package)
 import serve  # noqa: E402
 from local_server import start_server  # noqa: E402
+from cpu_class import CPU_CLASS_ENV, class_is_proxy, class_text, nodeserve_env  # noqa: E402
 
 EOS = "<end of sequence>"  # the pseudo-token a continuation ends with when the server stopped on its own
 
@@ -274,10 +277,10 @@ def _start(target: Target, args, gguf: str, tmp: str, log: str):
     """(process, url, config text) of a started target, serving the model file `gguf`."""
     if target.kind == "llama-server":
         srv = L.start(slots=4, slot_ctx=1024, threads=args.llama_threads, log_path=log, passive=args.llama_passive,
-                      gguf=gguf)
+                      gguf=gguf, cpu_class=args.cpu_class)
         return srv.proc, srv.url, f"{srv.version}, -t {args.llama_threads}"
     proc, url = start_server(args.mode, target.dtype, tmp, log, model_extra=target.model_extra,
-                             kv_extra=target.kv_extra, model_path=gguf)
+                             kv_extra=target.kv_extra, model_path=gguf, env=nodeserve_env(args.cpu_class))
     lines = [ln.strip() for ln in target.model_extra.splitlines() if ln.strip()]
     lines += ["kv." + ln.strip() for ln in target.kv_extra.splitlines() if ln.strip()]
     extra = "; ".join(lines)
@@ -302,6 +305,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4, help="teacher-forced requests in flight")
     ap.add_argument("--llama-threads", type=int, default=2)
     ap.add_argument("--llama-passive", action="store_true", help="OMP_WAIT_POLICY=passive (see llama_server.py)")
+    ap.add_argument("--cpu-class", choices=sorted(CPU_CLASS_ENV), default=None,
+                    help="every server as that class of CPU runs it (bench/compare.py --cpu-class): nodeserve and "
+                         "its reference forced to the class's kernels, llama-server built for it")
     ap.add_argument("--reuse", default=None, metavar="QUALITY_JSON",
                     help="take the reference continuations and the targets not in --targets from this earlier "
                          "quality.json (same prompts and --max-tokens), instead of starting the reference again")
@@ -309,7 +315,8 @@ def main() -> int:
                     help="default $NODESERVE_BENCH_DIR/quality (else ~/.cache/nodeserve/bench/quality), "
                          "quality-<model> for another --model")
     args = ap.parse_args()
-    args.out_dir = args.out_dir or out_path(L.results_name("quality", args.model))
+    args.out_dir = args.out_dir or out_path(L.results_name("quality" + (f"-{args.cpu_class}" if args.cpu_class
+                                                                            else ""), args.model))
 
     known = {"nodeserve-default": Target("nodeserve-default", "nodeserve", "auto", args.default_extra,
                                          args.default_kv_extra),
@@ -333,6 +340,9 @@ def main() -> int:
     results: dict = {"command": " ".join([os.path.basename(sys.executable)] + [shlex.quote(a) for a in sys.argv]),
                      "machine": serve.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args),
                      "model": {"name": args.model, "file": gguf}, "prompts": prompts, "targets": {}}
+    if args.cpu_class:
+        results["cpu_class"] = {"class": args.cpu_class, "nodeserve_env": CPU_CLASS_ENV[args.cpu_class],
+                                "proxy": class_is_proxy(args.cpu_class, L.build_llama.cpu_flags_line())}
     reference = Target("reference", "nodeserve", "float32", 'quantization = "none"')
     runs = [reference] + [known[n] for n in names]
     if args.reuse:
@@ -384,6 +394,7 @@ def main() -> int:
     named = "" if args.model.lower() == L.DEFAULT_MODEL else f" on {L.model_tag(args.model)}"
     header = (f"# Quality against the float32 reference{named}, {results['date']}\n\n`{results['command']}`\n\n"
               + (f"Model: `{gguf}`.\n\n" if named else "")
+              + (class_text(results["cpu_class"]) + "\n\n" if args.cpu_class else "")
               + (f"The reference{''.join(', ' + n for n in reused)} come from the earlier run "
                  f"`{results['reference']['reused_from']}`.\n\n" if args.reuse else "")
               + f"Reference: {results['reference']['config']}. {len(prompts)} prompts "
