@@ -143,7 +143,7 @@ def test_quality_starts_every_target_on_the_same_file(load_bench, monkeypatch, t
 
     monkeypatch.setattr(Q, "start_server", fake_nodeserve)
     monkeypatch.setattr(Q.L, "start", fake_llama)
-    args = argparse.Namespace(mode="disaggregated", llama_threads=2, llama_passive=False)
+    args = argparse.Namespace(mode="disaggregated", llama_threads=2, llama_passive=False, cpu_class=None)
     for target in (Q.Target("reference", "nodeserve", "float32", 'quantization = "none"'),
                    Q.Target("llama-server", "llama-server")):
         Q._start(target, args, "/models/g.gguf", str(tmp_path), str(tmp_path / "log"))
