@@ -139,8 +139,9 @@ class SchedulerSection:
     prefill_order: str = "deadline"       # deadline: most prompts within slo.ttft_s first (core/prefill_order.py;
                                           # needs profile.startup, else fifo) | fifo: oldest first
     # disaggregated: prompt tokens a decode device adds to one step of its decode batch when it prefills a prompt
-    # itself (devices.local_prefill_*), so its streams' inter-token gaps stay short; 0: auto (core/start.py: CPU 32,
-    # CUDA 256)
+    # itself (devices.local_prefill_*), so its streams' inter-token gaps stay short; 0: auto, as many as the
+    # device's own step model predicts keep the step within 0.6 x slo.tpot_s (core/side_prefill.py; without a
+    # start-up profile a fixed chunk, core/start.py: CPU 32, CUDA 256)
     decode_prefill_chunk: int = 0
 
 

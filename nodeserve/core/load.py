@@ -10,6 +10,11 @@ import enum
 from dataclasses import dataclass
 
 
+# Of slo.tpot_s: the inter-token gap a decode device's side work may stretch its steps to. The rest of the target
+# is margin for what no model predicts (a step's noise, a lent core's return, the event loop).
+GAP_SHARE = 0.6
+
+
 class Role(enum.StrEnum):
     """What a device does. The only definition: workers, placers and the simulator share it."""
 
@@ -50,3 +55,9 @@ class SloTarget:
 
     def ttft_limit(self, num_prompt_tokens: int) -> float:
         return self.ttft_s + self.ttft_per_token_s * num_prompt_tokens
+
+    @property
+    def max_side_step_s(self) -> float:
+        """The longest step that what a decode device takes on besides its decodes (its own prompts' tokens,
+        speculation's guesses, its core lent between steps) may make: GAP_SHARE of the TPOT target."""
+        return GAP_SHARE * self.tpot_s

@@ -16,6 +16,7 @@ from nodeserve.core.handoff import Handoff, Migration
 from nodeserve.kv.manager import KVManager, hash_pages
 from nodeserve.kv.window import WindowPages
 from nodeserve.core.request import Request, TokenEvent
+from nodeserve.core.side_prefill import SidePrefill
 from nodeserve.core.speculation import SeqSpeculation, Speculator
 
 FORWARD_FAILED = "the model's forward pass failed for this request (the error is in the server log)"
@@ -120,6 +121,13 @@ class Scheduler:
         # first, in order; the rest, for steps with none of the first); None: oldest first.
         self.order: Callable[[Sequence[Seq], Sequence[Seq]], tuple[list[Seq], list[Seq]]] | None = None
         self.speculator: Speculator | None = None  # guesses for decodes to verify (core/speculation.py)
+        # prompt tokens a step of decodes may add, by the device's step model (core/side_prefill.py); None: the
+        # fixed limits.max_prefill_with_decodes
+        self.side_prefill: SidePrefill | None = None
+
+    def use_side_prefill(self, side: SidePrefill) -> None:
+        """Size the prompt tokens beside decodes by `side` (only where limits.max_prefill_with_decodes caps them)."""
+        self.side_prefill = side
 
     def use_speculator(self, speculator: Speculator) -> None:
         self.speculator = speculator
@@ -141,7 +149,12 @@ class Scheduler:
         decodes = self.running[:self.limits.max_num_seqs]
         budget = self.limits.max_num_batched_tokens - len(decodes)
         if decodes and self.limits.max_prefill_with_decodes:
-            budget = min(budget, self.limits.max_prefill_with_decodes)
+            cap = self.limits.max_prefill_with_decodes
+            if self.side_prefill is not None:
+                first = next((s for s in self.waiting if s.ready), None)
+                cap = self.side_prefill.tokens([s.req.num_computed_tokens + 1 for s in decodes],
+                                               first.req.num_computed_tokens if first is not None else 0, budget)
+            budget = min(budget, cap)
         prefills: list[Seq] = []
         sizes: list[int] = []
         for group in self.order(self.waiting, decodes) if self.order is not None else (self.waiting,):

@@ -144,6 +144,7 @@ def simulation_settings(config: Config, cost: CostModel) -> dict:
     return {"local_prefill_threshold": config.devices.local_prefill_threshold,
             "local_prefill_when_busy": config.devices.local_prefill_when_busy,
             "decode_prefill_chunk": decode_prefill_chunk(config.scheduler, devices[-1].split(":")[0]),
+            "side_prefill": config.scheduler.decode_prefill_chunk == 0,
             "prefill_order": config.scheduler.prefill_order,
             "capacity_tokens": config.kv.memory_gib * 2**30 / cost.kv_bytes_per_token if cost.kv_bytes_per_token
             else float("inf")}

@@ -43,6 +43,7 @@ from nodeserve.core.request import Request, TokenEvent
 from nodeserve.core.roles import RoleChange
 from nodeserve.core.sampling_params import SamplingParams
 from nodeserve.core.scheduler import Batch, PageLoad, Scheduler, Seq, StepOutput, WorkerLimits
+from nodeserve.core.side_prefill import SidePrefill
 from nodeserve.kv.manager import KVManager
 from nodeserve.kv.window import WindowKV, WindowPages
 from nodeserve.runtime.records import RecordLog
@@ -170,7 +171,7 @@ class Simulation:
     def __init__(self, cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget,
                  local_prefill_threshold: int = 0, capacity_tokens: float | Mapping[str, float] = float("inf"),
                  local_prefill_when_busy: int = 0, decode_prefill_chunk: int = 0, prefill_order: str = "deadline",
-                 stop_below: float | None = None):
+                 stop_below: float | None = None, side_prefill: bool = False):
         self.cost, self.mode, self.limits, self.slo = cost, mode, limits, slo
         # Stop once fewer than this share of the requests can still meet the SLO: a goodput search needs only to
         # know that a rate misses, and an overloaded run's queue makes its last seconds the slowest to simulate.
@@ -179,6 +180,7 @@ class Simulation:
         self.prefill_order = prefill_order  # scheduler.prefill_order: the engine installs it after its profile
         self.threshold, self.capacity_tokens = local_prefill_threshold, capacity_tokens
         self.decode_prefill_chunk = decode_prefill_chunk  # a decode device's prefill tokens per decoding step
+        self.side_prefill = side_prefill  # ... sized each step by its step model, as scheduler.decode_prefill_chunk = 0
         self.roles = {d: Role(r) for d, r in mode.roles.items()}
         # As the engine orders its workers: prefill devices first.
         self.names = sorted(self.roles, key=lambda d: self.roles[d] != Role.PREFILL)
@@ -224,6 +226,11 @@ class Simulation:
         self.devices = {n: SimDevice(self, n, self.roles[n], decode_wl if self.roles[n] == Role.DECODE else wl,
                                      num_pages[n]) for n in self.names}
         workers = list(self.devices.values())
+        if self.side_prefill:
+            for d in workers:
+                if d.role == Role.DECODE:
+                    d.scheduler.use_side_prefill(SidePrefill(lambda name=d.name: self.cost.devices.get(name),
+                                                             self.slo.max_side_step_s, self.decode_prefill_chunk))
         if self.prefill_order == "deadline":
             for d in workers:
                 d.scheduler.use_order(DeadlineOrder(d.name, self.slo, self.limits, lambda: self.cost,
@@ -443,12 +450,12 @@ def simulate(cost: CostModel, mode: Mode, limits: StepLimits, slo: SloTarget, wo
              arrivals: Sequence[float], local_prefill_threshold: int = 0,
              capacity_tokens: float | Mapping[str, float] = float("inf"), local_prefill_when_busy: int = 0,
              decode_prefill_chunk: int = 0, prefill_order: str = "deadline",
-             stop_below: float | None = None) -> list[dict]:
+             stop_below: float | None = None, side_prefill: bool = False) -> list[dict]:
     """Records of (prompt_len, max_tokens) requests sent at `arrivals` (seconds). With stop_below, a run stops once
     that share of the requests can no longer meet the SLO; the requests not done then are failures."""
     reqs = [SimRequest(t, p, m) for (p, m), t in zip(workload, arrivals)]
     sim = Simulation(cost, mode, limits, slo, local_prefill_threshold, capacity_tokens, local_prefill_when_busy,
-                     decode_prefill_chunk, prefill_order, stop_below)
+                     decode_prefill_chunk, prefill_order, stop_below, side_prefill)
     return records(sim.run(reqs))
 
 

@@ -17,6 +17,7 @@ from nodeserve.core.handoff import MigrationOutcome
 from nodeserve.core.load import SloTarget, StepLimits
 from nodeserve.core.placer import AdaptivePlacer
 from nodeserve.core.prefill_order import DeadlineOrder
+from nodeserve.core.side_prefill import SidePrefill
 from nodeserve.core.request import Request, TokenEvent
 from nodeserve.metrics import PoolStats
 from nodeserve.core.sampling_params import SamplingParams, resolve_max_tokens
@@ -180,6 +181,12 @@ class Engine:
             if cfg.devices.mode == "adaptive" else None
         self.router.use_policy(SloAdmission(slo, cfg.slo.admission == "reject", cfg.slo.margin, limits, cost,
                                             cfg.devices.local_prefill_threshold, placer), placer)
+        if cfg.scheduler.decode_prefill_chunk == 0:  # auto: sized by each decode device's own step model
+            for w in self.workers:
+                if w.scheduler.limits.max_prefill_with_decodes:
+                    w.scheduler.use_side_prefill(SidePrefill(
+                        lambda name=w.name: self.profiler.model.devices.get(name), slo.max_side_step_s,
+                        w.scheduler.limits.max_prefill_with_decodes))
         if cfg.scheduler.prefill_order == "deadline":
             # Workers read the model as it stands (the router's thread refits it): a refit swaps whole lists.
             for w in self.workers:

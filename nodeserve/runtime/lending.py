@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from nodeserve.core.load import Role
+from nodeserve.core.load import GAP_SHARE, Role
 from nodeserve.kernels import native
 
 log = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 # Lending between steps (devices.lend_between_steps): a decode device's streams tolerate inter-token gaps up to
 # their TPOT target, and a decode step of 16 streams takes 30-40 ms of a 100 ms target on the 2-core EPYC; the rest
 # can go to a prefill device whose queue keeps long prompts past their TTFT target.
-LEND_GAP_SHARE = 0.6       # of slo.tpot_s: the inter-token gap lending may stretch a decode batch's to
+LEND_GAP_SHARE = GAP_SHARE  # of slo.tpot_s: the inter-token gap lending may stretch a decode batch's to
 MIN_BACKLOG_TOKENS = 1024  # prompt tokens queued on the prefill device (one full step) before it is worth it:
                            # a short prompt's prefill ends before a lent slice helps it
 MIN_SLICE_S = 0.005        # shorter slices are not worth waking the helper for
