@@ -90,6 +90,23 @@ def test_a_short_prompt_behind_a_long_one_prefills_on_the_decode_device(loaded_f
     assert num_local == 1 and tokens == hf_greedy[short]
 
 
+def test_the_decode_devices_own_prompt_tokens_are_sized_by_its_step_model(loaded_fp32, prompt_ids, hf_greedy):
+    """With the start-up profile (warmup), scheduler.decode_prefill_chunk = 0 sizes the decode device's own prompt
+    tokens per step by its step model (core/side_prefill.py); a number keeps that fixed chunk. Same tokens."""
+    short = min(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+
+    async def body(engine):
+        await asyncio.to_thread(engine.warmup)
+        long = engine.add_request([1000 + i % 500 for i in range(400)], _greedy(max_tokens=2))
+        await asyncio.sleep(0.05)
+        out, _ = await _tokens(engine.add_request(prompt_ids[short], _greedy()))
+        await _tokens(long)
+        return out, [w.scheduler.side_prefill is not None for w in engine.workers]
+    for chunk, want in ((0, [False, True]), (16, [False, False])):
+        tokens, sized = _run(_config("busy-local", decode_prefill_chunk=chunk), loaded_fp32, body)
+        assert tokens == hf_greedy[short] and sized == want
+
+
 @pytest.mark.slow
 def test_one_request_alone_equals_it_among_31_others(loaded_fp32, prompt_ids, hf_greedy):
     async def body(engine):
