@@ -110,11 +110,13 @@ class Speculator:
         """The guesses each decoding request verifies this step. limits[i]: the most it may take (its token and
         page limits; 0 where it must not speculate); contexts[i]: tokens it attends; the step's prefill chunks;
         max_extra_rows: rows the step's token budget has left."""
-        caps = [min(self.max_tokens, lim) for lim in limits]
-        proposals = self.drafter.propose(states, reqs, caps) if any(caps) else [[] for _ in caps]
         room = max(0, self.max_rows - len(states) - num_prefill_tokens) if self.max_rows else None
         if max_extra_rows is not None:
             room = max_extra_rows if room is None else min(room, max_extra_rows)
+        caps = [min(self.max_tokens, lim) for lim in limits]
+        if room == 0 or not any(caps):  # a full batch verifies nothing: no drafting either (a drafter catches up)
+            return [[] for _ in caps]
+        proposals = self.drafter.propose(states, reqs, caps)
         if not self.adaptive:
             return _first(proposals, room)
         # every guess as (gain, request, position): request i's j-th guess pays a_i^(j+1), in that order per request

@@ -89,3 +89,16 @@ def test_counts_per_position():
     c.add(1, 1)
     c.add(0, 0)
     assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, c.accepted_per_pos) == (2, 4, 3, [2, 1, 0])
+
+
+def test_a_batch_with_no_room_for_guesses_does_not_draft():
+    class Counting(FixedDrafter):
+        calls = 0
+
+        def propose(self, states, reqs, max_tokens):
+            Counting.calls += 1
+            return super().propose(states, reqs, max_tokens)
+
+    sp = Speculator(Counting([5, 6, 7]), 3, max_rows=4)
+    assert _drafts(sp, [SeqSpeculation() for _ in range(4)]) == [[]] * 4 and Counting.calls == 0
+    assert any(_drafts(sp, [SeqSpeculation() for _ in range(2)])) and Counting.calls == 1
