@@ -747,6 +747,7 @@ def run_target(name: str, args, plan: Plan, tmp: str, log_dir: str, live: list) 
         if snap is not None:
             rows = TL.parse(snap, t0)
             res["timeline"] = TL.summary(rows)
+            res["steps"] = TL.step_stats(snap, t0)
             png = TL.plot(rows, os.path.join(args.out_dir, f"timeline_{name}.png"),
                           f"nodeserve {name}: bimodal chat at concurrency {plan.chat_concurrency}")
             busy = ", ".join(f"{k} busy {v['busy'] * 100:.0f} %" for k, v in res["timeline"].items())

@@ -150,6 +150,34 @@ def summary(rows: list[Row]) -> dict:
     return {r.label: busy_shares(r) for r in rows}
 
 
+def _pcts(xs: list[float], scale: float = 1e3, unit: str = "_ms") -> dict:
+    """{"n", "p50<unit>", "p99<unit>", "max<unit>"} of xs times scale (seconds to ms by default)."""
+    if not xs:
+        return {"n": 0}
+    xs = sorted(xs)
+    return {"n": len(xs), **{f"{q}{unit}": xs[min(len(xs) - 1, int(f * len(xs)))] * scale
+                             for q, f in (("p50", 0.5), ("p99", 0.99))}, f"max{unit}": xs[-1] * scale}
+
+
+def step_stats(snapshot: dict, t0: float) -> dict:
+    """Per device, over the steps from t0 on: step times by kind (ms percentiles), the prompt tokens its mixed
+    steps took, and the time between one step's end and the next one's start (lending, waiting for work):
+    what a decode device's inter-token gap is made of."""
+    out = {}
+    for dev in snapshot.get("devices", ()):
+        steps = sorted(tuple(x) for x in dev["steps"] if x[0] >= t0)
+        by_kind: dict[str, list[float]] = {}
+        for s, e, p, d in steps:
+            by_kind.setdefault(classify(p, d), []).append(e - s)
+        mixed = [p for _, _, p, d in steps if p > 0 and d > 0]
+        between = [b[0] - a[1] for a, b in zip(steps, steps[1:]) if a[3] > 0 and b[3] > 0]
+        out[f"{dev['device']} ({dev['role']})"] = {
+            **{k: _pcts(v) for k, v in by_kind.items()},
+            "mixed_prompt_tokens": _pcts([float(p) for p in mixed], 1.0, ""),
+            "between_decode_steps": _pcts(between)}
+    return out
+
+
 # ---- I/O --------------------------------------------------------------------------------------------------
 
 def fetch(url: str, since: float = 0.0, timeout: float = 30.0) -> dict:

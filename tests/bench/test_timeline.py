@@ -90,3 +90,15 @@ def test_plot_snapshot_draws_the_role_strips(T, tmp_path):
     path = T.plot_snapshot(snap, str(tmp_path / "roles.png"), title="roles")
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_step_stats_split_a_devices_steps_by_kind_and_time_the_pauses_between_decodes(T):
+    snap = {"now": 10.0, "devices": [{"device": "cpu:1", "role": "decode", "steps": [
+        [0.2, 0.3, 0, 4],                      # before the window: left out
+        [1.0, 1.05, 0, 4], [1.06, 1.2, 16, 4], [1.25, 1.3, 0, 4], [1.3, 1.4, 100, 0]]}]}
+    st = T.step_stats(snap, 0.5)["cpu:1 (decode)"]
+    assert st["decode"]["n"] == 2 and abs(st["decode"]["max_ms"] - 50) < 1e-6
+    assert st["mixed"]["n"] == 1 and abs(st["mixed"]["p50_ms"] - 140) < 1e-6
+    assert st["mixed_prompt_tokens"] == {"n": 1, "p50": 16.0, "p99": 16.0, "max": 16.0}
+    # between decoding steps only: 10 ms and 50 ms (the prefill-only step's pause does not count)
+    assert st["between_decode_steps"]["n"] == 2 and abs(st["between_decode_steps"]["max_ms"] - 50) < 1e-6
