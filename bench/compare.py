@@ -685,11 +685,13 @@ def serving(name: str, args, tmp: str, log: str, live: list, slo: tuple[float, f
         # Its prefix cache off, as llama-server's cache_prompt: probes resend the same prompts.
         slo = slo or (args.slo_ttft, args.slo_tpot, args.slo_ttft_per_token)
         proc, url = start_server(name, args.dtype, tmp, log, model_extra=args.nodeserve_model_extra,
-                                 kv_extra="prefix_cache = false\n" + args.nodeserve_kv_extra, extra=slo_table(*slo),
+                                 kv_extra="prefix_cache = false\n" + args.nodeserve_kv_extra,
+                                 extra=slo_table(*slo) + args.nodeserve_extra.replace("\\n", "\n"),
                                  model_path=args.gguf, env=nodeserve_env(args.cpu_class),
                                  devices_extra=args.nodeserve_devices_extra)
         info = {"mode": name, "dtype": args.dtype, "model_extra": args.nodeserve_model_extra,
-                "kv_extra": args.nodeserve_kv_extra, "devices_extra": args.nodeserve_devices_extra, "slo": dict(zip(("ttft_s", "tpot_s", "ttft_per_token_s"), slo)),
+                "kv_extra": args.nodeserve_kv_extra, "devices_extra": args.nodeserve_devices_extra,
+                "extra": args.nodeserve_extra, "slo": dict(zip(("ttft_s", "tpot_s", "ttft_per_token_s"), slo)),
                 "kernels": kernels_lines(log)}
         if args.cpu_class:
             info["cpu_class_env"] = CPU_CLASS_ENV[args.cpu_class]
@@ -820,6 +822,8 @@ def main() -> int:
     ap.add_argument("--nodeserve-kv-extra", default="", help="extra TOML lines for nodeserve's [kv] table")
     ap.add_argument("--nodeserve-devices-extra", default="",
                     help="extra TOML lines for nodeserve's [devices] table, e.g. 'lend_between_steps = false'")
+    ap.add_argument("--nodeserve-extra", default="",
+                    help="more TOML tables for nodeserve's config, e.g. '[speculative]\\nmethod = \"off\"' (\\n: a newline)")
     ap.add_argument("--llama-backend", default="auto",
                     help=f"llama-server peer(s), comma-separated, of {','.join(L.BACKENDS)}; auto: the native build "
                          "if it builds, else the wheels; several run as one target each (see above)")

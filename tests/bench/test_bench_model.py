@@ -76,7 +76,7 @@ def test_compare_starts_every_target_on_the_same_file(load_bench, monkeypatch, t
     monkeypatch.setattr(C.L, "start", fake_llama)
     monkeypatch.setattr(C, "_stop", lambda proc: None)
     args = argparse.Namespace(gguf="/models/g.gguf", dtype="auto", nodeserve_model_extra="", nodeserve_kv_extra="",
-                              nodeserve_devices_extra="",
+                              nodeserve_devices_extra="", nodeserve_extra="",
                               slo_ttft=2.5, slo_tpot=0.1, slo_ttft_per_token=0.0, llama_passive=True,
                               llama_threads=2, llama_slots=4, llama_slot_ctx=1024,
                               llama_peers={"llama-server": "native"}, cpu_class=None)
@@ -112,7 +112,7 @@ def test_compare_cpu_class_forces_nodeserve_and_builds_llama_for_the_class(load_
     monkeypatch.setattr(C.L, "start", fake_llama)
     monkeypatch.setattr(C, "_stop", lambda proc: None)
     args = argparse.Namespace(gguf="/models/g.gguf", dtype="auto", nodeserve_model_extra="", nodeserve_kv_extra="",
-                              nodeserve_devices_extra="",
+                              nodeserve_devices_extra="", nodeserve_extra="",
                               slo_ttft=2.5, slo_tpot=0.1, slo_ttft_per_token=0.0, llama_passive=True,
                               llama_threads=2, llama_slots=4, llama_slot_ctx=1024,
                               llama_peers={"llama-server": "native"}, cpu_class=cpu_class)
