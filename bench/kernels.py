@@ -257,7 +257,7 @@ def prefill_attention_rows(kernels, peak: float, shapes: list[tuple[int, int]]) 
 
 
 def runner_for(name: str, model, pool: KVPool, max_num_seqs: int):
-    """The runner a worker builds; for "avx2", with torch's prefill attention too, as an AVX2 machine runs it
+    """The runner a worker builds; for "avx2", with the AVX2 prefill attention too, as an AVX2 machine runs it
     (NODESERVE_KERNELS=avx2 is read when the attention backend is built, as it was for the GEMMs at load). Prompt
     attention as the config resolves it: bf16 products with quantized weights, float32 for "none"."""
     if name == "avx2":

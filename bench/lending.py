@@ -53,22 +53,21 @@ def long_prompt(tokenizer, num_tokens: int) -> list[int]:
     return (tokenizer.encode("The history of the city is long. ") * num_tokens)[:num_tokens]
 
 
+_native_prefill_attention = native.NativeKernels.prefill_attention
+
+
 def run(loaded, lend: bool, long_tokens: int, decode_tokens: int, torch_prefill_attention: bool | None = None) -> dict:
-    """torch_prefill_attention: None leaves the environment alone; True / False set NODESERVE_KERNELS=avx2 / unset it
-    while engine.start() builds the attention backends (torch's prefill attention, as an AVX2 machine runs it)."""
-    ab = torch_prefill_attention is not None
-    if ab:
-        os.environ.pop("NODESERVE_KERNELS", None)
-        if torch_prefill_attention:
-            os.environ["NODESERVE_KERNELS"] = "avx2"
+    """torch_prefill_attention: None leaves the kernels alone; True refuses every prefill attention call of the native
+    kernels for the run, so prompts take torch's path (NODESERVE_KERNELS=avx2 no longer does: AVX2 has its kernel
+    now); False runs the native one."""
+    if torch_prefill_attention:
+        native.NativeKernels.prefill_attention = lambda *args, **kwargs: False  # the backend falls back to torch
     engine = bench_engine(loaded, lend)
     short = loaded.tokenizer.encode("Write a short story about a lighthouse keeper.")
     long_ids = long_prompt(loaded.tokenizer, long_tokens)
 
     async def main():
         engine.start(asyncio.get_running_loop())  # builds the attention backends
-        if ab:
-            os.environ.pop("NODESERVE_KERNELS", None)
         try:
             await _stream(engine, short, 8)  # warm-up
             out = {}
@@ -83,7 +82,11 @@ def run(loaded, lend: bool, long_tokens: int, decode_tokens: int, torch_prefill_
             return out
         finally:
             engine.stop()
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    finally:
+        if torch_prefill_attention:
+            native.NativeKernels.prefill_attention = _native_prefill_attention
 
 
 def main() -> None:
@@ -92,8 +95,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--json", default=None)
     ap.add_argument("--prefill-attention-ab", action="store_true",
-                    help="lending on in every run: the native prefill attention vs torch's (NODESERVE_KERNELS=avx2 "
-                         "for attention only; the model's GEMMs stay the default's), interleaved ABBAAB, three runs "
+                    help="lending on in every run: the native prefill attention vs torch's (the native one "
+                         "refused for the run; the model's GEMMs stay the default's), interleaved ABBAAB, three runs "
                          "each")
     args = ap.parse_args()
     loaded = load_model("smollm2-135m-instruct", torch.float32, quantization="auto")

@@ -193,9 +193,12 @@ class TorchAttention(PagedAttention):
         kernels = native.load() if pool.device.type == "cpu" and dtype == torch.float32 else None
         # None: no compiler, or not a pool the kernels read (float32, or float16 where F16C is built in)
         self._kernels = kernels if kernels is not None and pool.dtype in kernels.kv_dtypes else None
-        # prefill chunks by csrc/prefill_attn.c where built (AVX-512)
-        self._prefill_kernel = self._kernels is not None and self._kernels.prefill and not native.avx2_only()
-        self._prefill_bf16 = (prompt_attention != "float32" and self._prefill_kernel
+        # prefill chunks by csrc/prefill_attn.c where built (AVX-512, or AVX2: prefill_attn_avx2.c, which
+        # NODESERVE_KERNELS=avx2 picks on an AVX-512 CPU too)
+        self._prefill_avx2 = native.avx2_only()
+        self._prefill_kernel = self._kernels is not None and (
+            self._kernels.prefill_avx2 if self._prefill_avx2 else self._kernels.prefill)
+        self._prefill_bf16 = (prompt_attention != "float32" and self._prefill_kernel and not self._prefill_avx2
                               and self._kernels.prefill_bf16)
         if prompt_attention == "bfloat16" and not self._prefill_bf16 and pool.device.type == "cpu":
             log.warning("model.prompt_attention = \"bfloat16\" needs the AVX-512 prefill kernel on a CPU with "
@@ -205,8 +208,10 @@ class TorchAttention(PagedAttention):
     @property
     def prompt_kernel(self) -> str:
         """How prompt chunks attend here, for the start-up log."""
-        return "native, bf16 products" if self._prefill_bf16 else "native, float32" if self._prefill_kernel \
-            else "torch"
+        if not self._prefill_kernel:
+            return "torch"
+        isa = "avx2" if self._prefill_avx2 else self._kernels.prefill_isa
+        return f"native {isa}, bf16 products" if self._prefill_bf16 else f"native {isa}, float32"
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
@@ -275,7 +280,7 @@ class TorchAttention(PagedAttention):
             chunk_window = window if window < seq_len else 0  # a window the chunk never outgrows masks nothing
             if self._prefill_kernel and kernels.prefill_attention(
                     q[start:start + q_len], kv_layer, meta.page_tables[b], seq_len - q_len, scale,
-                    out[start:start + q_len], self._prefill_bf16, chunk_window):
+                    out[start:start + q_len], self._prefill_bf16, chunk_window, self._prefill_avx2):
                 start += q_len
                 continue
             if chunk_window:

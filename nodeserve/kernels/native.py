@@ -57,6 +57,8 @@ _SIGNATURES = {
                                          _int, _i64]),
     "ns_prefill_attention": (_int, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
                                     _int, _int, _i64]),
+    "ns_prefill_attention_avx2": (_int, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64,
+                                         _f32, _int, _int, _i64]),
     "ns_rms_norm": (None, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32]),
     "ns_add_rms_norm": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32]),
     "ns_silu_and_mul": (None, [_ptr, _ptr, _i64, _i64]),
@@ -66,6 +68,7 @@ _SIGNATURES = {
     "ns_r16_supported": (_int, []),
     "ns_prefill_supported": (_int, []),
     "ns_prefill_bf16_supported": (_int, []),
+    "ns_prefill_avx2_supported": (_int, []),
     "ns_bf16_gemm_supported": (_int, []),
     "ns_r16_bytes": (_i64, [_int, _i64, _i64]),
     "ns_repack_r16": (None, [_int, _ptr, _i64, _i64, _ptr]),
@@ -161,7 +164,13 @@ class NativeKernels:
         # the integer GEMMs over repacked weights this build has (R16_KERNELS' names, best first)
         self.r16_kernels = tuple(name for bit, name in R16_KERNELS.items() if bits & bit)
         self.r16 = bool(self.r16_kernels)
-        self.prefill = bool(lib.ns_prefill_supported())  # the AVX-512 prefill attention (csrc/prefill_attn.c)
+        # the prefill attention (csrc/prefill_attn.c): AVX-512, or AVX2 + FMA + F16C (prefill_attn_avx2.c)
+        self.prefill = bool(lib.ns_prefill_supported())
+        # the AVX2 one, callable on its own (avx2=True) in AVX-512 builds too: what NODESERVE_KERNELS=avx2 runs
+        self.prefill_avx2 = bool(lib.ns_prefill_avx2_supported())
+        # which one a plain call runs, for the start-up log
+        self.prefill_isa = ("avx512" if "avx512f" in features or not self.prefill_avx2 else "avx2") \
+            if self.prefill else None
         self.prefill_bf16 = bool(lib.ns_prefill_bf16_supported())  # ... with bf16 products (AVX512-BF16)
         # R16 weights x bf16 (csrc/bf16_gemm.c): AVX-512 VNNI and BF16
         self.bf16_gemm = bool(bits & 1) and bool(lib.ns_bf16_gemm_supported())
@@ -248,18 +257,21 @@ class NativeKernels:
         return out
 
     def prefill_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, page_table: torch.Tensor, num_prefix: int,
-                          scale: float, out: torch.Tensor, bf16: bool = False, window: int = 0) -> bool:
+                          scale: float, out: torch.Tensor, bf16: bool = False, window: int = 0,
+                          avx2: bool = False) -> bool:
         """out [Lq, H, D] = causal attention of q [Lq, H, D] (float32; heads and D contiguous, rows strided), the
         tokens after num_prefix cached ones of the sequence whose pages are page_table (int64, contiguous), over
         a pool layer [P, 2, page_size, KH, D] of one of kv_dtypes. False (out untouched) where the kernel is not built
-        (no AVX-512; with bf16, no AVX512-BF16) or does not take these shapes. bf16: the products in bf16
-        (vdpbf16ps), the sums and the softmax in float32. window > 0: each query sees its last `window` positions
-        (its own included), and no slot before the first query's window is read."""
+        (neither AVX-512 nor AVX2 + FMA + F16C; with bf16, no AVX512-BF16) or does not take these shapes. bf16: the
+        products in bf16 (vdpbf16ps), the sums and the softmax in float32. window > 0: each query sees its last `window` positions
+        (its own included), and no slot before the first query's window is read. avx2: the AVX2 kernel even where
+        the AVX-512 one is built (no bf16 products; False where it is not built)."""
         lq, h, d = q.shape
         if (q.stride()[1:] != (d, 1) or out.stride()[1:] != (d, 1) or page_table.dtype != torch.int64
                 or not page_table.is_contiguous()):
             return False
-        return self.lib.ns_prefill_attention(
+        fn = self.lib.ns_prefill_attention_avx2 if avx2 else self.lib.ns_prefill_attention
+        return fn(
             q.data_ptr(), q.stride(0), kv_layer.data_ptr(), page_table.data_ptr(), num_prefix, lq, out.data_ptr(),
             out.stride(0), h, kv_layer.shape[3], d, kv_layer.shape[2], scale, _is_f16(kv_layer), int(bf16),
             window) == 0
@@ -270,7 +282,7 @@ def _is_f16(kv_layer: torch.Tensor) -> int:
 
 
 def avx2_only() -> bool:
-    """NODESERVE_KERNELS=avx2: run what an AVX2 machine runs (the R16 GEMMs' AVX2 kernels, no bf16 products, torch's
+    """NODESERVE_KERNELS=avx2: run what an AVX2 machine runs (the R16 GEMMs' AVX2 kernels, no bf16 products, the AVX2
     prefill attention) on an AVX-512 one, for A/B measurements. Read when weights are repacked and when attention
     backends are built."""
     return os.environ.get("NODESERVE_KERNELS", "") == "avx2"

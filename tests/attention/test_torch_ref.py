@@ -256,11 +256,13 @@ def test_the_prompt_kernel_it_reports_follows_the_setting_and_the_cpu():
     the kernel has it."""
     pool = KVPool(CFG, 4, 16, torch.float32, torch.device("cpu"))
     kernels = native.load()
-    native_prefill = kernels is not None and kernels.prefill and not native.avx2_only()
-    has_bf16 = native_prefill and kernels.prefill_bf16
+    avx2 = native.avx2_only()  # NODESERVE_KERNELS=avx2: the AVX2 kernel, in any build that has it
+    native_prefill = kernels is not None and (kernels.prefill_avx2 if avx2 else kernels.prefill)
+    isa = "avx2" if avx2 else kernels.prefill_isa if native_prefill else None
+    has_bf16 = native_prefill and not avx2 and kernels.prefill_bf16
     assert TorchAttention(pool, CFG, torch.float32, "float32").prompt_kernel == \
-        ("native, float32" if native_prefill else "torch")
+        (f"native {isa}, float32" if native_prefill else "torch")
     for setting in ("auto", "bfloat16"):
         assert TorchAttention(pool, CFG, torch.float32, setting).prompt_kernel == \
-            ("native, bf16 products" if has_bf16 else "native, float32" if native_prefill else "torch")
+            (f"native {isa}, bf16 products" if has_bf16 else f"native {isa}, float32" if native_prefill else "torch")
     assert TorchAttention(pool, CFG, torch.bfloat16, "auto").prompt_kernel == "torch"  # not a float32 model

@@ -500,10 +500,11 @@ def test_no_compiler_means_no_kernels(monkeypatch, tmp_path):
         native.load.cache_clear()
 
 
-def _check_split_with_a_lent_core(call, alone: torch.Tensor) -> None:
+def _check_split_with_a_lent_core(call, alone: torch.Tensor, built: native.NativeKernels | None = None) -> None:
     """kernels/csrc/lend.c: with a helper lent and wanted, `call` gives `alone` bit for bit and the helper runs
-    halves of it; not lent, nothing is posted to it; freed, the thread ends."""
-    lib = kernels.lib
+    halves of it; not lent, nothing is posted to it; freed, the thread ends. built: the build `call` runs (the
+    helper must be its lend.c's), by default this CPU's."""
+    lib = (built or kernels).lib
     cores = sorted(os.sched_getaffinity(0))
     h = lib.ns_helper_new(cores[-1])  # the helper on one core, this thread on another (when there are two)
     assert h
@@ -556,7 +557,34 @@ def test_a_lent_core_takes_the_later_sequences_of_decode_attention_and_the_resul
                                   kernels.paged_decode_attention(q, kv, tables, lens, 0.125))
 
 
-needs_avx512 = pytest.mark.needs_cpu("avx512f")  # the prefill attention kernel (csrc/prefill_attn.c)
+# The prefill attention kernels (csrc/prefill_attn.c, prefill_attn_avx2.c) this machine can run: the native build's
+# (AVX-512 where the CPU has it, else AVX2), its AVX2 one called on its own (what NODESERVE_KERNELS=avx2 runs), and
+# an AVX2-only CPU's build (x86-64-v3).
+PREFILL_BUILDS = [pytest.param(("native", False), id="native"),
+                  pytest.param(("native", True), marks=needs_f16c, id="native-avx2"),
+                  pytest.param(("x86-64-v3", False), marks=needs_f16c, id="x86-64-v3")]
+
+
+class _Prefill:
+    """One prefill attention kernel of one build: called as NativeKernels.prefill_attention."""
+
+    def __init__(self, built: native.NativeKernels, avx2: bool):
+        self.built, self.avx2 = built, avx2
+        self.bf16 = built.prefill_bf16 and not avx2  # bf16 products: the AVX-512 kernel only
+
+    def __call__(self, *args, **kwargs) -> bool:
+        return self.built.prefill_attention(*args, avx2=self.avx2, **kwargs)
+
+
+@pytest.fixture(scope="module", params=PREFILL_BUILDS)
+def prefill(request):
+    march, avx2 = request.param
+    built = build_for(march)
+    if march == "x86-64-v3":  # what an AVX2-only CPU runs: the AVX2 kernel, float32 products only
+        assert built.prefill and built.prefill_avx2 and built.prefill_isa == "avx2" and not built.prefill_bf16
+    if not (built.prefill_avx2 if avx2 else built.prefill):
+        pytest.skip(f"no prefill attention kernel in the {march} build")
+    return _Prefill(built, avx2)
 
 
 def _prefill_case(num_prefix: int, q_len: int, page_size: int, h: int, kh: int, d: int, seed: int = 0):
@@ -573,40 +601,74 @@ def _prefill_case(num_prefix: int, q_len: int, page_size: int, h: int, kh: int, 
     return kv, table, q
 
 
-@needs_avx512
+def _causal_mask(num_prefix: int, q_len: int, shift: int = 0) -> torch.Tensor:
+    """[1, 1, q_len, seq_len]: query i (position num_prefix + i) sees keys up to its position + shift."""
+    seq_len = num_prefix + q_len
+    return (torch.arange(seq_len)[None, :] <= torch.arange(num_prefix, seq_len)[:, None] + shift)[None, None]
+
+
 @pytest.mark.parametrize("num_prefix,q_len,page_size,h,kh,d", [
     (0, 1, 16, 9, 3, 64), (0, 17, 16, 9, 3, 64), (3, 1, 16, 9, 3, 64), (47, 3, 16, 9, 3, 64),
     (0, 100, 3, 9, 3, 64), (37, 64, 1, 9, 3, 64), (100, 33, 64, 9, 3, 64), (300, 257, 16, 9, 3, 64),
-    (5, 70, 7, 8, 2, 128), (10, 40, 16, 4, 4, 128)])
-def test_prefill_attention_matches_masked_sdpa_over_gathered_pages(one_thread, num_prefix, q_len, page_size, h,
-                                                                   kh, d):
+    (5, 70, 7, 8, 2, 128), (10, 40, 16, 4, 4, 128), (9, 13, 5, 6, 1, 40)])
+def test_prefill_attention_matches_masked_sdpa_over_gathered_pages(one_thread, prefill, num_prefix, q_len,
+                                                                   page_size, h, kh, d):
+    """Within 1e-5 of SDPA over the gathered pages, written into rows ldo apart (the rest of each row untouched);
+    a kernel one key off the diagonal (query i seeing key i + 1, or not its own) would be far outside that."""
     from nodeserve.attention.torch_ref import attend, gather_kv
 
     kv, table, q = _prefill_case(num_prefix, q_len, page_size, h, kh, d)
-    out = torch.full((q_len, h, d), 7.0)
-    assert kernels.prefill_attention(q, kv, table, num_prefix, d ** -0.5, out)
+    rows = torch.full((q_len, (h + 1) * d), 7.0)
+    out = rows[:, :h * d].view(q_len, h, d)
+    assert prefill(q, kv, table, num_prefix, d ** -0.5, out)
+    assert torch.all(rows[:, h * d:] == 7.0)
     seq_len = num_prefix + q_len
     k, v = gather_kv(kv, table[None], seq_len)
-    mask = (torch.arange(seq_len)[None, :] <= torch.arange(num_prefix, seq_len)[:, None])[None, None]
-    want = attend(q[None], k, v, mask, False, d ** -0.5)[0]
+    want = attend(q[None], k, v, _causal_mask(num_prefix, q_len), False, d ** -0.5)[0]
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for shift in (1, -1):  # the causal offset off by one: the comparison above would fail
+        if q_len > 1 and num_prefix + shift >= 0:
+            wrong = attend(q[None], k, v, _causal_mask(num_prefix, q_len, shift), False, d ** -0.5)[0]
+            assert (out - wrong).abs().max() > 1e-2
 
 
-@needs_avx512
 @pytest.mark.parametrize("num_prefix,q_len,page_size,h,kh,d", [(0, 17, 16, 9, 3, 64), (47, 30, 7, 9, 3, 64),
-                                                              (5, 70, 16, 8, 2, 128)])
-def test_prefill_attention_reads_float16_pools(one_thread, num_prefix, q_len, page_size, h, kh, d):
+                                                              (5, 70, 16, 8, 2, 128), (1536, 61, 16, 9, 3, 64)])
+def test_prefill_attention_reads_float16_pools(one_thread, prefill, num_prefix, q_len, page_size, h, kh, d):
     """A float16 pool: attention over its values widened to float32 (its NaN spare pages still unread)."""
     from nodeserve.attention.torch_ref import attend, gather_kv
 
     kv, table, q = _prefill_case(num_prefix, q_len, page_size, h, kh, d)
     kv = kv.half()
     out = torch.full((q_len, h, d), 7.0)
-    assert kernels.prefill_attention(q, kv, table, num_prefix, d ** -0.5, out)
+    assert prefill(q, kv, table, num_prefix, d ** -0.5, out)
     seq_len = num_prefix + q_len
     k, v = gather_kv(kv, table[None], seq_len, torch.float32)
-    mask = (torch.arange(seq_len)[None, :] <= torch.arange(num_prefix, seq_len)[:, None])[None, None]
-    torch.testing.assert_close(out, attend(q[None], k, v, mask, False, d ** -0.5)[0], rtol=1e-5, atol=1e-5)
+    want = attend(q[None], k, v, _causal_mask(num_prefix, q_len), False, d ** -0.5)[0]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_f16c
+@pytest.mark.parametrize("march", ["native", "x86-64-v3"])
+def test_the_avx2_prefill_attention_refuses_bf16_products(march):
+    """bf16 products need AVX512-BF16: the AVX2 kernel returns False and leaves out alone (the caller then runs
+    float32)."""
+    built = build_for(march)
+    kv, table, q = _prefill_case(5, 9, 16, 9, 3, 64)
+    out = torch.full((9, 9, 64), 7.0)
+    assert not built.prefill_attention(q, kv, table, 5, 0.125, out, bf16=True, avx2=True)
+    assert torch.all(out == 7.0)
+    if march == "x86-64-v3":  # its plain entry point too
+        assert not built.prefill_attention(q, kv, table, 5, 0.125, out, bf16=True) and torch.all(out == 7.0)
+    assert built.prefill_attention(q, kv, table, 5, 0.125, out, avx2=True)
+
+
+def test_a_plain_x86_64_build_has_no_prefill_attention():
+    plain = build_for("x86-64-v2")
+    assert not plain.prefill and not plain.prefill_avx2 and plain.prefill_isa is None
+    kv, table, q = _prefill_case(5, 9, 16, 9, 3, 64)
+    out = torch.full((9, 9, 64), 7.0)
+    assert not plain.prefill_attention(q, kv, table, 5, 0.125, out) and torch.all(out == 7.0)
 
 
 needs_bf16 = pytest.mark.needs_cpu("avx512f", "avx512_bf16")  # the prefill attention kernel's bf16 products
@@ -648,40 +710,39 @@ def _windowed_prefill_case(num_prefix: int, q_len: int, page_size: int, h: int, 
     return kv, table, q, k, v
 
 
-@needs_avx512
 @pytest.mark.parametrize("num_prefix,q_len,page_size,h,kh,d,window", [
     (0, 40, 16, 9, 3, 64, 1), (0, 40, 16, 9, 3, 64, 3), (0, 70, 16, 9, 3, 64, 16), (0, 70, 16, 9, 3, 64, 17),
     (47, 30, 16, 9, 3, 64, 3), (47, 30, 16, 9, 3, 64, 16), (47, 30, 16, 9, 3, 64, 17), (100, 33, 7, 8, 2, 128, 40),
-    (300, 257, 16, 9, 3, 64, 64), (5, 70, 16, 4, 4, 128, 500), (16, 1, 16, 9, 3, 64, 16), (17, 1, 16, 9, 3, 64, 17)])
-def test_prefill_attention_with_a_window_sees_only_it_and_reads_nothing_before(one_thread, num_prefix, q_len,
-                                                                              page_size, h, kh, d, window):
+    (300, 257, 16, 9, 3, 64, 64), (5, 70, 16, 4, 4, 128, 500), (16, 1, 16, 9, 3, 64, 16), (17, 1, 16, 9, 3, 64, 17),
+    (29, 21, 5, 9, 3, 64, 9), (1, 11, 16, 9, 3, 64, 2)])
+def test_prefill_attention_with_a_window_sees_only_it_and_reads_nothing_before(one_thread, prefill, num_prefix,
+                                                                              q_len, page_size, h, kh, d, window):
     """Query i sees its last `window` positions; every slot before the first query's window holds NaN and changes
     nothing. float32 and float16 pools, float32 products; within bf16 rounding with bf16 products."""
     kv, table, q, k, v = _windowed_prefill_case(num_prefix, q_len, page_size, h, kh, d, window)
     want = windowed_reference(q, k, v, torch.arange(num_prefix, num_prefix + q_len), window, d ** -0.5)
     out = torch.full((q_len, h, d), 7.0)
-    assert kernels.prefill_attention(q, kv, table, num_prefix, d ** -0.5, out, window=window)
+    assert prefill(q, kv, table, num_prefix, d ** -0.5, out, window=window)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     kv16 = kv.half()
     want16 = windowed_reference(q, k.half().float(), v.half().float(), torch.arange(num_prefix, num_prefix + q_len),
                                 window, d ** -0.5)
-    assert kernels.prefill_attention(q, kv16, table, num_prefix, d ** -0.5, out, window=window)
+    assert prefill(q, kv16, table, num_prefix, d ** -0.5, out, window=window)
     torch.testing.assert_close(out.double(), want16, rtol=1e-5, atol=1e-5)
-    if kernels.prefill_bf16:
-        assert kernels.prefill_attention(q, kv, table, num_prefix, d ** -0.5, out, bf16=True, window=window)
+    if prefill.bf16:
+        assert prefill(q, kv, table, num_prefix, d ** -0.5, out, bf16=True, window=window)
         err = (out.double() - want).abs()
         assert err.max() < 2e-2 and err.mean() < 3e-3
 
-@needs_avx512
-def test_a_lent_core_takes_prefill_attention_tasks_and_the_result_is_the_same():
+def test_a_lent_core_takes_prefill_attention_tasks_and_the_result_is_the_same(prefill):
     kv, table, q = _prefill_case(200, 300, 16, 9, 3, 64, seed=6)
 
-    for bf16 in (False, True) if kernels.prefill_bf16 else (False,):
+    for bf16 in (False, True) if prefill.bf16 else (False,):
         def call():
             out = torch.empty(300, 9, 64)
-            assert kernels.prefill_attention(q, kv, table, 200, 0.125, out, bf16)
+            assert prefill(q, kv, table, 200, 0.125, out, bf16)
             return out
-        _check_split_with_a_lent_core(call, call())
+        _check_split_with_a_lent_core(call, call(), prefill.built)
 
 
 # ---------- ns_decode_layer split over a tensor-parallel group (csrc/allreduce.c) ----------

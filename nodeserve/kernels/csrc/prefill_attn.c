@@ -17,6 +17,8 @@
  * Tasks are handed out by an atomic counter, the longest first (the last query tokens see the most keys), so a
  * lent core takes tasks until its own device wants it back and finishes at most the one it is on (~0.1 ms).
  * Each task is computed whole by one thread: the output does not depend on the split.
+ *
+ * Builds without AVX-512 run prefill_attn_avx2.c's kernel (8 query tokens a task) behind the same entry point.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -55,7 +57,12 @@ struct ns_prefill {
     int64_t key_lo, b_lo;
 };
 
-int ns_prefill_supported(void) { return NS_PREFILL; }
+int ns_prefill_avx2_supported(void);  /* prefill_attn_avx2.c: builds without AVX-512 run that one */
+int ns_prefill_attention_avx2(const float *q, int64_t ldq, const void *kv, const int64_t *table, int64_t num_prefix,
+                              int64_t Lq, float *out, int64_t ldo, int64_t H, int64_t KH, int64_t D,
+                              int64_t page_size, float scale, int kv_f16, int bf16, int64_t window);
+
+int ns_prefill_supported(void) { return NS_PREFILL || ns_prefill_avx2_supported(); }
 int ns_prefill_bf16_supported(void) { return NS_PREFILL_BF16; }
 
 static int64_t num_tasks(const struct ns_prefill *a) { return (a->Lq + LANES - 1) / LANES * a->H; }
@@ -313,7 +320,10 @@ static void run_tasks(const void *ctx, atomic_long *next, const atomic_int *lent
 int ns_prefill_attention(const float *q, int64_t ldq, const void *kv, const int64_t *table, int64_t num_prefix,
                          int64_t Lq, float *out, int64_t ldo, int64_t H, int64_t KH, int64_t D, int64_t page_size,
                          float scale, int kv_f16, int bf16, int64_t window) {
-    if (!NS_PREFILL || D > MAX_D || KH <= 0 || H % KH || Lq <= 0 || window < 0
+    if (!NS_PREFILL)
+        return ns_prefill_attention_avx2(q, ldq, kv, table, num_prefix, Lq, out, ldo, H, KH, D, page_size, scale,
+                                         kv_f16, bf16, window);
+    if (D > MAX_D || KH <= 0 || H % KH || Lq <= 0 || window < 0
             || (bf16 && (!NS_PREFILL_BF16 || D % 2)))
         return -1;
 #if NS_PREFILL
