@@ -308,7 +308,8 @@ def test_kv_events_are_off_by_default_with_vllms_settings():
     # not vLLM's tcp://*:5557: bound on server.host's interface (127.0.0.1 by default), and no token ids
     assert not ev.enabled and ev.endpoint == "" and ev.replay_endpoint == "" and ev.topic == ""
     assert not ev.include_tokens and ev.port == 5557
-    assert ev.buffer_steps == 10_000 and ev.hwm == 100_000 and ev.max_queue_size == 100_000
+    # vLLM's buffer and queue; hwm not vLLM's 100,000 but the replay buffer's size (a dead subscriber's bound)
+    assert ev.buffer_steps == 10_000 and ev.hwm == 10_000 and ev.max_queue_size == 100_000
 
 
 def test_prompt_attention_is_bf16_where_weights_are_quantized_and_float32_on_the_exact_path():
