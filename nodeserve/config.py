@@ -32,8 +32,8 @@ class ModelSection:
     quantization: str = "auto"
     # auto | int16 | int8 | bf16: how the projections of prompt tokens on block-quantized weights multiply (AVX-512
     # VNNI kernels): activations rounded per block of 32 to int16 or int8 (llama.cpp's), or bf16 products over
-    # weights dequantized once a call (AVX512-BF16). auto: bf16 where the CPU has it, else int8 (Q4_0 / Q4_1
-    # weights; others int16). Decode tokens keep int16 in every case
+    # weights dequantized once a call (AVX512-BF16). auto: bf16 where the CPU has it, else int16. Decode tokens
+    # keep int16 in every case
     prompt_activations: str = "auto"
     # auto | float32 | bfloat16: the products in prompt tokens' attention on CPU (csrc/prefill_attn.c, with
     # AVX512-BF16; sums and softmax stay float32). bfloat16: that attention ~1.6x, a 2k prompt ~1.14x on one core.

@@ -111,7 +111,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     prompt_activations "int8": prompt rows of the repacked Q4_0 / Q4_1 projections take int8 activations; "bf16":
     prompt rows of every repacked projection take bf16 products, on AVX512-BF16 CPUs
     (block_quant.use_prompt_activations); elsewhere they change nothing, and say so. "auto": bf16 where it
-    applies, else int8 on Q4_0 / Q4_1, else int16 (the kernels' own), silently.
+    applies, int16 (the kernels' own) elsewhere, silently.
     """
     from nodeserve.model.quant import supported
 
@@ -198,13 +198,8 @@ def _build(model: LlamaModel, quantization: str, prompt_activations: str, has_bl
             log.info("%d block-quantized matrices repacked for the %s integer kernels", num_repacked,
                      native.r16_kernel(native.load()))
         if prompt_activations != "int16":
-            # auto: bf16 products where the CPU has AVX512-BF16, else int8 activations (AVX2 and AVX-512 without
-            # BF16): 1.4x int16 at 32 rows on AVX2, and as close to float32 as llama.cpp (docs/quantization.md)
             kind = "bf16" if prompt_activations == "auto" else prompt_activations
             num_prompt = block_quant.use_prompt_activations(model, kind)
-            if not num_prompt and prompt_activations == "auto":
-                kind = "int8"
-                num_prompt = block_quant.use_prompt_activations(model, kind)
             if num_prompt and not quiet:  # the operator sees which kernels prompts take (auto picks silently)
                 log.info("prompt rows of %d projections take %s activations", num_prompt, kind)
         model.use_kernels(lambda rope: NativeOps(native.load(), rope, cfg.max_position_embeddings))

@@ -216,15 +216,14 @@ def test_prompt_activations_say_so_where_nothing_takes_them(gguf_path, caplog, k
 
 
 @needs_avx2
-def test_auto_prompt_activations_take_bf16_where_the_cpu_has_it_else_int8_and_say_nothing(gguf_path, caplog):
-    """The default: bf16 products on AVX512-BF16 CPUs, int8 activations on the Q4_1 projections elsewhere (AVX2,
-    AVX-512 without BF16: bench/results/quality-avx2), and no warning on either (nor on the exact path, where
-    nothing takes it)."""
+def test_auto_prompt_activations_take_bf16_where_the_cpu_has_it_and_say_nothing(gguf_path, caplog):
+    """The default: bf16 products on AVX512-BF16 CPUs, the kernels' own int16 elsewhere, and no warning on
+    either (nor on the exact path, where nothing takes it)."""
     from nodeserve.model.loader import load_model
 
     kernels = native.load()
     want = native.BF16 if kernels is not None and kernels.bf16_gemm and native.r16_kernel(kernels) == "avx512-vnni" \
-        else native.ACT8
+        else 0
     with caplog.at_level("WARNING", logger="nodeserve"):
         model = load_model(gguf_path, torch.float32, quantization="auto", prompt_activations="auto").model
         load_model(gguf_path, torch.float32, quantization="none", prompt_activations="auto")
