@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from functools import partial
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
@@ -229,7 +230,7 @@ class Simulation:
         if self.side_prefill:
             for d in workers:
                 if d.role == Role.DECODE:
-                    d.scheduler.use_side_prefill(SidePrefill(lambda name=d.name: self.cost.devices.get(name),
+                    d.scheduler.use_side_prefill(SidePrefill(partial(self.cost.devices.get, d.name),
                                                              self.slo.max_side_step_s, self.decode_prefill_chunk))
         if self.prefill_order == "deadline":
             for d in workers:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from functools import partial
 import os
 import logging
 import time
@@ -185,13 +186,17 @@ class Engine:
             for w in self.workers:
                 if w.scheduler.limits.max_prefill_with_decodes:
                     w.scheduler.use_side_prefill(SidePrefill(
-                        lambda name=w.name: self.profiler.model.devices.get(name), slo.max_side_step_s,
+                        partial(self._step_model, w.name), slo.max_side_step_s,
                         w.scheduler.limits.max_prefill_with_decodes))
         if cfg.scheduler.prefill_order == "deadline":
             # Workers read the model as it stands (the router's thread refits it): a refit swaps whole lists.
             for w in self.workers:
                 w.scheduler.use_order(DeadlineOrder(w.name, slo, limits, lambda: self.profiler.model,
                                                     time.monotonic))
+
+    def _step_model(self, device: str) -> StepModel | None:
+        """One device's step model as the profiler holds it now (refitted online)."""
+        return self.profiler.model.devices.get(device) if self.profiler is not None else None
 
     def cost_model(self):
         """The cost model as the profiler holds it, refitted from fresh step records at most once a second."""
