@@ -32,6 +32,36 @@ def _mallinfo2() -> dict:
     return {name: getattr(info, name) for name, _ in MallInfo2._fields_}
 
 
+def _jemalloc_stats() -> dict:
+    """jemalloc's own counters when it serves malloc (LD_PRELOAD): allocated (live), active, resident, mapped,
+    retained bytes; allocated growing means live allocations grow, resident alone means pages kept."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(None)
+        mallctl = lib.mallctl
+    except (OSError, AttributeError):
+        return {}
+    epoch = ctypes.c_uint64(1)
+    size = ctypes.c_size_t(8)
+    mallctl(b"epoch", ctypes.byref(epoch), ctypes.byref(size), ctypes.byref(epoch), ctypes.c_size_t(8))
+    out = {}
+    for key in ("allocated", "active", "resident", "mapped", "retained", "metadata"):
+        value, size = ctypes.c_size_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
+        if mallctl(f"stats.{key}".encode(), ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) == 0:
+            out[key] = value.value
+    return out
+
+
+def _python_objects(top: int = 40) -> dict:
+    """Live objects the collector tracks, counted by type (the top ones), and pymalloc's block count."""
+    import collections
+    import gc
+
+    counts = collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+    return {"allocated_blocks": sys.getallocatedblocks(), "by_type": dict(counts.most_common(top))}
+
+
 def _smaps_by_kind(pid: int) -> dict:
     """Rss kB summed per mapping kind: [heap], [stack], anonymous, or the mapped file's basename."""
     totals: dict = {}
@@ -69,7 +99,8 @@ def _start() -> None:
             with open(f"/proc/{os.getpid()}/status") as f:
                 rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
             name = f"{int(time.monotonic() - t0):06d}s-rss{rss_kib}k"
-            native = {"rss_kib": rss_kib, "mallinfo2": _mallinfo2(), "smaps_rss_kib": _smaps_by_kind(os.getpid())}
+            native = {"rss_kib": rss_kib, "mallinfo2": _mallinfo2(), "smaps_rss_kib": _smaps_by_kind(os.getpid()),
+                      "jemalloc": _jemalloc_stats(), "python": _python_objects()}
             with open(os.path.join(out, name + ".native.json"), "w") as f:
                 json.dump(native, f)
             if trace_python:

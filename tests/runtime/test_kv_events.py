@@ -95,6 +95,25 @@ def test_batches_carry_the_topic_a_sequence_number_and_vllms_batch_and_replay_fr
         ctx.destroy(0)
 
 
+def test_the_replay_buffer_keeps_exactly_the_last_buffer_steps_batches():
+    # It used to grow to 2 x buffer_steps before each trim: a sawtooth of megabytes that read as creep in soaks.
+    p, pub, replay = _publisher(buffer_steps=50, interval_ms=1)
+    ctx = zmq.Context()
+    try:
+        sink = p.events.sink("cpu:0")
+        for i in range(120):
+            sink.removed([i.to_bytes(8, "big") + b"\x00" * 8])
+            target = p.num_batches + 1
+            while p.num_batches < target:  # one batch each
+                time.sleep(0.001)
+            assert len(p._buffer) == min(p.num_batches, 50)
+        batches = _replay(ctx, replay, 0)  # from a trimmed point: the oldest kept on
+        assert [s for s, _ in batches] == list(range(p.num_batches - 50, p.num_batches))
+    finally:
+        p.stop()
+        ctx.destroy(0)
+
+
 def test_batches_past_the_high_water_mark_are_dropped_counted_and_replayed():
     p, pub, replay = _publisher(hwm=2)
     ctx = zmq.Context()
