@@ -13,19 +13,30 @@ import tracemalloc
 
 
 def native_report(dir_: str, names: list[str], first: int) -> None:
-    """One line per dump: RSS, the C heap's bytes in use and free, then the mappings that grew the most."""
+    """One line per dump: RSS, glibc's heap (in use, free, mmapped) or jemalloc's counters when it serves malloc
+    (allocated = live; resident - allocated = kept free pages), pymalloc's block count; then the mappings and the
+    live object types (gc-tracked, after any gc.freeze) that grew the most."""
     dumps = [json.load(open(os.path.join(dir_, n))) for n in names]
     mib = 2**20
-    print(f"{'dump':>16} {'RSS':>8} {'C in use':>9} {'C free':>8} {'C mmapped':>9}  (MiB)")
+    je = any(d.get("jemalloc") for d in dumps)
+    cols = ("allocated", "resident", "retained") if je else ("uordblks", "fordblks", "hblkhd")
+    heads = ("je alloc", "je resid", "je retain") if je else ("C in use", "C free", "C mmapped")
+    print(f"{'dump':>16} {'RSS':>8} " + " ".join(f"{h:>9}" for h in heads) + f" {'py blocks':>10}  (MiB)")
     for name, d in zip(names, dumps):
-        m = d["mallinfo2"]
-        print(f"{name.split('-')[0]:>16} {d['rss_kib'] / 1024:8.1f} {m.get('uordblks', 0) / mib:9.1f} "
-              f"{m.get('fordblks', 0) / mib:8.1f} {m.get('hblkhd', 0) / mib:9.1f}")
+        stats = d.get("jemalloc") if je else d["mallinfo2"]
+        blocks = d.get("python", {}).get("allocated_blocks", 0)
+        print(f"{name.split('-')[0]:>16} {d['rss_kib'] / 1024:8.1f} "
+              + " ".join(f"{stats.get(c, 0) / mib:9.1f}" for c in cols) + f" {blocks:10d}")
     a, b = dumps[first]["smaps_rss_kib"], dumps[-1]["smaps_rss_kib"]
     grown = sorted(((b.get(k, 0) - a.get(k, 0)) / 1024, k) for k in set(a) | set(b))
     print("mappings' RSS growth, dump", first, "-> last (MiB):",
           ", ".join(f"{k} {v:+.1f}" for v, k in reversed(grown[-6:])), "| shrank:",
           ", ".join(f"{k} {v:+.1f}" for v, k in grown[:3] if v < 0) or "-")
+    ta, tb = (d.get("python", {}).get("by_type", {}) for d in (dumps[first], dumps[-1]))
+    if ta or tb:
+        types = sorted(((tb.get(k, 0) - ta.get(k, 0)), k) for k in set(ta) | set(tb))
+        print("live objects by type, dump", first, "-> last:",
+              ", ".join(f"{k} {v:+d}" for v, k in reversed(types[-8:]) if v > 0) or "-")
 
 
 def main() -> None:

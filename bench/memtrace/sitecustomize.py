@@ -4,7 +4,8 @@ NODESERVE_MEMTRACE_DIR; a `nodeserve` process then starts tracemalloc after NODE
 and dumps a snapshot there every NODESERVE_MEMTRACE_EVERY seconds (default 120). Allocations made before tracing
 started are not seen: growth between snapshots is. With each snapshot goes a `.native.json`: glibc's mallinfo2
 (bytes in use vs free inside the C heap: live allocations against fragmentation) and /proc/<pid>/smaps summed by
-kind of mapping (heap, anonymous, files), so what tracemalloc does not see can be placed too. Set
+kind of mapping (heap, anonymous, files), jemalloc's counters when it serves malloc (live bytes vs resident) and the
+live objects by type, so what tracemalloc does not see can be placed too. Set
 NODESERVE_MEMTRACE_PY=0 to skip tracemalloc (its overhead) and keep the native view only. Other processes (the
 soak's client) are left alone.
 
