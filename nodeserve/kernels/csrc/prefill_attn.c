@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "prefill_attn.h"
 #include "simd512.h"
 #define NS_PREFILL NS_AVX512
 #if NS_AVX512 && defined(__AVX512BF16__)
@@ -36,26 +37,8 @@
 
 #define LANES 16    /* query tokens per task, one per lane */
 #define KEYS 16     /* keys per block: 16 score vectors */
-#define MAX_D 256
+#define MAX_D NS_PREFILL_MAX_D
 #define MIN_SPLIT_PAIRS 4096
-
-/* The arguments of ns_prefill_attention (below), shared by the threads that run its tasks. */
-struct ns_prefill {
-    const float *q;           /* [Lq, H, D], rows ldq floats apart */
-    const void *kv;           /* [num_pages, 2, page_size, KH, D]: one layer of the pool, float32 or float16 */
-    int kv_f16;
-    const int64_t *table;     /* the sequence's pages */
-    float *out;               /* [Lq, H, D], rows ldo floats apart */
-    const float *kpack, *vpack;  /* pack_kv's (pack_kv_bf16's: uint32 bf16 pairs) */
-    int bf16;                 /* products in bf16 (vdpbf16ps), sums in float32: run_task_bf16 */
-    int64_t ldq, ldo, num_prefix, Lq, H, KH, D, page_size;
-    float scale;
-    int64_t window;           /* each query sees its last `window` positions, its own included; 0: all */
-    /* [key_lo, num_prefix + Lq) is KV that some query sees: key_lo = the first query's window start (0 without
-     * one). Keys before it are never read (freed pages may hold NaN); packing starts at block b_lo = key_lo / 16,
-     * with the keys of that block before key_lo packed as zeros. */
-    int64_t key_lo, b_lo;
-};
 
 int ns_prefill_avx2_supported(void);  /* prefill_attn_avx2.c: builds without AVX-512 run that one */
 int ns_prefill_attention_avx2(const float *q, int64_t ldq, const void *kv, const int64_t *table, int64_t num_prefix,
@@ -65,7 +48,7 @@ int ns_prefill_attention_avx2(const float *q, int64_t ldq, const void *kv, const
 int ns_prefill_supported(void) { return NS_PREFILL || ns_prefill_avx2_supported(); }
 int ns_prefill_bf16_supported(void) { return NS_PREFILL_BF16; }
 
-static int64_t num_tasks(const struct ns_prefill *a) { return (a->Lq + LANES - 1) / LANES * a->H; }
+static int64_t num_tasks(const struct ns_prefill *a) { return prefill_num_tasks(a, LANES); }
 
 typedef void (*ns_tasks_fn)(const void *ctx, atomic_long *next, const atomic_int *lent);
 void ns_run_tasks(ns_tasks_fn fn, const void *ctx, int split_ok);  /* lend.c */
@@ -83,55 +66,11 @@ static void widen_row(const void *kv, int64_t at, int f16, int64_t D, float *out
     for (; d < D; d++) out[d] = _mm512_cvtss_f32(_mm512_cvtph_ps(_mm256_set1_epi16((short)h[d])));
 }
 
-/* k, v = key t's K and V rows of KV head kh, as float32; zeros past num_keys (the last block's padding) and
- * before key_lo (outside every query's window: 0 * NaN would be NaN, so they must not even be loaded). */
-static void key_rows(const struct ns_prefill *a, int64_t num_keys, int64_t kh, int64_t t, float *k, float *v) {
-    const int64_t D = a->D, ps = a->page_size, token_stride = a->KH * D, page_stride = 2 * ps * token_stride;
-    if (t >= num_keys || t < a->key_lo) {
-        memset(k, 0, sizeof(float) * (size_t)D);
-        memset(v, 0, sizeof(float) * (size_t)D);
-        return;
-    }
-    const int64_t at = a->table[t / ps] * page_stride + (t % ps) * token_stride + kh * D;
-    widen_row(a->kv, at, a->kv_f16, D, k);
-    widen_row(a->kv, at + ps * token_stride, a->kv_f16, D, v);
+static inline void key_rows(const struct ns_prefill *a, int64_t num_keys, int64_t kh, int64_t t, float *k, float *v) {
+    prefill_key_rows(a, num_keys, kh, t, k, v, widen_row);
 }
 
-/* K and V of the sequence's keys in blocks b_lo .. (num_keys - 1) / 16, packed for the tasks: per KV head and
- * block of 16 keys, [D][16] (the 16 keys' value d side by side), so a task's multiply-adds broadcast from one base
- * at constant offsets. Past num_keys and before key_lo: zeros (masked). Shared by the H / KH heads and every
- * task. */
-static void pack_kv(const struct ns_prefill *a, int64_t num_keys, float *kp, float *vp) {
-    const int64_t D = a->D, nb = (num_keys + KEYS - 1) / KEYS - a->b_lo;
-    float k[MAX_D], v[MAX_D];
-    for (int64_t kh = 0; kh < a->KH; kh++)
-        for (int64_t b = 0; b < nb; b++) {
-            float *kb = kp + (kh * nb + b) * KEYS * D, *vb = vp + (kh * nb + b) * KEYS * D;
-            for (int64_t j = 0; j < KEYS; j++) {
-                key_rows(a, num_keys, kh, (a->b_lo + b) * KEYS + j, k, v);
-                for (int64_t d = 0; d < D; d++) {
-                    kb[d * KEYS + j] = k[d];
-                    vb[d * KEYS + j] = v[d];
-                }
-            }
-        }
-}
-
-/* Task t: query tokens r0 .. r0 + nr - 1 (nr <= 16) of head h, reading KV head kh's packed blocks b_first ..
- * (num_keys - 1) / 16 (absolute block numbers; packed from b_lo, nb_all of them per KV head). */
-struct ns_task {
-    int64_t h, kh, r0, nr, num_keys, nb_all, b_first;
-};
-
-static struct ns_task task_of(const struct ns_prefill *a, int64_t t) {
-    const int64_t nrb = (a->Lq + LANES - 1) / LANES, rb = nrb - 1 - t / a->H, h = t % a->H, r0 = rb * LANES;
-    const int64_t nr = a->Lq - r0 < LANES ? a->Lq - r0 : LANES;
-    const int64_t first_key = a->window && a->num_prefix + r0 >= a->window ? a->num_prefix + r0 - a->window + 1 : 0;
-    return (struct ns_task){.h = h, .kh = h / (a->H / a->KH), .r0 = r0, .nr = nr,
-                            .num_keys = a->num_prefix + r0 + nr,  /* the last token of the task sees them all */
-                            .nb_all = (a->num_prefix + a->Lq + KEYS - 1) / KEYS - a->b_lo,
-                            .b_first = first_key / KEYS};  /* the first token's window starts there */
-}
+static struct ns_task task_of(const struct ns_prefill *a, int64_t t) { return prefill_task_of(a, t, LANES, KEYS); }
 
 /* valid[j]: the task's lanes that see key t = b * 16 + j: those i with num_prefix + r0 + i >= t, and with a
  * window, num_prefix + r0 + i - t < window too. */
@@ -327,20 +266,16 @@ int ns_prefill_attention(const float *q, int64_t ldq, const void *kv, const int6
             || (bf16 && (!NS_PREFILL_BF16 || D % 2)))
         return -1;
 #if NS_PREFILL
-    const int64_t key_lo = window && num_prefix >= window ? num_prefix - window + 1 : 0;
-    struct ns_prefill a = {.q = q, .kv = kv, .table = table, .out = out, .ldq = ldq, .ldo = ldo,
-                           .num_prefix = num_prefix, .Lq = Lq, .H = H, .KH = KH, .D = D, .page_size = page_size,
-                           .scale = scale, .kv_f16 = kv_f16, .bf16 = bf16, .window = window, .key_lo = key_lo,
-                           .b_lo = key_lo / KEYS};
-    const int64_t num_keys = num_prefix + Lq;
-    const int64_t packed = ((num_keys + KEYS - 1) / KEYS - a.b_lo) * KEYS * KH * D;
+    struct ns_prefill a = prefill_args(q, ldq, kv, table, num_prefix, Lq, out, ldo, H, KH, D, page_size, scale, kv_f16,
+                                       bf16, window, KEYS);
+    const int64_t num_keys = num_prefix + Lq, key_lo = a.key_lo, packed = prefill_packed(&a, KEYS);
     float *kp = aligned_alloc(64, sizeof(float) * (size_t)(2 * packed));
     if (!kp) return -1;
 #if NS_PREFILL_BF16
     if (bf16) pack_kv_bf16(&a, num_keys, (uint32_t *)kp, (uint32_t *)kp + packed / 2);
     else
 #endif
-    pack_kv(&a, num_keys, kp, kp + packed);
+    prefill_pack_kv(&a, num_keys, kp, kp + packed, KEYS, widen_row);
     a.kpack = kp;
     a.vpack = bf16 ? kp + packed / 2 : kp + packed;
     /* below ~64 x 64 query-key pairs a head, the post costs more than the second core gives */

@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "prefill_attn.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define NS_PREFILL_AVX2 1
@@ -33,22 +35,8 @@
 
 #define LANES 8     /* query tokens per task, one per lane */
 #define KEYS 8      /* keys per block: 8 score vectors */
-#define MAX_D 256
+#define MAX_D NS_PREFILL_MAX_D
 #define MIN_SPLIT_PAIRS 4096
-
-struct ns_prefill8 {
-    const float *q;           /* [Lq, H, D], rows ldq floats apart */
-    const void *kv;           /* [num_pages, 2, page_size, KH, D]: one layer of the pool, float32 or float16 */
-    int kv_f16;
-    const int64_t *table;
-    float *out;               /* [Lq, H, D], rows ldo floats apart */
-    const float *kpack, *vpack;
-    int64_t ldq, ldo, num_prefix, Lq, H, KH, D, page_size;
-    float scale;
-    int64_t window;
-    /* as prefill_attn.c's: keys before key_lo are never read; packing starts at block b_lo = key_lo / 8 */
-    int64_t key_lo, b_lo;
-};
 
 int ns_prefill_avx2_supported(void) { return NS_PREFILL_AVX2; }
 
@@ -56,7 +44,7 @@ typedef void (*ns_tasks_fn)(const void *ctx, atomic_long *next, const atomic_int
 void ns_run_tasks(ns_tasks_fn fn, const void *ctx, int split_ok);  /* lend.c */
 
 #if NS_PREFILL_AVX2
-static int64_t num_tasks(const struct ns_prefill8 *a) { return (a->Lq + LANES - 1) / LANES * a->H; }
+static int64_t num_tasks(const struct ns_prefill *a) { return prefill_num_tasks(a, LANES); }
 
 /* 2^x, |relative error| ~1e-7: degree-7 Taylor polynomial for e^(frac * ln 2), times 2^n put in the exponent. */
 static inline __m256 exp2_ps8(__m256 x) {
@@ -88,53 +76,11 @@ static void widen_row(const void *kv, int64_t at, int f16, int64_t D, float *out
     for (; d < D; d++) out[d] = _cvtsh_ss(h[d]);
 }
 
-/* key t's K and V rows of KV head kh as float32; zeros past num_keys and before key_lo (never loaded: NaN there) */
-static void key_rows(const struct ns_prefill8 *a, int64_t num_keys, int64_t kh, int64_t t, float *k, float *v) {
-    const int64_t D = a->D, ps = a->page_size, token_stride = a->KH * D, page_stride = 2 * ps * token_stride;
-    if (t >= num_keys || t < a->key_lo) {
-        memset(k, 0, sizeof(float) * (size_t)D);
-        memset(v, 0, sizeof(float) * (size_t)D);
-        return;
-    }
-    const int64_t at = a->table[t / ps] * page_stride + (t % ps) * token_stride + kh * D;
-    widen_row(a->kv, at, a->kv_f16, D, k);
-    widen_row(a->kv, at + ps * token_stride, a->kv_f16, D, v);
-}
-
-/* K and V packed per KV head and block of 8 keys as [D][8], shared by the H / KH heads and every task. */
-static void pack_kv(const struct ns_prefill8 *a, int64_t num_keys, float *kp, float *vp) {
-    const int64_t D = a->D, nb = (num_keys + KEYS - 1) / KEYS - a->b_lo;
-    float k[MAX_D], v[MAX_D];
-    for (int64_t kh = 0; kh < a->KH; kh++)
-        for (int64_t b = 0; b < nb; b++) {
-            float *kb = kp + (kh * nb + b) * KEYS * D, *vb = vp + (kh * nb + b) * KEYS * D;
-            for (int64_t j = 0; j < KEYS; j++) {
-                key_rows(a, num_keys, kh, (a->b_lo + b) * KEYS + j, k, v);
-                for (int64_t d = 0; d < D; d++) {
-                    kb[d * KEYS + j] = k[d];
-                    vb[d * KEYS + j] = v[d];
-                }
-            }
-        }
-}
-
-struct ns_task8 {
-    int64_t h, kh, r0, nr, num_keys, nb_all, b_first;
-};
-
-static struct ns_task8 task_of(const struct ns_prefill8 *a, int64_t t) {
-    const int64_t nrb = (a->Lq + LANES - 1) / LANES, rb = nrb - 1 - t / a->H, h = t % a->H, r0 = rb * LANES;
-    const int64_t nr = a->Lq - r0 < LANES ? a->Lq - r0 : LANES;
-    const int64_t first_key = a->window && a->num_prefix + r0 >= a->window ? a->num_prefix + r0 - a->window + 1 : 0;
-    return (struct ns_task8){.h = h, .kh = h / (a->H / a->KH), .r0 = r0, .nr = nr,
-                             .num_keys = a->num_prefix + r0 + nr,
-                             .nb_all = (a->num_prefix + a->Lq + KEYS - 1) / KEYS - a->b_lo,
-                             .b_first = first_key / KEYS};
-}
+static struct ns_task task_of(const struct ns_prefill *a, int64_t t) { return prefill_task_of(a, t, LANES, KEYS); }
 
 /* valid[j]: all-ones in the lanes that see key b * 8 + j (prefill_attn.c's block_masks, as vectors: AVX2 has no
  * mask registers). Lane i sees key t when first <= i < first + window, first = t - num_prefix - r0. */
-static void block_masks(const struct ns_prefill8 *a, const struct ns_task8 *k, int64_t b, __m256 valid[KEYS]) {
+static void block_masks(const struct ns_prefill *a, const struct ns_task *k, int64_t b, __m256 valid[KEYS]) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int j = 0; j < KEYS; j++) {
         const int64_t t = b * KEYS + j, first = t - a->num_prefix - k->r0;
@@ -153,7 +99,7 @@ static void block_masks(const struct ns_prefill8 *a, const struct ns_task8 *k, i
     }
 }
 
-static void store_task(const struct ns_prefill8 *a, const struct ns_task8 *k, float ot[][LANES], __m256 l) {
+static void store_task(const struct ns_prefill *a, const struct ns_task *k, float ot[][LANES], __m256 l) {
     float inv[LANES] __attribute__((aligned(32)));
     _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.0f), l));
     for (int64_t i = 0; i < k->nr; i++) {
@@ -162,8 +108,8 @@ static void store_task(const struct ns_prefill8 *a, const struct ns_task8 *k, fl
     }
 }
 
-static void run_task(const struct ns_prefill8 *a, int64_t t) {
-    const struct ns_task8 k = task_of(a, t);
+static void run_task(const struct ns_prefill *a, int64_t t) {
+    const struct ns_task k = task_of(a, t);
     const int64_t D = a->D;
     const float c = a->scale * 1.4426950408889634f;     /* log2 e: softmax in base 2 */
     float qt[MAX_D][LANES] __attribute__((aligned(32)));
@@ -211,7 +157,7 @@ static void run_task(const struct ns_prefill8 *a, int64_t t) {
 
 static void run_tasks(const void *ctx, atomic_long *next, const atomic_int *lent) {
 #if NS_PREFILL_AVX2
-    const struct ns_prefill8 *a = ctx;
+    const struct ns_prefill *a = ctx;
     const int64_t n = num_tasks(a);
     while (!lent || atomic_load(lent)) {
         const int64_t t = atomic_fetch_add(next, 1);
@@ -231,16 +177,12 @@ int ns_prefill_attention_avx2(const float *q, int64_t ldq, const void *kv, const
     if (!NS_PREFILL_AVX2 || bf16 || D > MAX_D || KH <= 0 || H % KH || Lq <= 0 || window < 0)
         return -1;
 #if NS_PREFILL_AVX2
-    const int64_t key_lo = window && num_prefix >= window ? num_prefix - window + 1 : 0;
-    struct ns_prefill8 a = {.q = q, .kv = kv, .table = table, .out = out, .ldq = ldq, .ldo = ldo,
-                            .num_prefix = num_prefix, .Lq = Lq, .H = H, .KH = KH, .D = D, .page_size = page_size,
-                            .scale = scale, .kv_f16 = kv_f16, .window = window, .key_lo = key_lo,
-                            .b_lo = key_lo / KEYS};
-    const int64_t num_keys = num_prefix + Lq;
-    const int64_t packed = ((num_keys + KEYS - 1) / KEYS - a.b_lo) * KEYS * KH * D;
+    struct ns_prefill a = prefill_args(q, ldq, kv, table, num_prefix, Lq, out, ldo, H, KH, D, page_size, scale, kv_f16,
+                                       0, window, KEYS);
+    const int64_t num_keys = num_prefix + Lq, key_lo = a.key_lo, packed = prefill_packed(&a, KEYS);
     float *kp = aligned_alloc(32, sizeof(float) * (size_t)(2 * packed));
     if (!kp) return -1;
-    pack_kv(&a, num_keys, kp, kp + packed);
+    prefill_pack_kv(&a, num_keys, kp, kp + packed, KEYS, widen_row);
     a.kpack = kp;
     a.vpack = kp + packed;
     ns_run_tasks(run_tasks, &a, num_tasks(&a) > 1 && Lq * (num_keys - key_lo) >= MIN_SPLIT_PAIRS);
