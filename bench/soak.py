@@ -456,12 +456,19 @@ def wait_idle(url: str, timeout: float) -> tuple[dict | None, float]:
 COUNTERS = (("request_success", "finished_reason"), ("request_rejected", "reason"),
             ("device_role_changes", "device"), ("prefix_cache_queries", "device"), ("prefix_cache_hits", "device"),
             ("kv_tier_evictions", "tier"), ("kv_tier_hit_tokens", "tier"), ("event_loop_stalls", "cause"))
+# caches bounded by design that fill over hours (their growth is part of the RSS growth, by design)
+GAUGES = ("grammar_cache_bytes", "grammar_cache_entries")
 
 
 def parse_counters(text: str) -> dict:
-    """COUNTERS from /metrics text: {name: {label value: count}}."""
+    """COUNTERS from /metrics text: {name: {label value: count}}; GAUGES summed over their labels under
+    "gauges": {name: value}."""
     out: dict[str, dict[str, float]] = {name: {} for name, _ in COUNTERS}
+    out["gauges"] = {}
     for line in text.splitlines():
+        for g in GAUGES:
+            if line.startswith(f"nodeserve:{g}{{") or line.startswith(f"nodeserve:{g} "):
+                out["gauges"][g] = out["gauges"].get(g, 0.0) + float(line.rsplit(" ", 1)[1])
         for name, label in COUNTERS:
             if line.startswith(f"nodeserve:{name}_total{{") and f'{label}="' in line:
                 value = line.rsplit(" ", 1)[1]

@@ -290,8 +290,11 @@ def test_parse_counters(soak):
         'nodeserve:request_success_total{model_name="m",finished_reason="stop"} 7.0',
         'nodeserve:prefix_cache_hits_total{model_name="m",device="cpu:0"} 128.0',
         'nodeserve:kv_tier_evictions_total{model_name="m",tier="host"} 4.0',
-        'nodeserve:device_role_changes_created{model_name="m",device="cpu:0"} 1.7e9'])
+        'nodeserve:device_role_changes_created{model_name="m",device="cpu:0"} 1.7e9',
+        'nodeserve:grammar_cache_bytes{model_name="m"} 262144.0',
+        'nodeserve:grammar_cache_entries{model_name="m"} 1.0'])
     c = soak.parse_counters(text)
+    assert c["gauges"] == {"grammar_cache_bytes": 262144.0, "grammar_cache_entries": 1.0}
     assert c["device_role_changes"] == {"cpu:0": 3.0, "cpu:1": 2.0}
     assert c["request_success"] == {"stop": 7.0} and c["prefix_cache_hits"] == {"cpu:0": 128.0}
     assert c["kv_tier_evictions"] == {"host": 4.0} and c["request_rejected"] == {}
