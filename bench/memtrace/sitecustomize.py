@@ -5,7 +5,8 @@ and dumps a snapshot there every NODESERVE_MEMTRACE_EVERY seconds (default 120).
 started are not seen: growth between snapshots is. With each snapshot goes a `.native.json`: glibc's mallinfo2
 (bytes in use vs free inside the C heap: live allocations against fragmentation) and /proc/<pid>/smaps summed by
 kind of mapping (heap, anonymous, files), jemalloc's counters when it serves malloc (live bytes vs resident) and the
-live objects by type, so what tracemalloc does not see can be placed too. Set
+live objects by type, so what tracemalloc does not see can be placed too; with MALLOC_CONF=...,prof:true,
+prof_prefix:DIR/p (jemalloc's heap profiler) a heap profile too, for jeprof. Set
 NODESERVE_MEMTRACE_PY=0 to skip tracemalloc (its overhead) and keep the native view only. Other processes (the
 soak's client) are left alone.
 
@@ -52,6 +53,17 @@ def _jemalloc_stats() -> dict:
         if mallctl(f"stats.{key}".encode(), ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) == 0:
             out[key] = value.value
     return out
+
+
+def _jemalloc_prof_dump() -> None:
+    """A heap profile (jemalloc's own sampler: the process runs with MALLOC_CONF prof:true) written to its
+    prof_prefix, for `jeprof --base=<earlier> python3 <later>`: live native bytes by allocating stack."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).mallctl(b"prof.dump", None, None, None, ctypes.c_size_t(0))
+    except (OSError, AttributeError):
+        pass
 
 
 def _python_objects(top: int = 40) -> dict:
@@ -104,6 +116,8 @@ def _start() -> None:
                       "jemalloc": _jemalloc_stats(), "python": _python_objects()}
             with open(os.path.join(out, name + ".native.json"), "w") as f:
                 json.dump(native, f)
+            if "prof:true" in os.environ.get("MALLOC_CONF", ""):
+                _jemalloc_prof_dump()
             if trace_python:
                 tracemalloc.take_snapshot().dump(os.path.join(out, name + ".snap"))
 
