@@ -37,6 +37,7 @@
 #define R_BF16 0x400  /* type flag: bf16 products (bf16_gemm.c), every type */
 #define MAX_ROWS 12  /* activation rows per pass over a group (group_rows_wide: 12 int32 + 12 float accumulators) */
 #define MAX_NARROW_ROWS 4  /* up to this many, group_rows: four chains a row hide the latency one chain cannot */
+#define MAX_WIDE_TWO_CHAINS 8  /* up to this many, group_rows_wide keeps two chains a row (16 + 8 zmm at 8 rows) */
 /* group_rows asks for the weights this far ahead of the block it reads: a GEMV reads each byte once, and with the
  * hardware prefetcher alone a batch-1 decode step took 4.4 ms on the AMD EPYC (Zen 5), 3.3-3.5 with 8 or 16 KB
  * ahead (1-2 KB: no better; bench/kernels.py's step rows). */
@@ -186,20 +187,26 @@ static inline __attribute__((always_inline)) void group_rows(
  * are exact): each of a block's 16 weight vectors is unpacked and taken by the MT rows in turn, into one int32
  * accumulator per row, so it never holds all 16 (with 8 rows' accumulators those spilled registers); the MT
  * chains, and the next block's (independent of this one's), hide the dot-product latency. 32 rows x (3072 x 576)
- * Q4_1: 0.59 -> 0.49 ms on one core (bench/kernels.py). */
+ * Q4_1: 0.59 -> 0.49 ms on one core (bench/kernels.py). Up to 8 rows keep two chains a row (5 rows' single chains
+ * left vpdpwssd latency-bound: a 5-row step of SmolLM2's projections took 12.7 ms where 4 rows took 8.5, a
+ * speculative verify step's usual size; now 9.5; AMD EPYC Zen 4, one core, weights from DRAM) and read ahead as
+ * group_rows does. */
 static inline __attribute__((always_inline)) void group_rows_wide(
         int type, const int MT, const uint8_t *wg, int64_t nb, const int16_t *xq, const float *dx, const float *sx,
         __m512 f[MAX_ROWS]) {
     const int64_t rb = r16_block_bytes(type), qo = quant_offset(type);
+    const int C = MT <= MAX_WIDE_TWO_CHAINS ? 2 : 1;  /* chains a row: with few rows one chain a row is latency-bound */
     const __m512i mask = _mm512_set1_epi16(0x000f);
     for (int i = 0; i < MT; i++) f[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *o = wg + b * rb;
-        __m512i a[MAX_ROWS];
-        for (int i = 0; i < MT; i++) a[i] = _mm512_setzero_si512();
+        for (int64_t off = 0; off < rb; off += 64) _mm_prefetch((const char *)(o + PREFETCH_BYTES + off), _MM_HINT_T0);
+        __m512i a[2 * MAX_WIDE_TWO_CHAINS > MAX_ROWS ? 2 * MAX_WIDE_TWO_CHAINS : MAX_ROWS];  /* [row][chain] */
+        for (int i = 0; i < MT * C; i++) a[i] = _mm512_setzero_si512();
 #define NS_DOT(t, wv)                                                                                            \
         for (int i = 0; i < MT; i++)                                                                             \
-            a[i] = _mm512_dpwssd_epi32(a[i], (wv), _mm512_set1_epi32(((const int32_t *)(xq + (i * nb + b) * QK))[t]));
+            a[i * C + (t) % C] = _mm512_dpwssd_epi32(a[i * C + (t) % C], (wv),                                   \
+                                                     _mm512_set1_epi32(((const int32_t *)(xq + (i * nb + b) * QK))[t]));
         if (type == R_Q8_0) {
             for (int j = 0; j < 8; j++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(o + qo + 64 * j));
@@ -226,7 +233,8 @@ static inline __attribute__((always_inline)) void group_rows_wide(
         const __m512 vm = type == R_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 32)))
                                          : _mm512_mul_ps(vd, _mm512_set1_ps(-8.0f));
         for (int i = 0; i < MT; i++) {
-            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i]), _mm512_mul_ps(vd, _mm512_set1_ps(dx[i * nb + b])), f[i]);
+            const __m512i sum = C == 2 ? _mm512_add_epi32(a[2 * i], a[2 * i + 1]) : a[i];
+            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(vd, _mm512_set1_ps(dx[i * nb + b])), f[i]);
             if (type != R_Q8_0) f[i] = _mm512_fmadd_ps(vm, _mm512_set1_ps(sx[i * nb + b]), f[i]);
         }
     }
