@@ -8,6 +8,8 @@ config plus the [speculative] method), then, greedy and streamed (SSE arrival ti
 - chat (--chat-prompts short questions): one stream at a time, then 32 at once: output tok/s;
 - the gaps between consecutive streamed chunks of the 32-stream run: p50 / p99 (the split's figure).
 Outputs of the two methods are compared text for text per request (greedy: they must be the same).
+Servers alternate off / method, --rounds times (default 3); each figure is the median over the rounds, each speedup
+the median of the rounds' paired ratios (one server per round and method; every round's values are kept).
 
     python bench/speculative.py --out bench/results/speculative.json
 """
@@ -19,6 +21,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -129,6 +132,41 @@ async def workload(url: str, max_tokens: int) -> dict:
             "texts": [r["text"] for r in rep + chat1 + list(chat32)]}
 
 
+FIGURES = (("repetition", "tok_s"), ("repetition", "decode_tok_s"), ("chat_1", "tok_s"), ("chat_32", "tok_s"),
+           ("chat_32", "gap_p50_ms"), ("chat_32", "gap_p99_ms"))
+SPEEDUPS = {"repetition_1": ("repetition", "tok_s"), "repetition_1_decode": ("repetition", "decode_tok_s"),
+            "chat_1": ("chat_1", "tok_s"), "chat_32": ("chat_32", "tok_s")}
+
+
+def summarize(rounds: list[dict], methods: list[str]) -> dict:
+    """Per method, each figure's median over the rounds (and every round's value); per compared method, each
+    speedup as the median of the rounds' paired ratios (this machine's speed drifts by 10-20 % between minutes:
+    a ratio within one round compares servers run back to back), and its outputs against off's, every round."""
+    med = statistics.median
+    out: dict = {}
+    for method in ["off", *methods]:
+        runs = [r[method] for r in rounds]
+        row: dict = {"rounds": len(runs)}
+        for part, key in FIGURES:
+            row.setdefault(part, {})[key] = med(run[part][key] for run in runs)
+            row[part][key + "_rounds"] = [run[part][key] for run in runs]
+        row["repetition"]["tokens"] = runs[0]["repetition"]["tokens"]
+        row["spec_counters"] = {k: sum(run["spec_counters"].get(k, 0.0) for run in runs)
+                                for k in runs[0]["spec_counters"]}
+        out[method] = row
+    for method in methods:
+        same = [a == b for r in rounds for a, b in zip(r["off"]["texts"], r[method]["texts"])]
+        parts = ["repetition"] * len(REPETITION) + ["chat_1"] * len(CHAT) + ["chat_32"] * 32  # workload's order
+        differing = [{"round": i // len(parts), "part": parts[i % len(parts)], "index": i % len(parts)}
+                     for i, ok in enumerate(same) if not ok]
+        ratios = {name: [r[method][part][key] / r["off"][part][key] for r in rounds]
+                  for name, (part, key) in SPEEDUPS.items()}
+        out[method].update({"outputs_identical": sum(same), "outputs": len(same), "differing": differing,
+                            "speedup": {name: med(v) for name, v in ratios.items()},
+                            "speedup_rounds": ratios})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="disaggregated,colocated")
@@ -136,38 +174,37 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results/speculative.json")
     ap.add_argument("--methods", default="prompt_lookup", help="compared with off, e.g. prompt_lookup,draft")
     ap.add_argument("--draft-model", default="smollm2-135m-instruct", help="method draft's model")
+    ap.add_argument("--rounds", type=int, default=3, help="off / method servers alternated this many times")
     ap.add_argument("--log-dir", default="", help="keep the servers' logs here (default: a temporary directory)")
     args = ap.parse_args()
     results: dict = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                                  "load_before": os.getloadavg()},
                      "command": " ".join(["python"] + sys.argv), "modes": {}}
+    methods = args.methods.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes.split(","):
-            runs = {}
-            for method in ["off", *args.methods.split(",")]:
-                proc, url = start_server(mode, "auto", tmp, os.path.join(args.log_dir or tmp, f"{mode}-{method}.log"),
-                                         extra=f'[speculative]\nmethod = "{method}"\n'
-                                               f'draft_model = "{args.draft_model}"\n')
-                try:
-                    runs[method] = asyncio.run(workload(url, args.max_tokens))
-                finally:
-                    proc.terminate()
-                    proc.wait(60)
-            off = runs["off"]
-            texts = off.pop("texts")
-            row = results["modes"][mode] = {"off": off}
-            for method in args.methods.split(","):
-                on = runs[method]
-                same = [a == b for a, b in zip(texts, on.pop("texts"))]
-                row[method] = {**on, "outputs_identical": sum(same), "outputs": len(same),
-                               "speedup": {"repetition_1": on["repetition"]["tok_s"] / off["repetition"]["tok_s"],
-                                           "repetition_1_decode": on["repetition"]["decode_tok_s"] /
-                                           off["repetition"]["decode_tok_s"],
-                                           "chat_1": on["chat_1"]["tok_s"] / off["chat_1"]["tok_s"],
-                                           "chat_32": on["chat_32"]["tok_s"] / off["chat_32"]["tok_s"]}}
-                print(mode, method, json.dumps(row[method]["speedup"]), "gap p99 ms off/on:",
-                      round(off["chat_32"]["gap_p99_ms"], 1), round(on["chat_32"]["gap_p99_ms"], 1),
-                      f"identical {sum(same)}/{len(same)}", "counters:", on["spec_counters"], flush=True)
+            rounds: list[dict] = []  # per round: {method: workload result}; servers alternate within a round
+            for r in range(args.rounds):
+                runs = {}
+                for method in ["off", *methods]:
+                    log = os.path.join(args.log_dir or tmp, f"{mode}-{method}-{r}.log")
+                    proc, url = start_server(mode, "auto", tmp, log,
+                                             extra=f'[speculative]\nmethod = "{method}"\n'
+                                                   f'draft_model = "{args.draft_model}"\n')
+                    try:
+                        runs[method] = asyncio.run(workload(url, args.max_tokens))
+                    finally:
+                        proc.terminate()
+                        proc.wait(60)
+                rounds.append(runs)
+            results["modes"][mode] = summarize(rounds, methods)
+            for method in methods:
+                row = results["modes"][mode][method]
+                print(mode, method, json.dumps(row["speedup"]), "gap p99 ms off/on:",
+                      round(results["modes"][mode]["off"]["chat_32"]["gap_p99_ms"], 1),
+                      round(row["chat_32"]["gap_p99_ms"], 1),
+                      f"identical {row['outputs_identical']}/{row['outputs']}", "counters:", row["spec_counters"],
+                      flush=True)
     results["machine"]["load_after"] = os.getloadavg()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
