@@ -5,10 +5,11 @@
  * the order of a block's float sum (the offset term's), and repacking at load is shared.
  *
  * A 64-byte vector of an R16 block is two 32-byte halves, rows 0..7 and 8..15: each half is one ymm with row r's
- * four bytes in lane r, as in the 512-bit kernel. Up to 2 activation rows take both halves in one pass over a
- * group's blocks; more take a pass for each half (8 rows each): 16 ymm registers hold a tile of up to
- * MAX_ROWS_256 rows' int32 and float accumulators, where the 512-bit kernel's 32 zmm hold both halves at once. The
- * second pass reads the group from L1 (16 rows x K = 1536 of Q4_1 is 15 KB).
+ * four bytes in lane r, as in the 512-bit kernel. A tile of up to MAX_ROWS_256 activation rows takes both halves in
+ * one pass over a group's blocks, one activation broadcast for both: 8 int32 accumulators and 2 weight vectors in
+ * registers (the float accumulators, touched once a block, may live in L1). Tiles of 6 rows a pass per half (a
+ * broadcast per vpmaddwd) were 7-8 % slower on prompt rows (x86-64-v3 build on Zen 4: 48-49 -> 52 GMAC/s int16,
+ * 70-71 -> 76 int8, one layer's projections at 256 rows) and on 3-row verify steps (10.4 -> 9.2 ms a step).
  *
  * int16 activations (decode, and prompt rows by default): vpmaddwd multiplies 2 int16 weights of 8 rows by the
  * same 2 activations and adds the pair: vpdpwssd without its accumulate, so one vpaddd more (AVX-VNNI: one
@@ -46,7 +47,7 @@
 #define R_ACT8 0x200     /* int8 activations for Q4_0 / Q4_1 (vnni_gemm.c) */
 #define R_AVX2 0x800     /* the vpmaddwd / vpmaddubsw kernels below, whatever else the build has */
 #define R_AVXVNNI 0x1000 /* the 256-bit vpdpwssd / vpdpbusd kernels below */
-#define MAX_ROWS_256 6   /* activation rows a pass: 6 int32 + 6 float accumulators + weights fit 16 ymm */
+#define MAX_ROWS_256 4   /* activation rows a pass, both halves: 8 int32 accumulators + 2 weight vectors */
 #define PREFETCH_BYTES_256 8192  /* as vnni_gemm.c's PREFETCH_BYTES: a GEMV reads each weight byte once */
 
 /* Which of these kernels the build has: 1 the AVX2 ones, 2 the 256-bit VNNI ones (ns_r16_supported adds them). */
@@ -122,9 +123,8 @@ static void quantize_rows_i8_256(const float *x, int64_t M, int64_t K, int8_t *x
 }
 
 /* Halves h0 .. h0 + NH - 1 (rows 8h .. 8h + 7 each) of one group against MT rows of int16 activations: f[NH i + k]
- * lane r = y[i, 16 g + 8 (h0 + k) + r]. Each weight vector is unpacked once and taken by the MT rows in turn; one
- * or two rows take both halves in one pass (one activation broadcast for both), more take a half a pass (16
- * registers). With vnni and few rows a row keeps C chains (vpdpwssd's latency), which integer sums make
+ * lane r = y[i, 16 g + 8 (h0 + k) + r]. Each weight vector is unpacked once and taken by the MT rows in turn (one
+ * activation broadcast for both halves). With vnni and few rows a row keeps C chains (vpdpwssd's latency), which integer sums make
  * order-free. The float operations are vnni_gemm.c's group_rows', in its order. */
 static inline __attribute__((always_inline)) void half_rows(
         int type, const int vnni, const int MT, const int NH, const uint8_t *wg, int h0, int64_t nb,
@@ -285,7 +285,6 @@ static inline __attribute__((always_inline)) void linear_groups256(
         if ((g + 1) * GROUP < n_end)
             for (int64_t off = 0; off < gbytes && off < 4096; off += 64)
                 _mm_prefetch((const char *)(wg + gbytes + off), _MM_HINT_T0);
-        const int two = g * GROUP + 8 < n_end;  /* the second half has rows to write */
         for (int64_t i0 = 0; i0 < M; i0 += MAX_ROWS_256) {
             const int64_t mt = M - i0 >= MAX_ROWS_256 ? MAX_ROWS_256 : M - i0;
             const int16_t *x16 = (const int16_t *)xq + i0 * K;
@@ -297,11 +296,9 @@ static inline __attribute__((always_inline)) void linear_groups256(
             else half_rows(type, vnni, n, nh, wg, h, nb, x16, dt, st, f);                                       \
             store_halves(f, n, nh, g * GROUP + 8 * (h), n_end, yt, ldy);
 #define NS_TILE256(n)                                                                                            \
-            if (n <= 2) { NS_PASS(n, 2, 0) } else { NS_PASS(n, 1, 0) if (two) { NS_PASS(n, 1, 1) } }            \
+            NS_PASS(n, 2, 0)                                                                                     \
             break;
             switch (mt) {  /* constant tile sizes unroll fully */
-                case 6: NS_TILE256(6)
-                case 5: NS_TILE256(5)
                 case 4: NS_TILE256(4)
                 case 3: NS_TILE256(3)
                 case 2: NS_TILE256(2)
