@@ -12,6 +12,7 @@ Servers alternate off / method, --rounds times (default 3); each figure is the m
 the median of the rounds' paired ratios (one server per round and method; every round's values are kept).
 
     python bench/speculative.py --out bench/results/speculative.json
+    python bench/speculative.py --cpu-class avx2 --out bench/results/speculative-avx2.json  # the AVX2 class
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from local_server import cpu_model, start_server  # noqa: E402
+from cpu_class import CPU_CLASS_ENV, class_is_proxy, nodeserve_env  # noqa: E402
 
 CODE = '''def merge_sorted(a, b):
     """Merge two sorted lists into one sorted list."""
@@ -174,12 +176,19 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results/speculative.json")
     ap.add_argument("--methods", default="prompt_lookup", help="compared with off, e.g. prompt_lookup,draft")
     ap.add_argument("--draft-model", default="smollm2-135m-instruct", help="method draft's model")
+    ap.add_argument("--cpu-class", choices=sorted(CPU_CLASS_ENV), default=None,
+                    help="servers forced to this CPU class's kernels (bench/cpu_class.py; a proxy on a larger CPU)")
     ap.add_argument("--rounds", type=int, default=3, help="off / method servers alternated this many times")
     ap.add_argument("--log-dir", default="", help="keep the servers' logs here (default: a temporary directory)")
     args = ap.parse_args()
     results: dict = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                                  "load_before": os.getloadavg()},
                      "command": " ".join(["python"] + sys.argv), "modes": {}}
+    if args.cpu_class:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+        results["cpu_class"] = {"class": args.cpu_class, "proxy": class_is_proxy(args.cpu_class, flags),
+                                "nodeserve_env": CPU_CLASS_ENV[args.cpu_class]}
     methods = args.methods.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes.split(","):
@@ -190,7 +199,8 @@ def main() -> int:
                     log = os.path.join(args.log_dir or tmp, f"{mode}-{method}-{r}.log")
                     proc, url = start_server(mode, "auto", tmp, log,
                                              extra=f'[speculative]\nmethod = "{method}"\n'
-                                                   f'draft_model = "{args.draft_model}"\n')
+                                                   f'draft_model = "{args.draft_model}"\n',
+                                             env=nodeserve_env(args.cpu_class))
                     try:
                         runs[method] = asyncio.run(workload(url, args.max_tokens))
                     finally:

@@ -97,9 +97,13 @@ class SlackLending:
     backlog: Callable[[], int]  # the borrowing prefill device's queued prompt tokens
     max_gap_s: float
 
+    def wanted(self) -> bool:
+        """Whether the borrower's backlog asks for the core between steps now."""
+        return self.backlog() >= MIN_BACKLOG_TOKENS
+
     def pause(self, step_start: float, now: float) -> float:
         """Seconds to lend the core now, after a decode step that started at step_start; 0: none."""
-        if self.backlog() < MIN_BACKLOG_TOKENS:
+        if not self.wanted():
             return 0.0
         seconds = self.max_gap_s - (now - step_start)
         return seconds if seconds >= MIN_SLICE_S else 0.0

@@ -152,7 +152,10 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
     if cfg.speculative.method != "off":
         for s in starts:
             if s.role is not Role.PREFILL:  # decodes nothing
-                workers[s.name].scheduler.use_speculator(speculator(cfg, workers[s.name], devices[s.name], draft))
+                spec = speculator(cfg, workers[s.name], devices[s.name], draft)
+                if (slack := workers[s.name].slack_lending) is not None:
+                    spec.yield_core_to(slack.wanted)
+                workers[s.name].scheduler.use_speculator(spec)
     prefill = [workers[s.name] for s in starts if s.role is Role.PREFILL]
     decode = [workers[s.name] for s in starts if s.role is not Role.PREFILL]
     router = Router(prefill, decode, cfg.devices.local_prefill_threshold, cfg.server.max_waiting,

@@ -76,6 +76,18 @@ def test_limits_rows_and_the_step_time_cap_bound_the_guesses():
     assert len(_drafts(capped, [SeqSpeculation(19.0, 20.0)])[0]) == 4  # 8 ms + 5 rows x 0.1 ms = 8.5 ms
 
 
+def test_no_guesses_while_the_core_is_wanted_elsewhere():
+    sp = Speculator(FixedDrafter([7] * 8), max_tokens=8)
+    sp.use_step_model(lambda: _model(8.0, 0.1))
+    wanted = [True]
+    sp.yield_core_to(lambda: wanted[0])
+    state = SeqSpeculation(19.0, 20.0)
+    assert _drafts(sp, [state]) == [[]]
+    assert (state.num_accepted, state.num_checked) == (19.0, 20.0)  # not counted as a guess declined
+    wanted[0] = False
+    assert len(_drafts(sp, [state])[0]) == 8
+
+
 def test_without_a_step_model_guesses_are_kept_while_likely():
     sp = Speculator(FixedDrafter([7] * 8), max_tokens=8)
     assert len(_drafts(sp, [SeqSpeculation(8.0, 10.0)])[0]) == 3  # 0.8, 0.64, 0.51 >= 0.5; 0.41 not

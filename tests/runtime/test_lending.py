@@ -61,7 +61,9 @@ def test_slack_lending_pauses_up_to_the_gap_only_for_a_long_queue():
     assert slack.pause(step_start=10.0, now=10.02) == 0.0  # nothing queued there
     queued[0] = MIN_BACKLOG_TOKENS - 1
     assert slack.pause(10.0, 10.02) == 0.0                 # a short prompt: over before a slice helps it
+    assert not slack.wanted()                              # ... so speculation may take the slack
     queued[0] = MIN_BACKLOG_TOKENS
+    assert slack.wanted()
     assert slack.pause(10.0, 10.02) == pytest.approx(0.04)  # the step's 20 ms + 40 ms lent = the 60 ms gap
     assert slack.pause(10.0, 10.058) == 0.0                # 2 ms left: not worth a slice
     assert slack.pause(10.0, 10.08) == 0.0                 # the step alone took longer than the gap
