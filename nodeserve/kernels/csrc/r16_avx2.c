@@ -124,8 +124,8 @@ static void quantize_rows_i8_256(const float *x, int64_t M, int64_t K, int8_t *x
 
 /* Halves h0 .. h0 + NH - 1 (rows 8h .. 8h + 7 each) of one group against MT rows of int16 activations: f[NH i + k]
  * lane r = y[i, 16 g + 8 (h0 + k) + r]. Each weight vector is unpacked once and taken by the MT rows in turn (one
- * activation broadcast for both halves). With vnni and few rows a row keeps C chains (vpdpwssd's latency), which integer sums make
- * order-free. The float operations are vnni_gemm.c's group_rows', in its order. */
+ * activation broadcast for both halves). With vnni and few rows a row keeps C chains (vpdpwssd's latency), which
+ * integer sums make order-free. The float operations are vnni_gemm.c's group_rows', in its order. */
 static inline __attribute__((always_inline)) void half_rows(
         int type, const int vnni, const int MT, const int NH, const uint8_t *wg, int h0, int64_t nb,
         const int16_t *xq, const float *dx, const float *sx, __m256 f[2 * MAX_ROWS_256]) {
