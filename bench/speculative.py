@@ -32,6 +32,7 @@ import aiohttp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from local_server import cpu_model, start_server  # noqa: E402
 from cpu_class import CPU_CLASS_ENV, class_is_proxy, nodeserve_env  # noqa: E402
+from build_llama import cpu_flags_line  # noqa: E402
 
 CODE = '''def merge_sorted(a, b):
     """Merge two sorted lists into one sorted list."""
@@ -185,9 +186,7 @@ def main() -> int:
                                  "load_before": os.getloadavg()},
                      "command": " ".join(["python"] + sys.argv), "modes": {}}
     if args.cpu_class:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-        results["cpu_class"] = {"class": args.cpu_class, "proxy": class_is_proxy(args.cpu_class, flags),
+        results["cpu_class"] = {"class": args.cpu_class, "proxy": class_is_proxy(args.cpu_class, cpu_flags_line()),
                                 "nodeserve_env": CPU_CLASS_ENV[args.cpu_class]}
     methods = args.methods.split(",")
     with tempfile.TemporaryDirectory() as tmp:

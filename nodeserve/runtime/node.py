@@ -152,10 +152,7 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
     if cfg.speculative.method != "off":
         for s in starts:
             if s.role is not Role.PREFILL:  # decodes nothing
-                spec = speculator(cfg, workers[s.name], devices[s.name], draft)
-                if (slack := workers[s.name].slack_lending) is not None:
-                    spec.yield_core_to(slack.wanted)
-                workers[s.name].scheduler.use_speculator(spec)
+                workers[s.name].scheduler.use_speculator(speculator(cfg, workers[s.name], devices[s.name], draft))
     prefill = [workers[s.name] for s in starts if s.role is Role.PREFILL]
     decode = [workers[s.name] for s in starts if s.role is not Role.PREFILL]
     router = Router(prefill, decode, cfg.devices.local_prefill_threshold, cfg.server.max_waiting,
@@ -191,7 +188,10 @@ def speculator(cfg: Config, worker: Worker, device: Device, draft: LoadedModel |
     max_rows, _ = gemv_rows(worker.runner.model)
     # guesses never make a step longer than lending between steps may (its streams' gaps within 0.6 x tpot_s),
     # nor a step already past that any longer: where the batch is large the split's gaps stay what they were
-    return Speculator(drafter, sp.num_speculative_tokens, sp.adaptive, max_rows, LEND_GAP_SHARE * cfg.slo.tpot_s)
+    spec = Speculator(drafter, sp.num_speculative_tokens, sp.adaptive, max_rows, LEND_GAP_SHARE * cfg.slo.tpot_s)
+    if worker.slack_lending is not None:  # a core lent between steps takes no guesses
+        spec.yield_core_to(worker.slack_lending.wanted)
+    return spec
 
 
 def core_lending(cfg: Config, names: list[str]) -> CoreLending | None:
