@@ -55,6 +55,14 @@ class SeqChunk:
     num_draft_tokens: int = 0
     # its windowed layers' pages (kv/window.py) where the pool keeps them apart: -1 for pages no query reads
     window_table: Sequence[int] | None = None
+    # prompt tokens, however few: a prompt's last token alone (the rest cached, or a chunk boundary) still runs the
+    # prompt rows' kernels, so its K/V and first token do not depend on how the prompt was chunked or cached
+    is_prompt: bool = False
+
+    @property
+    def is_decode(self) -> bool:
+        """Whether it runs as decode rows (one, or one per guess): a single token that is not a prompt's."""
+        return self.num_draft_tokens > 0 or (len(self.token_ids) == 1 and not self.is_prompt)
 
 
 class PageLoad(Protocol):
@@ -97,7 +105,8 @@ def chunk_of(seq: Seq, num_tokens: int, drafts: Sequence[int] = ()) -> SeqChunk:
         seq.window.advance(c, c + len(ids))
     return SeqChunk(ids, c, seq.page_table, want_logits=c + num_tokens >= req.num_prompt_tokens,
                     window_table=seq.window.table if seq.window is not None else None,
-                    num_draft_tokens=len(ids) - 1 if c >= req.num_prompt_tokens else 0)
+                    num_draft_tokens=len(ids) - 1 if c >= req.num_prompt_tokens else 0,
+                    is_prompt=c < req.num_prompt_tokens)
 
 
 @dataclass

@@ -30,7 +30,8 @@ class ModelRunner:
         return cast("KVPool", self.pool).manager
 
     def prepare(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Chunks must be ordered with every single-token chunk first (those attend as one batched decode)."""
+        """Chunks must be ordered with every decode chunk first (SeqChunk.is_decode: those attend as one batched
+        decode)."""
         page_size = self.pool.page_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -51,7 +52,7 @@ class ModelRunner:
             if c.want_logits:
                 logits_rows.append(len(input_ids) - 1)
         num_decodes = 0
-        while num_decodes < len(chunks) and query_lens[num_decodes] == 1:
+        while num_decodes < len(chunks) and chunks[num_decodes].is_decode:
             num_decodes += 1
         window = self._window_tables(chunks) if self.pool.window_layers else (None, None, None)
         meta = AttentionMetadata(
@@ -90,7 +91,7 @@ class ModelRunner:
         """Returns float32 logits [N, vocab], one row per chunk with want_logits and one per token fed for a
         decode with guesses (a verify step), in chunk order. The hooks: see LlamaModel.forward."""
         chunks = verify_rows(chunks)
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)  # stable: decodes first
+        order = sorted(range(len(chunks)), key=lambda i: not chunks[i].is_decode)  # stable: decodes first
         ordered = [chunks[i] for i in order]
         ids, positions, meta, rows = self.prepare(ordered)
         hidden = None
@@ -117,5 +118,5 @@ def verify_rows(chunks: Sequence[SeqChunk]) -> Sequence[SeqChunk]:
     if not any(c.num_draft_tokens for c in chunks):
         return chunks
     return [row for c in chunks for row in (
-        [SeqChunk([t], c.start_pos + j, c.page_table, True, c.window_table) for j, t in enumerate(c.token_ids)]
+        [SeqChunk([t], c.start_pos + j, c.page_table, window_table=c.window_table) for j, t in enumerate(c.token_ids)]
         if c.num_draft_tokens else [c])]

@@ -199,6 +199,40 @@ def test_native_decoder_is_the_module_path_in_one_call(loaded_auto, one_thread):
     torch.testing.assert_close(pools[0].data, pools[1].data, rtol=1e-6, atol=1e-6)
 
 
+@needs_avx2
+def test_a_prompts_last_token_alone_runs_as_a_prompt_row(loaded_auto, one_thread):
+    """A prompt whose last token comes alone (the rest cached, or a chunk boundary the step budget drew), beside
+    decodes, gives the K/V and first-token logits the whole prompt gives: prompt rows take prompt_activations,
+    decode rows int16, so a one-token prompt chunk run as a decode row would make the answer depend on the cache
+    and the load (greedy outputs differed between identical 32-stream bursts)."""
+    from nodeserve.attention.torch_ref import TorchAttention
+    from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
+    from nodeserve.kv.pool import KVPool
+
+    model = loaded_auto.model
+    if not block_quant.use_prompt_activations(model, "int8"):  # prompt rows that round unlike decode rows
+        pytest.skip("no int8 prompt rows on this CPU's kernels")
+    try:
+        prompt, other = [(i * 37) % 5000 + 100 for i in range(20)], [400, 401, 402, 403, 404]
+        pools = [KVPool(model.cfg, 16, 16, torch.float32, torch.device("cpu")) for _ in range(3)]
+        runners = [ModelRunner(model, TorchAttention(pool, model.cfg, model.dtype)) for pool in pools]
+        whole = runners[0].run([SeqChunk(prompt, 0, [0, 1], is_prompt=True)])
+        split = []
+        for runner, is_prompt in zip(runners[1:], (True, False)):
+            runner.run([SeqChunk(other, 0, [4], is_prompt=True),
+                        SeqChunk(prompt[:-1], 0, [0, 1], want_logits=False, is_prompt=True)])
+            logits = runner.run([SeqChunk([7], len(other), [4]),
+                                 SeqChunk(prompt[-1:], len(prompt) - 1, [0, 1], is_prompt=is_prompt)])
+            split.append(logits[1:])
+    finally:
+        for m in model.modules():
+            if isinstance(m, block_quant.QuantLinear):
+                m.prompt_flag = 0
+    assert torch.equal(split[0], whole)
+    assert torch.equal(pools[1].data[:, :2], pools[0].data[:, :2])  # the prompt's pages, every layer
+    assert not torch.equal(split[1], whole)  # as a decode row (the old rule: any one-token chunk) it differs
+
+
 def test_embedding_refuses_ids_outside_the_table(loaded_auto):
     with pytest.raises(IndexError):
         loaded_auto.model.embed_tokens(torch.tensor([0, loaded_auto.config.vocab_size]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from nodeserve.config import config_from_dict
 from nodeserve.runtime.engine import Engine
@@ -102,3 +103,37 @@ def test_eviction_under_pressure_keeps_outputs_and_pages_whole(loaded_fp32, prom
     on, stats, _ = _run(_config("disaggregated", True, memory_gib=0.04), loaded_fp32, body)
     off, _, _ = _run(_config("disaggregated", False, memory_gib=0.04), loaded_fp32, body)
     assert on == off and all(s.whole for s in stats)
+
+
+
+@pytest.fixture(scope="module")
+def loaded_int8(gguf_path):
+    """The default quantized path with int8 prompt rows: prompt and decode rows round apart in every kernel."""
+    from nodeserve.model.loader import load_model
+
+    return load_model(gguf_path, torch.float32, quantization="auto", prompt_activations="int8")
+
+
+@pytest.mark.needs_cpu("avx2", "fma", "f16c")
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_prompt_cached_but_its_last_token_answers_as_it_did_uncached(mode, loaded_int8, prompt_ids):
+    """The same 33-token prompt twice: the second time its two full pages are cached and its last token is
+    prefilled alone. That token runs as a prompt row, as it did the first time, so the logprobs match exactly;
+    run as a decode row it rounded as decode rows do, and an answer could change with the cache's state (or, on a
+    decode device prefilling beside its streams, with the load). The quantized path's kernels give each row the
+    same bits in any batch; the exact path's float32 GEMMs (MKL) do not promise that."""
+    prompt = (prompt_ids[6] * 8)[:33]
+
+    async def body(engine):
+        outs = []
+        for _ in range(2):
+            stream = engine.add_request(prompt, _greedy(max_tokens=4, logprobs=3))
+            outs.append([(ev.token_id, ev.logprob, ev.top_logprobs) async for ev in stream if ev.token_id is not None])
+            cached.append(stream.request.num_cached_tokens)
+        return outs
+    cached: list[int] = []
+    config = config_from_dict({"model": {"quantization": "auto"}, "devices": MODES[mode],
+                               "kv": {"memory_gib": 0.25, "page_size": 16, "prefix_cache": True}})
+    outs, _, _ = _run(config, loaded_int8, body)
+    assert cached == [0, 32] and len(outs[0]) == 4
+    assert outs[0] == outs[1]
