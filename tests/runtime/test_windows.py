@@ -8,6 +8,8 @@ moves copy the last window, the prefix cache needs it cached) and "keep" (every 
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from gguf import GGMLQuantizationType as QT
 from nodeserve.config import config_from_dict
 from nodeserve.model.loader import load_model
 from tests.runtime import test_engine, test_migration, test_prefix_cache
-from tests.model.test_families import build_hf, hf_greedy as transformers_greedy, write_gguf
+from tests.model.test_families import NUM_NEW_TOKENS, build_hf, hf_greedy as transformers_greedy, write_gguf
 from tests.model.test_gguf_loader import VOCAB
 # The bodies below run again here, on this module's fixtures.
 from tests.runtime.test_engine import test_greedy_matches_transformers_in_every_mode  # noqa: F401
@@ -165,3 +167,25 @@ def test_kv_tiers_keep_the_tokens_with_every_page_kept(loaded_fp32):
     assert on == off == freed
     assert cached_off < 16 * 4 and cached_on >= 200 - 2 * 16 and sources.get("host", 0) > 0, sources
     assert "host" not in freed_sources
+
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_verify_steps_keep_the_tokens_on_windowed_layers(mode, loaded_fp32, gemma_hf):
+    """Prompt lookup on prompts that repeat themselves past the window, every guess verified (adaptive off): a
+    verify row attends as a decode row, within its layer's window, and greedy output stays transformers' token
+    for token. (With window_pages = "free" a request does not speculate: its window pages grow one a step.)"""
+    from tests.runtime.test_speculative import _run as run_counting
+
+    prompts = [([5, 9, 14, 3, 27, 8] * 6)[:n] for n in (30, 36)] + [([40, 41, 42, 43, 44] * 8)[:n] for n in (25, 40)]
+    want = transformers_greedy(gemma_hf, prompts)
+    config = config_from_dict({"model": {"dtype": "float32"}, "devices": test_engine.MODES[mode],
+                               "kv": {"memory_gib": 0.25, "page_size": 16, "window_pages": "keep"},
+                               "speculative": {"method": "prompt_lookup", "adaptive": False}})
+
+    async def body(engine):
+        return await asyncio.gather(*(_tokens(engine.add_request(p, _greedy(max_tokens=NUM_NEW_TOKENS)))
+                                      for p in prompts))
+    results, (drafted, accepted) = run_counting(config, loaded_fp32, body)
+    assert [r[0] for r in results] == want
+    assert 0 < accepted <= drafted
