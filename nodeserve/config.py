@@ -84,6 +84,7 @@ class DevicesSection:
     attention: str = "auto"               # auto | torch | flashinfer (auto: flashinfer on CUDA when it imports)
     cuda_graphs: bool = True              # CUDA + flashinfer: replay decode steps from captured graphs; false: eager
     lend_idle_cores: bool = True          # CPU: an idle device's core takes half of a busy one's GEMM rows
+    huge_pages: bool = True               # CPU: weights and KV pools advised for transparent huge pages
     lend_between_steps: bool = True       # CPU, disaggregated, with lend_idle_cores: a decode device also lends
                                           # its core between steps to a prefill device with a long queue, while
                                           # its streams' token gaps stay within 0.6 x slo.tpot_s
@@ -195,6 +196,14 @@ class Config:
     def tp_degrees(self) -> frozenset[int]:
         """The tensor-parallel degrees of the devices named ("cpu:0+cpu:1" is 2; a single device 1)."""
         return frozenset(len(n.split("+")) for n in self.prefill_devices + self.decode_devices)
+
+    @property
+    def huge_pages(self) -> bool:
+        """devices.huge_pages where a device named is a CPU core: its weights then go on huge pages
+        (device/host_memory.py; a GPU node's would only be copied once more on the host)."""
+        return self.devices.huge_pages and any(
+            part.strip().lower().startswith("cpu") for n in self.prefill_devices + self.decode_devices
+            for part in n.split("+"))
 
     @property
     def dtype(self) -> str:

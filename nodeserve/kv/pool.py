@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from nodeserve.device import host_memory
 from nodeserve.kv.manager import KVManager, KVObservers
 from nodeserve.kv.window import WindowKV
 from nodeserve.model.config import ModelConfig
@@ -20,6 +21,13 @@ def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
     """kv.dtype -> the pool's dtype: "auto" keeps the model's, "float16" halves float32's bytes per token (CPU),
     "fp8_e4m3" halves bf16's."""
     return {"fp8_e4m3": torch.float8_e4m3fn, "float16": torch.float16}.get(setting, model_dtype)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge_pages: bool) -> torch.Tensor:
+    """A pool's zero-filled K/V; on a CPU, with huge_pages, on huge pages (decode attention streams through it)."""
+    if device.type == "cpu" and huge_pages:
+        return host_memory.zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def kv_pages_for_device(free_bytes: int, headroom_fraction: float, bytes_per_page: int) -> int:
@@ -36,14 +44,15 @@ class KVShard:
     [num_window_pages, ...] instead, indexed by window page ids."""
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
-                 heads: range, window_layers: frozenset[int] = frozenset(), num_window_pages: int = 0):
+                 heads: range, window_layers: frozenset[int] = frozenset(), num_window_pages: int = 0,
+                 huge_pages: bool = True):
         self.num_pages, self.page_size, self.dtype, self.device, self.heads = num_pages, page_size, dtype, device, heads
         self.window_layers = window_layers
         shape = (2, page_size, len(heads), cfg.head_dim)
         num_full = cfg.num_layers - len(window_layers)
         # One allocation for all (full) layers; zero-filled so padding reads see finite values.
-        self.data = torch.zeros(num_full, num_pages, *shape, dtype=dtype, device=device)
-        self.window_data = torch.zeros(len(window_layers), num_window_pages, *shape, dtype=dtype, device=device)
+        self.data = _zeros((num_full, num_pages, *shape), dtype, device, huge_pages)
+        self.window_data = _zeros((len(window_layers), num_window_pages, *shape), dtype, device, huge_pages)
         full, windowed = iter(self.data.unbind(0)), iter(self.window_data.unbind(0))
         self.layers = [next(windowed) if i in window_layers else next(full) for i in range(cfg.num_layers)]
         self.k_scales = [1.0] * cfg.num_layers
@@ -72,17 +81,18 @@ class KVPool:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
                  prefix_cache: bool = False, observers: KVObservers | None = None,
                  shards: Sequence[tuple[torch.device, range]] | None = None, num_window_pages: int = 0,
-                 max_chunk: int = 0):
+                 max_chunk: int = 0, huge_pages: bool = True):
         """shards: (device, global KV heads) per rank of a tensor-parallel group; None: one shard on `device`.
         num_window_pages > 0 (a model with windowed layers): those layers keep their window only, in pages of their
         own (kv/window.py), for requests whose prompt chunks here are at most max_chunk tokens; 0: every layer keeps
-        every page."""
+        every page. huge_pages: a CPU shard's K/V on transparent huge pages (devices.huge_pages)."""
         self.num_pages, self.page_size, self.dtype, self.device = num_pages, page_size, dtype, device
         self.num_layers, self.num_kv_heads = cfg.num_layers, cfg.num_kv_heads
         windows = [cfg.window(i) for i in range(cfg.num_layers)] if num_window_pages else [0] * cfg.num_layers
         self.window_layers = frozenset(i for i, w in enumerate(windows) if w)
         self.num_window_pages = num_window_pages if self.window_layers else 0
-        self.shards = [KVShard(cfg, num_pages, page_size, dtype, d, heads, self.window_layers, self.num_window_pages)
+        self.shards = [KVShard(cfg, num_pages, page_size, dtype, d, heads, self.window_layers, self.num_window_pages,
+                               huge_pages)
                        for d, heads in (shards or [(device, range(cfg.num_kv_heads))])]
         self.k_scales = [1.0] * cfg.num_layers
         self.v_scales = [1.0] * cfg.num_layers

@@ -9,6 +9,7 @@ from typing import Callable, Collection, cast
 
 import torch
 
+from nodeserve.device import host_memory
 from nodeserve.kernels import native
 from nodeserve.model import block_quant, registry
 from nodeserve.model.config import LoadError, ModelConfig
@@ -99,10 +100,13 @@ def _assembled(dist_name: str) -> str:
 
 def load_model(path: str, dtype: torch.dtype = torch.float32,
                progress: Callable[[int, int], None] | None = None, quantization: str = "none",
-               prompt_activations: str = "int16", tp_degrees: Collection[int] = ()) -> LoadedModel:
+               prompt_activations: str = "int16", tp_degrees: Collection[int] = (),
+               huge_pages: bool = False) -> LoadedModel:
     """Loads weights and tokenizer onto the CPU. Raises LoadError with a one-line message on any problem.
     tp_degrees: also each rank's shard for these tensor-parallel degrees (model/tensor_parallel.py), cut from the
     checkpoint's tensors before anything is fused or repacked, then built exactly as the whole model is.
+    huge_pages: the weights the CPU kernels stream moved to transparent huge pages (device/host_memory.py); for
+    models served on CPU devices (a GPU node's weights would only be copied once more on the host).
 
     quantization (model/quant.py, model/block_quant.py): "none" keeps dense Linear layers in `dtype`; "auto"
     keeps a GGUF file's Q4_0/Q4_1/Q5_0 (as Q8_0)/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K matrices in their blocks and
@@ -177,13 +181,13 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
                  [r.cfg.num_heads for r in ranks], [r.cfg.num_kv_heads for r in ranks],
                  [r.cfg.intermediate_size for r in ranks])
         for shard in ranks:
-            _build(shard, quantization, prompt_activations, bool(blocks), quiet=True)
-    _build(model, quantization, prompt_activations, bool(blocks))
+            _build(shard, quantization, prompt_activations, bool(blocks), huge_pages, quiet=True)
+    _build(model, quantization, prompt_activations, bool(blocks), huge_pages)
     model.eval()
     return LoadedModel(cfg, model, tokenizer, resolved, shards)
 
 
-def _build(model: LlamaModel, quantization: str, prompt_activations: str, has_blocks: bool,
+def _build(model: LlamaModel, quantization: str, prompt_activations: str, has_blocks: bool, huge_pages: bool,
            quiet: bool = False) -> None:
     """A loaded (or sharded) model made ready to serve: projections fused, blocks repacked for this CPU, native
     kernels and the one-call decode layer where they apply. quiet: a shard's (the whole model says it once)."""
@@ -202,6 +206,8 @@ def _build(model: LlamaModel, quantization: str, prompt_activations: str, has_bl
             num_prompt = block_quant.use_prompt_activations(model, kind)
             if num_prompt and not quiet:  # the operator sees which kernels prompts take (auto picks silently)
                 log.info("prompt rows of %d projections take %s activations", num_prompt, kind)
+        if huge_pages:  # before the native decoder keeps pointers into the weights
+            _move_to_huge_pages(model, quiet)
         model.use_kernels(lambda rope: NativeOps(native.load(), rope, cfg.max_position_embeddings))
         if NativeDecoder.usable(model):
             model.native_decoder = NativeDecoder(
@@ -211,11 +217,20 @@ def _build(model: LlamaModel, quantization: str, prompt_activations: str, has_bl
         from nodeserve.model.quant import quantize_linears
 
         quantize_linears(model, quantization)
+    elif huge_pages:
+        _move_to_huge_pages(model, quiet)
     if prompt_activations not in ("auto", "int16") and not num_prompt and not quiet:
         where = "Q4_0/Q4_1 weights in the integer kernels" if prompt_activations == "int8" else \
             "block-quantized weights in the AVX-512 VNNI kernels on a CPU with AVX512-BF16"
         log.warning("model.prompt_activations = \"%s\" applies to %s, and this model or CPU has none: prompt rows "
                     "are computed as before", prompt_activations, where)
+
+
+def _move_to_huge_pages(model: LlamaModel, quiet: bool) -> None:
+    moved = host_memory.move_to_huge_pages(model)
+    if moved and not quiet:  # the operator sees whether the setting lets the kernels stream them faster
+        log.info("%.0f MiB of weights in memory advised for huge pages (transparent_hugepage: %s)", moved / 2**20,
+                 host_memory.thp_setting())
 
 
 def _quantize_dense_linears(model: torch.nn.Module, qtype: int) -> None:

@@ -125,10 +125,10 @@ def host_tier(kv: KVSection, pool_bytes: int, page_shape: tuple[int, ...], dtype
 def tiered_pool(model: ModelConfig, num_pages: int, kv: KVSection, dtype: torch.dtype, device: torch.device,
                 host: HostTier | None, events: KVEventSink | None = None,
                 shards: Sequence[tuple[torch.device, range]] | None = None, num_window_pages: int = 0,
-                max_chunk: int = 0) -> KVPool:
+                max_chunk: int = 0, huge_pages: bool = True) -> KVPool:
     """A device's pool whose cache reports to the host tier (its evictions, or with kv.host_write = "through" its
     publications) and to the node's KV events; shards: a tensor-parallel group's; num_window_pages, max_chunk: its
-    windowed layers' pages (KVPool)."""
+    windowed layers' pages (KVPool); huge_pages: devices.huge_pages."""
     def on_publish(pages: list[int], hashes: list[bytes]) -> None:
         host.store(pool, pages, hashes)
 
@@ -139,7 +139,7 @@ def tiered_pool(model: ModelConfig, num_pages: int, kv: KVSection, dtype: torch.
     observers = KVObservers(on_evict if host is not None and not through else None,
                             on_publish if host is not None and through else None, events)
     pool = KVPool(model, num_pages, kv.page_size, dtype, device, kv.prefix_cache, observers, shards, num_window_pages,
-                  max_chunk)
+                  max_chunk, huge_pages)
     return pool
 
 

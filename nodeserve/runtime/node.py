@@ -129,7 +129,8 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
         host = host_tier(cfg.kv, pool_bytes, page_shape, kv_dtype, any(d.torch_device.type == "cuda" for d in
                                                                        devices.values()), sink("host", False))
     pools = {n: tiered_pool(loaded.config, window_pages[n][0], cfg.kv, kv_dtype, d.torch_device, host, sink(n),
-                            groups[n].kv_shards() if n in groups else None, *window_pages[n][1:])
+                            groups[n].kv_shards() if n in groups else None, *window_pages[n][1:],
+                            huge_pages=cfg.devices.huge_pages)
              for n, d in devices.items()}
     runners = {s.name: device_runner(cfg, s, devices[s.name], groups.get(s.name) or
                                      replicas[devices[s.name].torch_device], pools[s.name], warnings)

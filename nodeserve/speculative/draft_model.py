@@ -35,7 +35,7 @@ def load_draft(cfg: Config, target: LoadedModel) -> LoadedModel:
     tokenizer: a ConfigError names what differs."""
     path = cfg.speculative.draft_model
     draft = load_model(path, torch.float32 if cfg.quantization != "none" else target.model.dtype,
-                       quantization=cfg.quantization)
+                       quantization=cfg.quantization, huge_pages=cfg.huge_pages)
     ours, theirs = target.tokenizer, draft.tokenizer
     if ours.encode(PROBE_TEXT) != theirs.encode(PROBE_TEXT) or ours.eos_token_ids != theirs.eos_token_ids or \
             draft.config.vocab_size > target.config.vocab_size:
