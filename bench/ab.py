@@ -11,7 +11,6 @@ between minutes, so only servers run back to back are compared. Outputs are comp
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -19,9 +18,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from local_server import cpu_model, start_server  # noqa: E402
+from local_server import cpu_model  # noqa: E402
 from cpu_class import CPU_CLASS_ENV, nodeserve_env  # noqa: E402
-from speculative import FIGURES, workload  # noqa: E402
+from speculative import FIGURES, serve_workload  # noqa: E402
 
 
 def main() -> int:
@@ -40,15 +39,9 @@ def main() -> int:
         for r in range(args.rounds):
             runs = {}
             for side in ("a", "b"):
-                proc, url = start_server(args.mode, "auto", tmp, os.path.join(tmp, f"{side}-{r}.log"),
-                                         extra=getattr(args, f"{side}_extra"),
-                                         devices_extra=getattr(args, f"{side}_devices"),
-                                         env=nodeserve_env(args.cpu_class))
-                try:
-                    runs[side] = asyncio.run(workload(url, args.max_tokens))
-                finally:
-                    proc.terminate()
-                    proc.wait(60)
+                runs[side] = serve_workload(args.mode, tmp, os.path.join(tmp, f"{side}-{r}.log"), args.max_tokens,
+                                            getattr(args, f"{side}_extra"), getattr(args, f"{side}_devices"),
+                                            nodeserve_env(args.cpu_class))
             rounds.append(runs)
             print(f"round {r}:", {f"{p}.{k}": round(runs["b"][p][k] / runs["a"][p][k], 3) for p, k in FIGURES},
                   flush=True)

@@ -135,6 +135,18 @@ async def workload(url: str, max_tokens: int) -> dict:
             "texts": [r["text"] for r in rep + chat1 + list(chat32)]}
 
 
+def serve_workload(mode: str, tmp: str, log: str, max_tokens: int, extra: str = "", devices_extra: str = "",
+                   env: dict[str, str] | None = None) -> dict:
+    """One server (bench/local_server.py: the default config plus these TOML lines) through workload(), then
+    stopped."""
+    proc, url = start_server(mode, "auto", tmp, log, extra=extra, devices_extra=devices_extra, env=env)
+    try:
+        return asyncio.run(workload(url, max_tokens))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 FIGURES = (("repetition", "tok_s"), ("repetition", "decode_tok_s"), ("chat_1", "tok_s"), ("chat_32", "tok_s"),
            ("chat_32", "gap_p50_ms"), ("chat_32", "gap_p99_ms"))
 SPEEDUPS = {"repetition_1": ("repetition", "tok_s"), "repetition_1_decode": ("repetition", "decode_tok_s"),
@@ -196,15 +208,10 @@ def main() -> int:
                 runs = {}
                 for method in ["off", *methods]:
                     log = os.path.join(args.log_dir or tmp, f"{mode}-{method}-{r}.log")
-                    proc, url = start_server(mode, "auto", tmp, log,
-                                             extra=f'[speculative]\nmethod = "{method}"\n'
-                                                   f'draft_model = "{args.draft_model}"\n',
-                                             env=nodeserve_env(args.cpu_class))
-                    try:
-                        runs[method] = asyncio.run(workload(url, args.max_tokens))
-                    finally:
-                        proc.terminate()
-                        proc.wait(60)
+                    runs[method] = serve_workload(mode, tmp, log, args.max_tokens,
+                                                  extra=f'[speculative]\nmethod = "{method}"\n'
+                                                        f'draft_model = "{args.draft_model}"\n',
+                                                  env=nodeserve_env(args.cpu_class))
                 rounds.append(runs)
             results["modes"][mode] = summarize(rounds, methods)
             for method in methods:

@@ -1,6 +1,6 @@
 """Host tensors on transparent huge pages: the weights and KV pools the CPU kernels stream through.
 
-Where the kernel's THP setting is "madvise" (Ubuntu's and Debian's default), anonymous memory gets 4 KiB pages
+Where the kernel's THP setting is "madvise" (Ubuntu's default), anonymous memory gets 4 KiB pages
 unless a range is advised MADV_HUGEPAGE before it is touched. A core's hardware prefetchers stop at every 4 KiB
 page boundary and each page costs a TLB entry, so a stream over 4 KiB pages reads slower: one core's sum() over
 1 GiB read 25 GB/s on 4 KiB pages and 31-34 GB/s on 2 MiB ones (AMD EPYC Zen 4 VM, kernel 6.18). Where the setting
