@@ -6,6 +6,7 @@ prefill. Every row names the bound it is compared with.
     python bench/kernels.py --json bench/results/kernels.json
     python bench/kernels.py --block-types        # only the per-GGUF-type GEMV rows (seconds)
     python bench/kernels.py --r16-gemm           # only the R16 kernels per CPU class on SmolLM2's shapes (~1 min)
+    python bench/kernels.py --huge-pages         # only decode steps, weights and pools on huge pages or not
 
 What each row means:
   * bandwidth: sum() over 1 GiB of written float32 on one thread (GB/s): the read bound everything below uses.
@@ -56,6 +57,7 @@ import torch
 from nodeserve.runtime.memory import weight_bytes
 from nodeserve.runtime.node import build_runner
 from nodeserve.runtime.model_runner import SeqChunk
+from nodeserve.device import host_memory
 from nodeserve.kernels import native
 from nodeserve.kv.pool import KVPool, pages_for
 from nodeserve.model.block_quant import QuantLinear
@@ -269,13 +271,15 @@ def runner_for(name: str, model, pool: KVPool, max_num_seqs: int):
         os.environ.pop("NODESERVE_KERNELS", None)
 
 
-def step_rows(models: dict, gbs: float, shapes: list[tuple[int, int]], kv_dtype=torch.float32) -> list[dict]:
+def step_rows(models: dict, gbs: float, shapes: list[tuple[int, int]], kv_dtype=torch.float32,
+              huge_pages: bool = True) -> list[dict]:
+    """huge_pages: the pools on transparent huge pages, as a server's (devices.huge_pages)."""
     rows = []
     for b, length in shapes:
         row = {"what": f"step {b}x{length}" + ("" if kv_dtype == torch.float32 else " float16 KV")}
         for name, model in models.items():
             pps = pages_for(length + 20, 16)
-            pool = KVPool(model.cfg, b * pps + 1, 16, kv_dtype, torch.device("cpu"))
+            pool = KVPool(model.cfg, b * pps + 1, 16, kv_dtype, torch.device("cpu"), huge_pages=huge_pages)
             runner = runner_for(name, model, pool, b)
             tables = [pool.manager.allocate(pps) for _ in range(b)]
             step = [0]
@@ -311,11 +315,39 @@ def prefill_rows(models: dict, peak: float, tokens: int = 512) -> list[dict]:
     return [row]
 
 
+def huge_page_steps(kernels, json_path: str | None, rounds: int = 3) -> dict:
+    """Decode steps of the default model with its weights and pool on huge pages and on 4 KiB pages
+    (devices.huge_pages), alternated `rounds` times: each row's values per round."""
+    gbs = bandwidth()
+    models = {huge: load_model(MODEL, torch.float32, quantization="auto", huge_pages=huge).model
+              for huge in (True, False)}
+    shapes = [(1, 128), (1, 1024), (8, 128), (32, 128), (16, 1024)]
+    per_round = [[row for huge in (False, True) for row in step_rows({("huge" if huge else "4k"): models[huge]}, gbs,
+                                                                      shapes, huge_pages=huge)]
+                 for _ in range(rounds)]
+    rows = []
+    for i, (b, length) in enumerate(shapes):
+        row: dict = {"what": f"step {b}x{length}"}
+        for kind in ("4k", "huge"):
+            row[f"{kind}_ms"] = [r[i if kind == "4k" else len(shapes) + i][f"{kind}_ms"] for r in per_round]
+        rows.append(row)
+        print(row["what"], "4 KiB pages", [round(v, 2) for v in row["4k_ms"]], "ms; huge pages",
+              [round(v, 2) for v in row["huge_ms"]], "ms")
+    result = {"machine": platform.processor() or platform.machine(), "isa": kernels.isa, "bandwidth_GBs": gbs,
+              "march": native.march(), "thp": host_memory.thp_setting(), "rows": rows}
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--block-types", action="store_true", help="only the per-GGUF-type GEMV rows")
     ap.add_argument("--r16-gemm", action="store_true", help="only the R16 kernels per CPU class, SmolLM2's shapes")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="only decode steps of the default model, weights and pools on huge pages or not, alternated")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # one core, as a CPU worker runs
     kernels = native.load()
@@ -333,8 +365,10 @@ def main(argv: list[str] | None = None) -> dict:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
         return result
+    if args.huge_pages:
+        return huge_page_steps(kernels, args.json)
     gbs, peak = bandwidth(), matmul_peak()
-    quant = load_model(MODEL, torch.float32, quantization="auto").model
+    quant = load_model(MODEL, torch.float32, quantization="auto", huge_pages=True).model  # as a server loads it
     os.environ["NODESERVE_KERNELS"] = "avx2"  # the AVX2 R16 kernels, for comparison (read at load)
     gguf_layout = load_model(MODEL, torch.float32, quantization="auto").model
     del os.environ["NODESERVE_KERNELS"]
