@@ -56,15 +56,18 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def move_to_huge_pages(model: nn.Module) -> int:
     """Copies the model's CPU parameters and buffers of 64 KiB or more into one huge-page arena, each at a 4 KiB
     boundary (a layer's matrices are a few hundred KiB each: alone, none would fill a huge page). A tensor shared by
-    two modules, as a tied embedding and lm_head, stays shared. Call it before anything keeps pointers into them
-    (native decoders, CUDA graphs). Returns the bytes moved."""
-    found: dict[tuple[int, bool], tuple[torch.Tensor, list[tuple[nn.Module, str]]]] = {}
+    two modules, as a tied embedding and lm_head, stays shared within this model (a tensor-parallel shard's
+    replicated lm_head gets a copy of its own). Call it before anything keeps pointers into them (native decoders,
+    CUDA graphs). Returns the bytes moved."""
+    # by what a tensor is (a view of the same first bytes with another shape is another tensor)
+    found: dict[tuple, tuple[torch.Tensor, list[tuple[nn.Module, str]]]] = {}
     for module in model.modules():
         tensors = [(n, t, True) for n, t in module.named_parameters(recurse=False)] + \
                   [(n, t, False) for n, t in module.named_buffers(recurse=False)]
         for name, t, is_param in tensors:
             if t is not None and t.device.type == "cpu" and t.nbytes >= MIN_TENSOR_BYTES and t.is_contiguous():
-                found.setdefault((t.data_ptr(), is_param), (t, []))[1].append((module, name))
+                key = (t.data_ptr(), tuple(t.shape), t.dtype, is_param)
+                found.setdefault(key, (t, []))[1].append((module, name))
     offsets, total = [], 0
     for t, _ in found.values():
         offsets.append(total)
@@ -72,7 +75,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
     if total < MIN_BYTES:
         return 0
     arena = empty((total,), torch.uint8)
-    for ((_, is_param), (t, owners)), offset in zip(found.items(), offsets):
+    for (*_, is_param), (t, owners), offset in zip(found, found.values(), offsets):
         data = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
         new = nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
         for module, name in owners:

@@ -55,3 +55,12 @@ def test_moving_a_model_keeps_its_outputs_and_its_tied_weights():
     assert model[2].weight.nbytes < host_memory.MIN_TENSOR_BYTES  # a norm's vector stays where it was
     got = model[:4](ids), tied(model[0](ids))
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_a_view_of_another_tensors_first_bytes_keeps_its_shape():
+    module = nn.Module()
+    module.register_buffer("whole", torch.arange(1 << 20, dtype=torch.float32))
+    module.register_buffer("head", module.whole[:1 << 16])  # the same first address, another shape
+    host_memory.move_to_huge_pages(module)
+    assert module.whole.shape == (1 << 20,) and module.head.shape == (1 << 16,)
+    assert torch.equal(module.head, torch.arange(1 << 16, dtype=torch.float32))
