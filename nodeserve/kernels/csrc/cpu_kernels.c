@@ -26,6 +26,7 @@
 #else
 #define NS_AVX2 0
 #endif
+#include "decode_attn.h"
 #include "simd512.h"
 
 enum { NS_Q4_0 = 2, NS_Q4_1 = 3, NS_Q8_0 = 8 };  /* ggml type ids */
@@ -39,9 +40,6 @@ int ns_kq_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M
                  int64_t n_begin, int64_t n_end);
 int ns_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
               int64_t n_begin, int64_t n_end);  /* lend.c: splits with a lent core, then ns_linear_local */
-int ns_decode_attend_seq512(const float *q, const void *kv, const int64_t *table, int64_t first, int64_t len,
-                            float *out, int64_t H, int64_t KH, int64_t D, int64_t page_size, float scale, float *m_l,
-                            int kv_f16);
 int ns_paged_decode_attention(const float *q, const void *kv, const int64_t *block_tables, int64_t max_pages,
                               const int64_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KH, int64_t D,
                               int64_t page_size, float scale, int kv_f16,
@@ -50,7 +48,6 @@ int ns_paged_decode_attention(const float *q, const void *kv, const int64_t *blo
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8
 #endif
-#define PAGES_AHEAD 2  /* decode attention: 1 was slower at 1,024 tokens, 3 and 4 no faster */
 #define MAX_TILE 8  /* activation rows per pass over a weight row: 8 accumulators + 4 weight vectors fit 16 ymm */
 
 static float fp16_to_fp32(uint16_t h) {
@@ -487,18 +484,24 @@ static inline __attribute__((always_inline)) void page_scores(
 }
 
 /* Pages are scattered, so the hardware prefetcher cannot follow: while page ip computes, each head asks for a
- * share of the lines (from `from`, `share` bytes) of the page PAGES_AHEAD on, and on the first page of the
- * pages before that too. A whole page asked for at once overflows the miss queue and most requests are dropped:
- * a decode step of 16 x 1,024 tokens took 57 ms so, 41 ms with the requests spread (one core, Zen 5). */
-void ns_prefetch_page_share(const void *kv, const int64_t *table, int64_t ip, int64_t len, int64_t page_size,
+ * share of the lines of a page ahead (decode_attn.h). A whole page asked for at once overflows the miss queue and
+ * most requests are dropped: a decode step of 16 x 1,024 tokens took 57 ms so, 41 ms with the requests spread (one
+ * core, Zen 5, into L1). Into L2 (locality 2, prefetcht1) rather than L1: L1's few miss buffers held a core to
+ * ~9 GB/s of its 27 (decode attention, one Zen 4 core, 16 x 1,024 tokens: 2.9 -> 1.3 ms a layer). */
+void ns_prefetch_page_share(const void *kv, ns_seq_pages seq, ns_seq_pages next, int asked, int64_t ip,
                             int64_t page_bytes, int64_t from, int64_t share) {
     /* In 4-byte words, both bounds tested each time: a tighter loop (one bound, precomputed) issued the same
-     * requests faster and decode attention at 16 x 1,024 tokens took 4-12 % longer (one Zen 5 core). */
+     * requests faster and decode attention at 16 x 1,024 tokens took 4-12 % longer (one Zen 5 core, into L1). */
     const int64_t page_words = page_bytes / 4;
-    for (int64_t a = ip ? PAGES_AHEAD : 1; a <= PAGES_AHEAD && (ip + a) * page_size < len; a++) {
-        const char *page = (const char *)((const float *)kv + table[ip + a] * page_words);
+    for (int64_t a = ip || asked ? PAGES_AHEAD : 1; a <= PAGES_AHEAD; a++) {
+        const int64_t j = ip + a;
+        int64_t p;
+        if (j < seq.num_pages) p = seq.table[j];
+        else if (j - seq.num_pages < next.num_pages) p = next.table[j - seq.num_pages];
+        else break;
+        const char *page = (const char *)((const float *)kv + p * page_words);
         for (int64_t off = from; off < from + share && off < page_words * 4; off += 64)
-            __builtin_prefetch(page + off, 0, 3);
+            __builtin_prefetch(page + off, 0, 2);
     }
 }
 
@@ -510,8 +513,9 @@ void ns_prefetch_page_share(const void *kv, const int64_t *table, int64_t ip, in
 static inline __attribute__((always_inline)) void attend_seq(
         const int D8, const int f16, const float *q, int64_t H, int64_t G, const void *kv, const int64_t *table,
         int64_t first, int64_t len, int64_t page_size, int64_t page_stride, int64_t token_stride, float scale,
-        float *p, float *m, float *l, float *out) {
+        float *p, float *m, float *l, float *out, ns_seq_pages next, int asked) {
     const int64_t page_bytes = page_stride * (f16 ? 2 : 4);
+    const ns_seq_pages seq = ns_read_pages(table, first, len, page_size);
     for (int64_t g = 0; g < H; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
@@ -524,8 +528,7 @@ static inline __attribute__((always_inline)) void attend_seq(
         const int64_t n = (len - t0 < page_size ? len - t0 : page_size) - lo;
         const int64_t ip = t0 / page_size, share = (page_bytes / 64 + H - 1) / H * 64;
         for (int64_t g = 0; g < H; g++) {  /* head g reads KV head g / G */
-            ns_prefetch_page_share(kv, table + fp, ip - fp, len - fp * page_size, page_size, page_bytes, g * share,
-                                   share);
+            ns_prefetch_page_share(kv, seq, next, asked, ip - fp, page_bytes, g * share, share);
             const int64_t k = page + (g / G) * 8 * D8, v = k + page_size * token_stride;
             __m256 vq[16], acc[16];
             for (int c = 0; c < D8; c++)
@@ -594,23 +597,31 @@ int ns_paged_decode_attention_local(const float *q, const void *kv, const int64_
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     float *p = malloc(sizeof(float) * (size_t)(max_len + page_size + 2 * H + 8 + D));
     if (!p) return -1;
+#define FIRST(b) (window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0)
+    int asked = 0;  /* whether the sequence before asked for this one's first pages */
     for (int64_t b = 0; b < B; b++) {
         const int64_t *table = block_tables + b * max_pages;
         const float *qb = q + b * H * D;
         float *ob = out + b * H * D;
-        const int64_t first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
+        const int64_t first = FIRST(b);
+        const ns_seq_pages next = b + 1 < B ? ns_read_pages(table + max_pages, FIRST(b + 1), seq_lens[b + 1], page_size)
+                                            : (ns_seq_pages){NULL, 0};
+        const int asks_next = ns_read_pages(table, first, seq_lens[b], page_size).num_pages >= PAGES_AHEAD;
         if (ns_decode_attend_seq512(qb, kv, table, first, seq_lens[b], ob, H, KH, D, page_size, scale,
-                                    p + max_len + page_size + 8, kv_f16) == 0)
+                                    p + max_len + page_size + 8, kv_f16, next, asked) == 0) {
+            asked = asks_next;
             continue;
+        }
 #if NS_AVX2
         if (D == 64 || D == 128) {
             float *m = p + max_len + page_size + 8, *l = m + H;
             const int64_t len = seq_lens[b];
 #define NS_ATTEND(D8, f16) attend_seq(D8, f16, qb, H, G, kv, table, first, len, page_size, page_stride, \
-                                      token_stride, scale, p, m, l, ob)
+                                      token_stride, scale, p, m, l, ob, next, asked)
             if (D == 64) { if (kv_f16) NS_ATTEND(8, 1); else NS_ATTEND(8, 0); }  /* constants: each one compiles */
             else { if (kv_f16) NS_ATTEND(16, 1); else NS_ATTEND(16, 0); }
 #undef NS_ATTEND
+            asked = asks_next;
             continue;
         }
 #endif
@@ -618,6 +629,7 @@ int ns_paged_decode_attention_local(const float *q, const void *kv, const int64_
             attend_head_any(qb + h * D, kv, h / G, table, first, seq_lens[b], page_size, page_stride, token_stride, D,
                             scale, p, p + max_len + page_size + 8 + 2 * H, ob + h * D, kv_f16);
     }
+#undef FIRST
     free(p);
     return 0;
 }

@@ -14,12 +14,10 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "decode_attn.h"
 #include "simd512.h"
 
 #define KEYS 16  /* keys per block: one score register */
-
-void ns_prefetch_page_share(const void *kv, const int64_t *table, int64_t ip, int64_t len, int64_t page_size,
-                            int64_t page_bytes, int64_t from, int64_t share);  /* cpu_kernels.c */
 
 #if NS_AVX512
 /* [sum(a[0]), ..., sum(a[15])]: each level adds halves of two vectors, so a lane only ever sums its own key's
@@ -60,7 +58,8 @@ static inline __m512 allmax(__m512 x) {
 static inline __attribute__((always_inline)) void attend_seq(
         const int D16, const int f16, const float *q, int64_t H, int64_t G, const void *kv, const int64_t *table,
         int64_t first, int64_t len, int64_t page_size, int64_t token_stride, float scale, float *m, float *l,
-        float *out) {
+        float *out, ns_seq_pages next, int asked) {
+    const ns_seq_pages seq = ns_read_pages(table, first, len, page_size);
     const int64_t es = f16 ? 2 : 4, D = 16 * D16, page_stride = 2 * page_size * token_stride;
     const int64_t page_bytes = page_stride * es, row = token_stride * es;  /* bytes */
     const __m512 vscale = _mm512_set1_ps(scale * 1.4426950408889634f);  /* log2 e: softmax in base 2 */
@@ -75,8 +74,7 @@ static inline __attribute__((always_inline)) void attend_seq(
         const int64_t n_page = len - t0 < page_size ? len - t0 : page_size, j_lo = t0 < first ? first - t0 : 0;
         const int64_t ip = t0 / page_size, share = (page_bytes / 64 + H - 1) / H * 64;
         for (int64_t g = 0; g < H; g++) {  /* head g reads KV head g / G */
-            ns_prefetch_page_share(kv, table + fp, ip - fp, len - fp * page_size, page_size, page_bytes, g * share,
-                                   share);
+            ns_prefetch_page_share(kv, seq, next, asked, ip - fp, page_bytes, g * share, share);
             const char *kh = page + (g / G) * D * es, *vh = kh + page_size * row;
             __m512 vq[8], o[8], o2[8];
             for (int c = 0; c < D16; c++) {
@@ -139,8 +137,8 @@ static inline __attribute__((always_inline)) void attend_seq(
     static __attribute__((noinline)) void name(const float *q, int64_t H, int64_t G, const void *kv,             \
                                                const int64_t *table, int64_t first, int64_t len,                 \
                                                int64_t page_size, int64_t ts, float scale, float *m, float *l,   \
-                                               float *out) {                                                      \
-        attend_seq(D16, f16, q, H, G, kv, table, first, len, page_size, ts, scale, m, l, out);                  \
+                                               float *out, ns_seq_pages next, int asked) {                       \
+        attend_seq(D16, f16, q, H, G, kv, table, first, len, page_size, ts, scale, m, l, out, next, asked);     \
     }
 NS_ATTEND_FN(attend_d64, 4, 0)
 NS_ATTEND_FN(attend_d64_f16, 4, 1)
@@ -154,19 +152,19 @@ NS_ATTEND_FN(attend_d128_f16, 8, 1)
  * Returns 0, or -1 when this build or head size has no kernel here (the caller runs its own). */
 int ns_decode_attend_seq512(const float *q, const void *kv, const int64_t *table, int64_t first, int64_t len,
                             float *out, int64_t H, int64_t KH, int64_t D, int64_t page_size, float scale, float *m_l,
-                            int kv_f16) {
+                            int kv_f16, ns_seq_pages next, int asked) {
 #if NS_AVX512
     const int64_t G = H / KH, ts = KH * D;
     float *m = m_l, *l = m_l + H;
     void (*fn)(const float *, int64_t, int64_t, const void *, const int64_t *, int64_t, int64_t, int64_t, int64_t,
-               float, float *, float *, float *) = D == 64 ? (kv_f16 ? attend_d64_f16 : attend_d64)
+               float, float *, float *, float *, ns_seq_pages, int) = D == 64 ? (kv_f16 ? attend_d64_f16 : attend_d64)
                                                  : D == 128 ? (kv_f16 ? attend_d128_f16 : attend_d128) : NULL;
     if (!fn) return -1;
-    fn(q, H, G, kv, table, first, len, page_size, ts, scale, m, l, out);
+    fn(q, H, G, kv, table, first, len, page_size, ts, scale, m, l, out, next, asked);
     return 0;
 #else
     (void)q; (void)kv; (void)table; (void)first; (void)len; (void)out; (void)H; (void)KH; (void)D; (void)page_size;
-    (void)scale; (void)m_l; (void)kv_f16;
+    (void)scale; (void)m_l; (void)kv_f16; (void)next; (void)asked;
     return -1;
 #endif
 }
