@@ -424,6 +424,40 @@ def test_paged_decode_attention_with_a_window_sees_only_it_and_reads_nothing_bef
         want = windowed_reference(q[b:b + 1], ks[b], vs[b], torch.tensor([n - 1]), window, 0.1)
         torch.testing.assert_close(got[b:b + 1].double(), want, rtol=1e-5, atol=1e-5)
 
+@pytest.mark.parametrize("march,kv_dtype", [
+    ("native", torch.float32), pytest.param("native", torch.float16, marks=needs_f16c),
+    pytest.param("x86-64-v3", torch.float32, marks=needs_f16c), pytest.param("x86-64-v3", torch.float16, marks=needs_f16c),
+    ("x86-64-v2", torch.float32)])  # x86-64-v2 has no F16C: no float16 pools
+@pytest.mark.parametrize("d,kh,h", [(64, 3, 9), (128, 2, 8), (96, 1, 2)])
+@pytest.mark.parametrize("window", [0, 6])
+def test_a_verify_steps_rows_read_their_pages_together_and_each_is_its_row_alone(one_thread, march, kv_dtype, d, kh,
+                                                                                 h, window):
+    """Rows with one page table (a verify step's rows of one sequence, positions n, n + 1, ...) are attended in
+    one pass over its pages: each row's output is bit for bit the one it gets called alone, on every build (the
+    AVX-512 kernel, the AVX2 loop, the plain one), with a window too; rows of other sequences around them too."""
+    built = build_for(march)
+    torch.manual_seed(d + window)
+    page_size = 16
+    kv = torch.randn(40, 2, page_size, kh, d).to(kv_dtype)
+    perm = torch.randperm(40).tolist()
+    seqs = [(37, 5), (18, 1), (16, 3), (33, 8), (2, 2)]  # (length after the rows, rows): a row's len is its position + 1
+    rows, lens = [], []
+    for n, r in seqs:
+        table = [perm.pop() for _ in range(-(-n // page_size))]
+        for j in range(r):
+            rows.append(table)
+            lens.append(n - r + 1 + j)
+    tables = torch.zeros(len(rows), max(len(t) for t in rows), dtype=torch.int64)
+    for b, t in enumerate(rows):
+        tables[b, :len(t)] = torch.tensor(t)
+    q = torch.randn(len(rows), h, d)
+    got = built.paged_decode_attention(q, kv, tables, torch.tensor(lens), 0.125, window)
+    for b in range(len(rows)):
+        alone = built.paged_decode_attention(q[b:b + 1], kv, tables[b:b + 1], torch.tensor(lens[b:b + 1]), 0.125,
+                                             window)
+        assert torch.equal(got[b:b + 1], alone), (b, lens[b])
+
+
 def test_pointwise_kernels_match_torch_ops(one_thread):
     from nodeserve.model.native_ops import NativeOps
     from nodeserve.model.ops import TorchOps

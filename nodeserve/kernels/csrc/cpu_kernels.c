@@ -505,55 +505,69 @@ void ns_prefetch_page_share(const void *kv, ns_seq_pages seq, ns_seq_pages next,
     }
 }
 
-/* Every query head of one sequence (H of them, G per KV head), for head_dim 8 * D8, over keys first .. len - 1,
- * page by page with an online softmax (running max m, running sum l, output rescaled when the max grows): each
- * page's K and V are read from memory once, in address order, and stay in L1 while every head reads its part.
- * Nothing before key first is read (a sliding window: those slots may be freed and hold anything).
- * p: page_size floats of scratch; m, l: H floats each. */
-static inline __attribute__((always_inline)) void attend_seq(
-        const int D8, const int f16, const float *q, int64_t H, int64_t G, const void *kv, const int64_t *table,
-        int64_t first, int64_t len, int64_t page_size, int64_t page_stride, int64_t token_stride, float scale,
-        float *p, float *m, float *l, float *out, ns_seq_pages next, int asked) {
-    const int64_t page_bytes = page_stride * (f16 ? 2 : 4);
-    const ns_seq_pages seq = ns_read_pages(table, first, len, page_size);
-    for (int64_t g = 0; g < H; g++) {
+/* Every query head (H of them, G per KV head) of R rows of one sequence (a verify step's, or one decode), for
+ * head_dim 8 * D8, row r over keys first[r] .. len[r] - 1, page by page with an online softmax (running max m,
+ * running sum l, output rescaled when the max grows): each page's K and V are read from memory once, in address
+ * order, and stay in L1 while every head of every row reads its part; each row's arithmetic is the one it would
+ * have alone, bit for bit. Nothing before a row's key first is read (a sliding window: those slots may be freed
+ * and hold anything). q, out [R, H, D]; p: page_size floats of scratch; m, l: R H floats each. */
+static inline __attribute__((always_inline)) void attend_rows(
+        const int D8, const int f16, const float *q, int64_t R, int64_t H, int64_t G, const void *kv,
+        const int64_t *table, const int64_t *first, const int64_t *len, int64_t page_size, int64_t page_stride,
+        int64_t token_stride, float scale, float *p, float *m, float *l, float *out, ns_seq_pages next, int asked) {
+    const int64_t page_bytes = page_stride * (f16 ? 2 : 4), D = 8 * D8;
+    int64_t lo_key = first[0], hi_key = len[0];  /* the keys any row reads */
+    for (int64_t r = 1; r < R; r++) {
+        lo_key = first[r] < lo_key ? first[r] : lo_key;
+        hi_key = len[r] > hi_key ? len[r] : hi_key;
+    }
+    const ns_seq_pages seq = ns_read_pages(table, lo_key, hi_key, page_size);
+    for (int64_t g = 0; g < R * H; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
-        memset(out + g * 8 * D8, 0, sizeof(float) * 8 * (size_t)D8);
     }
-    const int64_t fp = first / page_size;  /* the window's first page: the prefetch counts from it */
-    for (int64_t t0 = fp * page_size; t0 < len; t0 += page_size) {
-        const int64_t lo = t0 < first ? first - t0 : 0;  /* the page's first key read */
-        const int64_t page = table[t0 / page_size] * page_stride + lo * token_stride;  /* in elements */
-        const int64_t n = (len - t0 < page_size ? len - t0 : page_size) - lo;
+    memset(out, 0, sizeof(float) * (size_t)(R * H * D));
+    const int64_t fp = lo_key / page_size;  /* the first page read: the prefetch counts from it */
+    for (int64_t t0 = fp * page_size; t0 < hi_key; t0 += page_size) {
         const int64_t ip = t0 / page_size, share = (page_bytes / 64 + H - 1) / H * 64;
-        for (int64_t g = 0; g < H; g++) {  /* head g reads KV head g / G */
-            ns_prefetch_page_share(kv, seq, next, asked, ip - fp, page_bytes, g * share, share);
-            const int64_t k = page + (g / G) * 8 * D8, v = k + page_size * token_stride;
-            __m256 vq[16], acc[16];
-            for (int c = 0; c < D8; c++)
-                vq[c] = _mm256_mul_ps(_mm256_loadu_ps(q + g * 8 * D8 + 8 * c), _mm256_set1_ps(scale));
-            page_scores(D8, f16, vq, kv, k, n, token_stride, p);
-            float mx = m[g];
-            for (int64_t t = 0; t < n; t++) mx = p[t] > mx ? p[t] : mx;
-            const float corr = expf(m[g] - mx);  /* 0 on the first page (m = -inf) */
-            const float psum = softmax_numerators_max(p, n, mx);
-            l[g] = l[g] * corr + psum;
-            m[g] = mx;
-            float *o = out + g * 8 * D8;
-            const __m256 vc = _mm256_set1_ps(corr);
-            for (int c = 0; c < D8; c++) acc[c] = _mm256_mul_ps(_mm256_loadu_ps(o + 8 * c), vc);
-            int64_t vt = v;
-            for (int64_t t = 0; t < n; t++, vt += token_stride) {
-                const __m256 w = _mm256_set1_ps(p[t]);
-                for (int c = 0; c < D8; c++) acc[c] = _mm256_fmadd_ps(w, kv_load8(kv, vt + 8 * c, f16), acc[c]);
+        int prefetched = 0;
+        for (int64_t r = 0; r < R; r++) {
+            if (t0 >= len[r] || t0 + page_size <= first[r]) continue;  /* not one of row r's pages */
+            const int64_t lo = t0 < first[r] ? first[r] - t0 : 0;  /* the page's first key read */
+            const int64_t page = table[ip] * page_stride + lo * token_stride;  /* in elements */
+            const int64_t n = (len[r] - t0 < page_size ? len[r] - t0 : page_size) - lo;
+            const float *qr = q + r * H * D;
+            float *outr = out + r * H * D, *mr = m + r * H, *lr = l + r * H;
+            for (int64_t g = 0; g < H; g++) {  /* head g reads KV head g / G */
+                if (!prefetched)  /* once a page, spread over the first row's heads */
+                    ns_prefetch_page_share(kv, seq, next, asked, ip - fp, page_bytes, g * share, share);
+                const int64_t k = page + (g / G) * D, v = k + page_size * token_stride;
+                __m256 vq[16], acc[16];
+                for (int c = 0; c < D8; c++)
+                    vq[c] = _mm256_mul_ps(_mm256_loadu_ps(qr + g * D + 8 * c), _mm256_set1_ps(scale));
+                page_scores(D8, f16, vq, kv, k, n, token_stride, p);
+                float mx = mr[g];
+                for (int64_t t = 0; t < n; t++) mx = p[t] > mx ? p[t] : mx;
+                const float corr = expf(mr[g] - mx);  /* 0 on the first page (m = -inf) */
+                const float psum = softmax_numerators_max(p, n, mx);
+                lr[g] = lr[g] * corr + psum;
+                mr[g] = mx;
+                float *o = outr + g * D;
+                const __m256 vc = _mm256_set1_ps(corr);
+                for (int c = 0; c < D8; c++) acc[c] = _mm256_mul_ps(_mm256_loadu_ps(o + 8 * c), vc);
+                int64_t vt = v;
+                for (int64_t t = 0; t < n; t++, vt += token_stride) {
+                    const __m256 w = _mm256_set1_ps(p[t]);
+                    for (int c = 0; c < D8; c++) acc[c] = _mm256_fmadd_ps(w, kv_load8(kv, vt + 8 * c, f16), acc[c]);
+                }
+                for (int c = 0; c < D8; c++) _mm256_storeu_ps(o + 8 * c, acc[c]);
             }
-            for (int c = 0; c < D8; c++) _mm256_storeu_ps(o + 8 * c, acc[c]);
+            prefetched = 1;
         }
     }
-    for (int64_t g = 0; g < H; g++) {
+    for (int64_t g = 0; g < R * H; g++) {
         const __m256 inv = _mm256_set1_ps(1.0f / l[g]);
-        float *o = out + g * 8 * D8;
+        float *o = out + g * D;
         for (int c = 0; c < D8; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(o + 8 * c), inv));
     }
 }
@@ -578,14 +592,17 @@ static void attend_head_any(const float *q, const void *kv, int64_t kh, const in
     }
 }
 
-/* One query token per sequence, K/V read where they lie in the pool: no gather, no padding.
+#define MAX_ROWS_READ_TOGETHER 16  /* a verify step's rows of one sequence attended in one pass over its pages */
+
+/* One query token per row, K/V read where they lie in the pool: no gather, no padding.
  *   q [B, H, D]; kv [num_pages, 2, page_size, KH, D] (one layer, K at [:, 0], V at [:, 1]), float32 or, with
  *   kv_f16, float16;
  *   block_tables [B, max_pages]; seq_lens [B]; out [B, H, D];
  *   window: each query sees its last `window` positions (its own included), 0 all of them; the pages before
  *   the window are not read.
  * Flash-decoding's shape on one core: per sequence, page by page, an online softmax for every head, so each
- * K and V byte is read from memory once.
+ * K and V byte is read from memory once. Consecutive rows with the same page table (a verify step's rows of one
+ * sequence, model_runner.verify_rows) are one sequence: its pages are read once for all of them.
  * Returns 0, or -1 when out of memory or (a float16 pool) this build has no F16C. */
 int ns_paged_decode_attention_local(const float *q, const void *kv, const int64_t *block_tables,
                                     int64_t max_pages, const int64_t *seq_lens, float *out, int64_t B, int64_t H,
@@ -595,29 +612,34 @@ int ns_paged_decode_attention_local(const float *q, const void *kv, const int64_
     const int64_t G = H / KH, token_stride = KH * D, page_stride = 2 * page_size * token_stride;
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    float *p = malloc(sizeof(float) * (size_t)(max_len + page_size + 2 * H + 8 + D));
+    /* scores (max_len), then the rows' running max and sum (2 R H), then one K or V row (D) */
+    const int64_t ml_at = max_len + page_size + 8, row_at = ml_at + 2 * MAX_ROWS_READ_TOGETHER * H;
+    float *p = malloc(sizeof(float) * (size_t)(row_at + D));
     if (!p) return -1;
+    int64_t first[MAX_ROWS_READ_TOGETHER];
 #define FIRST(b) (window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0)
     int asked = 0;  /* whether the sequence before asked for this one's first pages */
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t b = 0, R; b < B; b += R) {
         const int64_t *table = block_tables + b * max_pages;
+        for (R = 1; R < MAX_ROWS_READ_TOGETHER && b + R < B &&
+                    !memcmp(table, table + R * max_pages, sizeof(int64_t) * (size_t)max_pages); R++) {}
+        for (int64_t r = 0; r < R; r++) first[r] = FIRST(b + r);
         const float *qb = q + b * H * D;
         float *ob = out + b * H * D;
-        const int64_t first = FIRST(b);
-        const ns_seq_pages next = b + 1 < B ? ns_read_pages(table + max_pages, FIRST(b + 1), seq_lens[b + 1], page_size)
+        const ns_seq_pages next = b + R < B ? ns_read_pages(table + R * max_pages, FIRST(b + R), seq_lens[b + R],
+                                                            page_size)
                                             : (ns_seq_pages){NULL, 0};
-        const int asks_next = ns_read_pages(table, first, seq_lens[b], page_size).num_pages >= PAGES_AHEAD;
-        if (ns_decode_attend_seq512(qb, kv, table, first, seq_lens[b], ob, H, KH, D, page_size, scale,
-                                    p + max_len + page_size + 8, kv_f16, next, asked) == 0) {
+        const int asks_next = ns_read_pages(table, first[0], seq_lens[b + R - 1], page_size).num_pages >= PAGES_AHEAD;
+        if (ns_decode_attend_rows512(qb, R, kv, table, first, seq_lens + b, ob, H, KH, D, page_size, scale,
+                                     p + ml_at, kv_f16, next, asked) == 0) {
             asked = asks_next;
             continue;
         }
 #if NS_AVX2
         if (D == 64 || D == 128) {
-            float *m = p + max_len + page_size + 8, *l = m + H;
-            const int64_t len = seq_lens[b];
-#define NS_ATTEND(D8, f16) attend_seq(D8, f16, qb, H, G, kv, table, first, len, page_size, page_stride, \
-                                      token_stride, scale, p, m, l, ob, next, asked)
+            float *m = p + ml_at, *l = m + R * H;
+#define NS_ATTEND(D8, f16) attend_rows(D8, f16, qb, R, H, G, kv, table, first, seq_lens + b, page_size, page_stride, \
+                                       token_stride, scale, p, m, l, ob, next, asked)
             if (D == 64) { if (kv_f16) NS_ATTEND(8, 1); else NS_ATTEND(8, 0); }  /* constants: each one compiles */
             else { if (kv_f16) NS_ATTEND(16, 1); else NS_ATTEND(16, 0); }
 #undef NS_ATTEND
@@ -625,9 +647,10 @@ int ns_paged_decode_attention_local(const float *q, const void *kv, const int64_
             continue;
         }
 #endif
-        for (int64_t h = 0; h < H; h++)
-            attend_head_any(qb + h * D, kv, h / G, table, first, seq_lens[b], page_size, page_stride, token_stride, D,
-                            scale, p, p + max_len + page_size + 8 + 2 * H, ob + h * D, kv_f16);
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t h = 0; h < H; h++)
+                attend_head_any(qb + (r * H + h) * D, kv, h / G, table, first[r], seq_lens[b + r], page_size,
+                                page_stride, token_stride, D, scale, p, p + row_at, ob + (r * H + h) * D, kv_f16);
     }
 #undef FIRST
     free(p);

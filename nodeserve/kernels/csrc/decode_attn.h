@@ -25,10 +25,10 @@ static inline ns_seq_pages ns_read_pages(const int64_t *table, int64_t first, in
 void ns_prefetch_page_share(const void *kv, ns_seq_pages seq, ns_seq_pages next, int asked, int64_t ip,
                             int64_t page_bytes, int64_t from, int64_t share);
 
-/* decode_attn512.c: out [H, D] = one query q [H, D] over keys first .. len - 1 (see there); -1 where the build or
- * head size has no AVX-512 kernel. next, asked: for the prefetch. */
-int ns_decode_attend_seq512(const float *q, const void *kv, const int64_t *table, int64_t first, int64_t len,
-                            float *out, int64_t H, int64_t KH, int64_t D, int64_t page_size, float scale, float *m_l,
-                            int kv_f16, ns_seq_pages next, int asked);
+/* decode_attn512.c: out [R, H, D] = R query rows of one sequence over keys first[r] .. len[r] - 1 (see there); -1
+ * where the build or head size has no AVX-512 kernel. next, asked: for the prefetch. */
+int ns_decode_attend_rows512(const float *q, int64_t R, const void *kv, const int64_t *table, const int64_t *first,
+                             const int64_t *len, float *out, int64_t H, int64_t KH, int64_t D, int64_t page_size,
+                             float scale, float *m_l, int kv_f16, ns_seq_pages next, int asked);
 
 #endif
