@@ -29,6 +29,8 @@ from importlib import resources
 
 import torch
 
+from nodeserve.kernels import tuning
+
 log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 32
@@ -71,6 +73,7 @@ _SIGNATURES = {
     "ns_prefill_avx2_supported": (_int, []),
     "ns_bf16_gemm_supported": (_int, []),
     "ns_r16_bytes": (_i64, [_int, _i64, _i64]),
+    "ns_set_prefetch_levels": (None, [_int, _int]),
     "ns_repack_r16": (None, [_int, _ptr, _i64, _i64, _ptr]),
     "ns_helper_new": (_ptr, [_int]),
     "ns_helper_lend": (None, [_ptr, _int]),
@@ -176,6 +179,8 @@ class NativeKernels:
         self.bf16_gemm = bool(bits & 1) and bool(lib.ns_bf16_gemm_supported())
         self.isa = self.r16_kernels[0] if self.r16 else {2: "avx2", 0: "scalar"}[lib.ns_isa()]
         self.kv_dtypes = (torch.float32, torch.float16) if lib.ns_isa() else (torch.float32,)  # float16: F16C
+        # which cache the prefetches fill (tuning.py): the C default (L2 for both) until load() chooses
+        self.prefetch = tuning.PrefetchLevels(True, True, "default")
 
     def repack(self, qtype: int, weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
         """GGUF blocks uint8 [N, K / 32 * block bytes] -> the same weights in 16-row groups (type qtype | R16),
@@ -328,11 +333,12 @@ def load() -> NativeKernels | None:
         if not os.path.exists(path):
             _compile(cc, srcs, path)
         kernels = NativeKernels(ctypes.CDLL(path), path, target_features(cc, march()))
+        kernels.prefetch = tuning.choose(kernels, path[:-len(".so")] + ".prefetch.json")
     except subprocess.CalledProcessError as e:
         log.warning("building the CPU kernels failed, using torch paths: %s", (e.stderr or "").strip()[-500:])
         return None
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("building the CPU kernels failed, using torch paths: %s", e)
         return None
-    log.info("CPU kernels: %s (%s)", path, kernels.isa)
+    log.info("CPU kernels: %s (%s; %s)", path, kernels.isa, kernels.prefetch.describe())
     return kernels

@@ -50,6 +50,17 @@ int ns_paged_decode_attention(const float *q, const void *kv, const int64_t *blo
 #endif
 #define MAX_TILE 8  /* activation rows per pass over a weight row: 8 accumulators + 4 weight vectors fit 16 ymm */
 
+/* Which cache the software prefetches fill, per machine: L1 (prefetcht0) or L2 (prefetcht1). One Zen 5 core read
+ * scattered pages fastest into L1 (decode attention 21-22 GB/s, into L2 slower); one Zen 4 VM core's L1 miss
+ * buffers held it to ~9 GB/s of its 27, where into L2 it read 20 (16 x 1,024 tokens: 2.9 -> 1.3 ms a layer), and
+ * its GEMVs gained too. kernels/tuning.py times both on each machine and sets them here, once, before any call. */
+int ns_pages_prefetch_l2 = 1, ns_weights_prefetch_l2 = 1;
+
+void ns_set_prefetch_levels(int pages_l2, int weights_l2) {
+    ns_pages_prefetch_l2 = pages_l2;
+    ns_weights_prefetch_l2 = weights_l2;
+}
+
 static float fp16_to_fp32(uint16_t h) {
 #if NS_AVX2
     return _cvtsh_ss(h);
@@ -486,8 +497,7 @@ static inline __attribute__((always_inline)) void page_scores(
 /* Pages are scattered, so the hardware prefetcher cannot follow: while page ip computes, each head asks for a
  * share of the lines of a page ahead (decode_attn.h). A whole page asked for at once overflows the miss queue and
  * most requests are dropped: a decode step of 16 x 1,024 tokens took 57 ms so, 41 ms with the requests spread (one
- * core, Zen 5, into L1). Into L2 (locality 2, prefetcht1) rather than L1: L1's few miss buffers held a core to
- * ~9 GB/s of its 27 (decode attention, one Zen 4 core, 16 x 1,024 tokens: 2.9 -> 1.3 ms a layer). */
+ * core, Zen 5, into L1). */
 void ns_prefetch_page_share(const void *kv, ns_seq_pages seq, ns_seq_pages next, int asked, int64_t ip,
                             int64_t page_bytes, int64_t from, int64_t share) {
     /* In 4-byte words, both bounds tested each time: a tighter loop (one bound, precomputed) issued the same
@@ -500,8 +510,12 @@ void ns_prefetch_page_share(const void *kv, ns_seq_pages seq, ns_seq_pages next,
         else if (j - seq.num_pages < next.num_pages) p = next.table[j - seq.num_pages];
         else break;
         const char *page = (const char *)((const float *)kv + p * page_words);
-        for (int64_t off = from; off < from + share && off < page_words * 4; off += 64)
-            __builtin_prefetch(page + off, 0, 2);
+        if (ns_pages_prefetch_l2)
+            for (int64_t off = from; off < from + share && off < page_words * 4; off += 64)
+                __builtin_prefetch(page + off, 0, 2);
+        else
+            for (int64_t off = from; off < from + share && off < page_words * 4; off += 64)
+                __builtin_prefetch(page + off, 0, 3);
     }
 }
 

@@ -136,7 +136,7 @@ static inline __attribute__((always_inline)) void half_rows(
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *o = wg + b * rb;
         if (h0 == 0)
-            for (int64_t off = 0; off < rb; off += 64) _mm_prefetch((const char *)(o + PREFETCH_BYTES_256 + off), _MM_HINT_T1);
+            prefetch_weights(o + PREFETCH_BYTES_256, rb);
         __m256i a[4 * MAX_ROWS_256];  /* [row][half][chain] */
         for (int i = 0; i < MT * NH * C; i++) a[i] = _mm256_setzero_si256();
 #if NS_VNNI256
@@ -210,7 +210,7 @@ static inline __attribute__((always_inline)) void half_rows_i8(
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *o = wg + b * rb;
         if (h0 == 0)
-            for (int64_t off = 0; off < rb; off += 64) _mm_prefetch((const char *)(o + PREFETCH_BYTES_256 + off), _MM_HINT_T1);
+            prefetch_weights(o + PREFETCH_BYTES_256, rb);
         __m256i a[4 * MAX_ROWS_256];  /* [row][half][chain]; vnni: int32 sums, else int16 pair sums */
         for (int i = 0; i < MT * NH * C; i++) a[i] = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
@@ -283,8 +283,7 @@ static inline __attribute__((always_inline)) void linear_groups256(
     for (int64_t g = n_begin / GROUP; g * GROUP < n_end; g++) {
         const uint8_t *wg = wr + g * gbytes;
         if ((g + 1) * GROUP < n_end)
-            for (int64_t off = 0; off < gbytes && off < 4096; off += 64)
-                _mm_prefetch((const char *)(wg + gbytes + off), _MM_HINT_T1);
+            prefetch_weights(wg + gbytes, gbytes < 4096 ? gbytes : 4096);
         for (int64_t i0 = 0; i0 < M; i0 += MAX_ROWS_256) {
             const int64_t mt = M - i0 >= MAX_ROWS_256 ? MAX_ROWS_256 : M - i0;
             const int16_t *x16 = (const int16_t *)xq + i0 * K;

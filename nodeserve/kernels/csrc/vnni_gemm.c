@@ -149,7 +149,7 @@ static inline __attribute__((always_inline)) void group_rows(
     for (int i = 0; i < MT; i++) f[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *o = wg + b * rb;
-        for (int64_t off = 0; off < rb; off += 64) _mm_prefetch((const char *)(o + PREFETCH_BYTES + off), _MM_HINT_T1);
+        prefetch_weights(o + PREFETCH_BYTES, rb);
         const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)o));
         __m512i w[16];
         __m512 vm = _mm512_setzero_ps();
@@ -200,7 +200,7 @@ static inline __attribute__((always_inline)) void group_rows_wide(
     for (int i = 0; i < MT; i++) f[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *o = wg + b * rb;
-        for (int64_t off = 0; off < rb; off += 64) _mm_prefetch((const char *)(o + PREFETCH_BYTES + off), _MM_HINT_T1);
+        prefetch_weights(o + PREFETCH_BYTES, rb);
         __m512i a[2 * MAX_WIDE_TWO_CHAINS > MAX_ROWS ? 2 * MAX_WIDE_TWO_CHAINS : MAX_ROWS];  /* [row][chain] */
         for (int i = 0; i < MT * C; i++) a[i] = _mm512_setzero_si512();
 #define NS_DOT(t, wv)                                                                                            \
@@ -311,8 +311,7 @@ static inline __attribute__((always_inline)) void linear_groups(
         const uint8_t *wg = wr + g * gbytes;
         /* the next group's first blocks while this one computes: the hardware prefetcher alone lags a GEMV */
         if ((g + 1) * GROUP < n_end)
-            for (int64_t off = 0; off < gbytes && off < 4096; off += 64)
-                _mm_prefetch((const char *)(wg + gbytes + off), _MM_HINT_T1);
+            prefetch_weights(wg + gbytes, gbytes < 4096 ? gbytes : 4096);
         const int64_t lo = g * GROUP, hi = lo + GROUP < n_end ? lo + GROUP : n_end;
         const __mmask16 keep = (__mmask16)((1u << (hi - lo)) - 1);
         for (int64_t i0 = 0; i0 < M; i0 += MAX_ROWS) {
