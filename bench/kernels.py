@@ -7,6 +7,7 @@ prefill. Every row names the bound it is compared with.
     python bench/kernels.py --block-types        # only the per-GGUF-type GEMV rows (seconds)
     python bench/kernels.py --r16-gemm           # only the R16 kernels per CPU class on SmolLM2's shapes (~1 min)
     python bench/kernels.py --huge-pages         # only decode steps, weights and pools on huge pages or not
+    python bench/kernels.py --prefetch           # only decode attention and steps, prefetches into L1 or L2
 
 What each row means:
   * bandwidth: sum() over 1 GiB of written float32 on one thread (GB/s): the read bound everything below uses.
@@ -341,6 +342,40 @@ def huge_page_steps(kernels, json_path: str | None, rounds: int = 3) -> dict:
     return result
 
 
+def prefetch_steps(kernels, json_path: str | None, rounds: int = 3) -> dict:
+    """Decode attention and decode steps of the default model with the kernels' prefetches into L1 and into L2
+    (kernels/tuning.py), alternated `rounds` times in one process: each row's values per round. Run under
+    NODESERVE_KERNELS_MARCH=x86-64-v3 NODESERVE_KERNELS=avx2 for the AVX2 class."""
+    from nodeserve.kernels import tuning
+    gbs = bandwidth()
+    model = load_model(MODEL, torch.float32, quantization="auto", huge_pages=True).model
+    attention_shapes, step_shapes = [(1, 1024), (32, 150), (16, 1024)], [(1, 50), (1, 1024), (32, 150), (16, 1024)]
+    chosen = kernels.prefetch
+    per_round = []
+    try:
+        for _ in range(rounds):
+            for level in ("l1", "l2"):
+                tuning.apply(kernels, tuning.PrefetchLevels(level == "l2", level == "l2", "forced"))
+                per_round.append((level, attention_rows(kernels, gbs, attention_shapes)
+                                  + step_rows({"auto": model}, gbs, step_shapes)))
+    finally:
+        tuning.apply(kernels, chosen)
+    rows = []
+    for i, what in enumerate(r["what"] for r in per_round[0][1]):
+        key = "ms" if what.startswith("attention") else "auto_ms"
+        row = {"what": what, **{f"{level}_ms": [r[i][key] for lv, r in per_round if lv == level]
+                                for level in ("l1", "l2")}}
+        rows.append(row)
+        print(what, "into L1", [round(v, 2) for v in row["l1_ms"]], "ms; into L2", [round(v, 2) for v in row["l2_ms"]],
+              "ms")
+    result = {"machine": platform.processor() or platform.machine(), "isa": kernels.isa, "bandwidth_GBs": gbs,
+              "march": native.march(), "chosen": chosen.describe(), "rows": rows}
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
@@ -348,6 +383,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--r16-gemm", action="store_true", help="only the R16 kernels per CPU class, SmolLM2's shapes")
     ap.add_argument("--huge-pages", action="store_true",
                     help="only decode steps of the default model, weights and pools on huge pages or not, alternated")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="only decode attention and decode steps with the prefetches into L1 and L2, alternated")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # one core, as a CPU worker runs
     kernels = native.load()
@@ -367,6 +404,8 @@ def main(argv: list[str] | None = None) -> dict:
         return result
     if args.huge_pages:
         return huge_page_steps(kernels, args.json)
+    if args.prefetch:
+        return prefetch_steps(kernels, args.json)
     gbs, peak = bandwidth(), matmul_peak()
     quant = load_model(MODEL, torch.float32, quantization="auto", huge_pages=True).model  # as a server loads it
     os.environ["NODESERVE_KERNELS"] = "avx2"  # the AVX2 R16 kernels, for comparison (read at load)

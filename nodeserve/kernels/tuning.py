@@ -1,7 +1,7 @@
 """Which cache the C kernels' software prefetches fill on this machine, L1 or L2: timed once per build and CPU.
 
-Decode attention reads scattered KV pages, and the R16 GEMVs stream weight rows, each asking for its data ahead of
-use. Into L1 (prefetcht0) or into L2 (prefetcht1) is the CPU's business, and the two CPUs measured disagree: one
+Decode attention reads scattered KV pages, and the GEMVs stream weight rows (R16, GGUF-layout and K-quant alike),
+each asking for its data ahead of use. Into L1 (prefetcht0) or into L2 (prefetcht1) is the CPU's business, and the two CPUs measured disagree: one
 Zen 5 core read pages fastest into L1 (decode attention 21-22 GB/s, slower into L2; docs/performance.md), where one
 Zen 4 VM core's L1 miss buffers held attention to ~9 GB/s of its 27 and L2 gave 20, and its batch-1 GEMV ~10 %
 more. So the first load of a build on a machine times both on synthetic data larger than a big L3, alternated, keeps
@@ -32,7 +32,7 @@ ROUNDS = 3
 @dataclass(frozen=True)
 class PrefetchLevels:
     pages_l2: bool    # decode attention's pages into L2 (else L1)
-    weights_l2: bool  # the R16 GEMVs' weight rows into L2 (else L1)
+    weights_l2: bool  # the GEMMs' weight rows into L2 (else L1)
     source: str       # "measured", "cached" or "forced"
     cpu: str = ""     # the CPU it was measured on (cpu_identity)
 
@@ -67,10 +67,22 @@ def choose(kernels: NativeKernels, cache_path: str | None) -> PrefetchLevels:
         if forced not in ("l1", "l2"):
             raise ValueError(f"NODESERVE_KERNELS_PREFETCH must be l1 or l2, got {forced!r}")
         levels = PrefetchLevels(forced == "l2", forced == "l2", "forced")
+    elif not runs_here(kernels.features):  # a build for another class (inspected, not run): nothing to time
+        return PrefetchLevels(True, True, "default, built for another CPU")
     else:
         levels = _cached(cache_path) or _measure_and_cache(kernels, cache_path)
     apply(kernels, levels)
     return levels
+
+
+def runs_here(features: frozenset[str]) -> bool:
+    """Whether this CPU has every ISA extension a build targets (/proc/cpuinfo's names); True where it cannot tell."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        return True
+    return flags is None or features <= set(flags)
 
 
 def apply(kernels: NativeKernels, levels: PrefetchLevels) -> None:

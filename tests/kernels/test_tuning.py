@@ -86,3 +86,20 @@ def test_the_levels_change_no_result(restore_levels):
         tuning.apply(kernels, tuning.PrefetchLevels(l2, l2, "forced"))
         outs.append((kernels.paged_decode_attention(q, kv, tables, seq_lens, 0.125), kernels.linear(qtype, weights, x, n)))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_a_build_for_a_cpu_this_one_is_not_is_never_timed(tmp_path, monkeypatch):
+    """Loading a build only to inspect it (test_native's Alder Lake build) must run none of its code here."""
+    monkeypatch.delenv("NODESERVE_KERNELS_PREFETCH", raising=False)
+
+    class Foreign:
+        features = frozenset({"avx2", "some_extension_no_cpu_has"})
+
+        @property
+        def lib(self):
+            raise AssertionError("a foreign build was called")
+
+    path = tmp_path / "k.prefetch.json"
+    levels = tuning.choose(Foreign(), str(path))  # type: ignore[arg-type]
+    assert levels.source == "default, built for another CPU" and not path.exists()
+    assert tuning.runs_here(kernels.features)

@@ -27,6 +27,7 @@
 #define NS_AVX2 0
 #endif
 #include "decode_attn.h"
+#include "prefetch.h"
 #include "simd512.h"
 
 enum { NS_Q4_0 = 2, NS_Q4_1 = 3, NS_Q8_0 = 8 };  /* ggml type ids */
@@ -300,8 +301,7 @@ static inline __attribute__((always_inline)) void linear_rows(
             const uint8_t *wrow = w + (size_t)n * row_bytes;
             /* The hardware prefetcher alone leaves a GEMV well short of the core's read bandwidth: ask for
              * the rows PREFETCH_ROWS ahead while these compute. */
-            for (size_t off = 0; off < 2 * row_bytes && n + PREFETCH_ROWS + 1 < n_end; off += 64)
-                _mm_prefetch((const char *)(wrow + PREFETCH_ROWS * row_bytes + off), _MM_HINT_T0);
+            if (n + PREFETCH_ROWS + 1 < n_end) prefetch_weights(wrow + PREFETCH_ROWS * row_bytes, 2 * (int64_t)row_bytes);
             dot_rows2_i16(type, wrow, wrow + row_bytes, x16->q, x16->d, x16->s, nb, y + n, y + n + 1);
         }
         if (n < n_end) {
@@ -313,8 +313,7 @@ static inline __attribute__((always_inline)) void linear_rows(
     }
     for (int64_t n = n_begin; n < n_end; n++) {
         const uint8_t *wrow = w + (size_t)n * row_bytes;
-        for (size_t off = 0; off < row_bytes && n + PREFETCH_ROWS < n_end; off += 64)
-            _mm_prefetch((const char *)(wrow + PREFETCH_ROWS * row_bytes + off), _MM_HINT_T0);
+        if (n + PREFETCH_ROWS < n_end) prefetch_weights(wrow + PREFETCH_ROWS * row_bytes, (int64_t)row_bytes);
         for (int64_t i0 = 0; i0 < M; i0 += MAX_TILE) {
             const float *xt = xp + i0 * K;
             float *yt = y + i0 * ldy + n;

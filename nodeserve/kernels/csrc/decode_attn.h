@@ -5,11 +5,9 @@
 
 #include <stdint.h>
 
-#define PAGES_AHEAD 2  /* pages asked for ahead of the one computing (3 and 4: slower on 32 x 150 tokens, Zen 4) */
+#include "prefetch.h"
 
-/* Whether the page prefetches fill L2 (prefetcht1) or L1 (prefetcht0): set per machine (ns_set_prefetch_levels in
- * cpu_kernels.c, from kernels/tuning.py's timing of both). */
-extern int ns_pages_prefetch_l2;
+#define PAGES_AHEAD 2  /* pages asked for ahead of the one computing (3 and 4: slower on 32 x 150 tokens, Zen 4) */
 
 /* A sequence's pages as decode attention reads them, from its window's first page on. */
 typedef struct {

@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "prefetch.h"
 #include "simd512.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -384,9 +385,10 @@ static inline __attribute__((always_inline)) float dot_row_i16(int type, const u
 int ns_kq_linear(int type, const uint8_t *w, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
                  int64_t n_begin, int64_t n_end) {
     const size_t row_bytes = (size_t)(K / block_weights(type) * block_bytes(type));
-#define KQ_PREFETCH(n) \
-    for (size_t off = 0; off < row_bytes && (n) + KQ_PREFETCH_ROWS < n_end; off += 64) \
-        __builtin_prefetch(w + (size_t)((n) + KQ_PREFETCH_ROWS) * row_bytes + off)
+#define KQ_PREFETCH(n) do { \
+    if ((n) + KQ_PREFETCH_ROWS < n_end) \
+        prefetch_weights(w + (size_t)((n) + KQ_PREFETCH_ROWS) * row_bytes, (int64_t)row_bytes); \
+} while (0)
 #if NS_KQ_AVX2
     if (M == 1) {
         int16_t *xq = aligned_alloc(64, sizeof(int16_t) * (size_t)((K + 31) / 32 * 32));
