@@ -334,8 +334,13 @@ def huge_page_steps(kernels, json_path: str | None, rounds: int = 3) -> dict:
         rows.append(row)
         print(row["what"], "4 KiB pages", [round(v, 2) for v in row["4k_ms"]], "ms; huge pages",
               [round(v, 2) for v in row["huge_ms"]], "ms")
+    return _kept(kernels, gbs, rows, json_path, thp=host_memory.thp_setting())
+
+
+def _kept(kernels, gbs: float, rows: list[dict], json_path: str | None, **extra) -> dict:
+    """An A/B's result: the machine, the build and the rows, written to json_path when given."""
     result = {"machine": platform.processor() or platform.machine(), "isa": kernels.isa, "bandwidth_GBs": gbs,
-              "march": native.march(), "thp": host_memory.thp_setting(), "rows": rows}
+              "march": native.march(), **extra, "rows": rows}
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)
@@ -368,12 +373,7 @@ def prefetch_steps(kernels, json_path: str | None, rounds: int = 3) -> dict:
         rows.append(row)
         print(what, "into L1", [round(v, 2) for v in row["l1_ms"]], "ms; into L2", [round(v, 2) for v in row["l2_ms"]],
               "ms")
-    result = {"machine": platform.processor() or platform.machine(), "isa": kernels.isa, "bandwidth_GBs": gbs,
-              "march": native.march(), "chosen": chosen.describe(), "rows": rows}
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return _kept(kernels, gbs, rows, json_path, chosen=chosen.describe())
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -302,6 +302,24 @@ def r16_kernel(kernels: NativeKernels) -> str | None:
     return kernels.r16_kernels[0] if kernels.r16 else None
 
 
+def _gemv_workload(kernels: NativeKernels) -> tuning.Workload:
+    """One activation row through as many 1024 -> 4096 Q4_1 matrices (R16, the kernel this build serves with) as
+    tuning.FOOTPRINT_BYTES holds: a batch-1 decode step's GEMVs, for timing the weights' prefetch level."""
+    n, k = 4096, 1024
+    block, size = BLOCK_LAYOUTS[Q4_1]
+    raw = torch.randint(0, 256, (n, k // block, size), dtype=torch.uint8)
+    raw[..., 0:4] = torch.tensor([0x00, 0x20, 0x00, 0x00], dtype=torch.uint8)  # d = 2^-7 (fp16 0x2000), m = 0: finite
+    packed = kernels.repack(Q4_1, raw.reshape(n, -1), n, k)
+    qtype = Q4_1 | R16 | R16_FLAGS[r16_kernel(kernels) or kernels.r16_kernels[0]]
+    ring = [packed.clone() for _ in range(max(2, tuning.FOOTPRINT_BYTES // packed.numel()))]
+    x, out = torch.randn(1, k), torch.empty(1, n)
+
+    def run() -> None:
+        for w in ring:
+            kernels.linear(qtype, w, x, n, out)
+    return run
+
+
 @functools.cache
 def load() -> NativeKernels | None:
     """The kernels built for this CPU (built on first call, then cached on disk), or None if they can't be."""
@@ -333,7 +351,8 @@ def load() -> NativeKernels | None:
         if not os.path.exists(path):
             _compile(cc, srcs, path)
         kernels = NativeKernels(ctypes.CDLL(path), path, target_features(cc, march()))
-        kernels.prefetch = tuning.choose(kernels, path[:-len(".so")] + ".prefetch.json")
+        kernels.prefetch = tuning.choose(kernels, path[:-len(".so")] + ".prefetch.json",
+                                         (lambda: _gemv_workload(kernels)) if kernels.r16 else None)
     except subprocess.CalledProcessError as e:
         log.warning("building the CPU kernels failed, using torch paths: %s", (e.stderr or "").strip()[-500:])
         return None

@@ -16,17 +16,28 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from nodeserve.kernels.native import NativeKernels
 
 log = logging.getLogger(__name__)
 
 FOOTPRINT_BYTES = 96 * 2 ** 20  # each family's synthetic data: past a large L3, so it streams from DRAM
 ROUNDS = 3
+
+
+class TunedKernels(Protocol):
+    """What of a build (native.NativeKernels) the choice reads and sets."""
+
+    lib: Any  # the loaded library: ns_set_prefetch_levels
+    features: frozenset[str]  # the ISA extensions it was built for (/proc/cpuinfo's names)
+    isa: str
+
+    def paged_decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, page_tables: torch.Tensor,
+                               seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor: ...
+
+
+Workload = Callable[[], None]  # one pass over FOOTPRINT_BYTES of a family's data
 
 
 @dataclass(frozen=True)
@@ -60,8 +71,10 @@ def cpu_identity() -> str:
     return " / ".join(found.get(k, "?") for k in keys)
 
 
-def choose(kernels: NativeKernels, cache_path: str | None) -> PrefetchLevels:
-    """The levels for this machine (forced, cached for this CPU, or measured now and cached), applied."""
+def choose(kernels: TunedKernels, cache_path: str | None,
+           gemv: Callable[[], Workload] | None = None) -> PrefetchLevels:
+    """The levels for this machine (forced, cached for this CPU, or measured now and cached), applied. gemv: makes
+    the weights' workload (native.py's batch-1 GEMVs; None: the build has none, weights keep L2)."""
     forced = os.environ.get("NODESERVE_KERNELS_PREFETCH", "").lower()
     if forced:
         if forced not in ("l1", "l2"):
@@ -70,7 +83,7 @@ def choose(kernels: NativeKernels, cache_path: str | None) -> PrefetchLevels:
     elif not runs_here(kernels.features):  # a build for another class (inspected, not run): nothing to time
         return PrefetchLevels(True, True, "default, built for another CPU")
     else:
-        levels = _cached(cache_path) or _measure_and_cache(kernels, cache_path)
+        levels = _cached(cache_path) or _measure_and_cache(kernels, cache_path, gemv)
     apply(kernels, levels)
     return levels
 
@@ -85,7 +98,7 @@ def runs_here(features: frozenset[str]) -> bool:
     return flags is None or features <= set(flags)
 
 
-def apply(kernels: NativeKernels, levels: PrefetchLevels) -> None:
+def apply(kernels: TunedKernels, levels: PrefetchLevels) -> None:
     kernels.lib.ns_set_prefetch_levels(int(levels.pages_l2), int(levels.weights_l2))
 
 
@@ -101,8 +114,9 @@ def _cached(cache_path: str | None) -> PrefetchLevels | None:
     return levels if levels.cpu == cpu_identity() else None
 
 
-def _measure_and_cache(kernels: NativeKernels, cache_path: str | None) -> PrefetchLevels:
-    levels = measure(kernels)
+def _measure_and_cache(kernels: TunedKernels, cache_path: str | None,
+                       gemv: Callable[[], Workload] | None) -> PrefetchLevels:
+    levels = measure(kernels, gemv)
     if cache_path is not None:
         tmp = f"{cache_path}.{os.getpid()}.tmp"
         try:
@@ -114,20 +128,20 @@ def _measure_and_cache(kernels: NativeKernels, cache_path: str | None) -> Prefet
     return levels
 
 
-def measure(kernels: NativeKernels) -> PrefetchLevels:
+def measure(kernels: TunedKernels, gemv: Callable[[], Workload] | None = None) -> PrefetchLevels:
     """Times each family with its prefetches into L1 and into L2, alternated ROUNDS times: the faster (by the best
     round of each) wins. A family this build does not prefetch for keeps L2."""
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the kernels run on the calling thread; torch's fills need not spread
     try:
         pages_l2 = _faster(kernels, _attention_pass(kernels), pages=True) if kernels.isa != "scalar" else True
-        weights_l2 = _faster(kernels, _gemv_pass(kernels), pages=False) if kernels.r16 else True
+        weights_l2 = _faster(kernels, gemv(), pages=False) if gemv is not None else True
     finally:
         torch.set_num_threads(torch_threads)
     return PrefetchLevels(pages_l2, weights_l2, "measured", cpu_identity())
 
 
-def _faster(kernels: NativeKernels, run: Callable[[], None], pages: bool) -> bool:
+def _faster(kernels: TunedKernels, run: Workload, pages: bool) -> bool:
     """Whether `run` is faster with the family's prefetches into L2 than into L1 (the other family left at L2)."""
     best = {True: float("inf"), False: float("inf")}
     run()  # warm: first touches, code paths
@@ -140,7 +154,7 @@ def _faster(kernels: NativeKernels, run: Callable[[], None], pages: bool) -> boo
     return best[True] <= best[False]
 
 
-def _attention_pass(kernels: NativeKernels) -> Callable[[], None]:
+def _attention_pass(kernels: TunedKernels) -> Workload:
     """Decode attention of 16 sequences x 256 tokens (SmolLM2's heads: 9 over 3 KV heads of 64) on each of as many
     pool layers of scattered pages as FOOTPRINT_BYTES holds, one call per layer, as a step makes them."""
     batch, pages_a_seq, page_size, kv_heads, head_dim = 16, 16, 16, 3, 64
@@ -155,25 +169,4 @@ def _attention_pass(kernels: NativeKernels) -> Callable[[], None]:
     def run() -> None:
         for i in range(num_layers):
             kernels.paged_decode_attention(q, layers[i], tables[i], seq_lens, 0.125)
-    return run
-
-
-def _gemv_pass(kernels: NativeKernels) -> Callable[[], None]:
-    """One activation row through as many 1024 -> 4096 Q4_1 matrices (R16, the kernel this build serves with) as
-    FOOTPRINT_BYTES holds: a batch-1 decode step's GEMVs."""
-    from nodeserve.kernels import native
-    n, k = 4096, 1024
-    block, size = native.BLOCK_LAYOUTS[native.Q4_1]
-    raw = torch.randint(0, 256, (n, k // block, size), dtype=torch.uint8)
-    raw[..., 0:4] = torch.tensor([0x00, 0x20, 0x00, 0x00], dtype=torch.uint8)  # d = 2^-7 (fp16 0x2000), m = 0: finite
-    packed = kernels.repack(native.Q4_1, raw.reshape(n, -1), n, k)
-    name = native.r16_kernel(kernels) or kernels.r16_kernels[0]
-    qtype = native.Q4_1 | native.R16 | native.R16_FLAGS[name]
-    ring = [packed.clone() for _ in range(max(2, FOOTPRINT_BYTES // packed.numel()))]
-    x = torch.randn(1, k)
-    out = torch.empty(1, n)
-
-    def run() -> None:
-        for w in ring:
-            kernels.linear(qtype, w, x, n, out)
     return run

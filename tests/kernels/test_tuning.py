@@ -22,7 +22,8 @@ def restore_levels():
 def test_a_measured_choice_is_cached_with_its_cpu_and_read_back(tmp_path, monkeypatch, restore_levels):
     monkeypatch.delenv("NODESERVE_KERNELS_PREFETCH", raising=False)
     path = str(tmp_path / "k.prefetch.json")
-    measured = tuning.choose(kernels, path)
+    gemv = (lambda: native._gemv_workload(kernels)) if kernels.r16 else None  # as native.load() times it
+    measured = tuning.choose(kernels, path, gemv)
     assert measured.source == "measured" and measured.cpu == tuning.cpu_identity()
     saved = json.loads(open(path).read())
     assert (saved["pages_l2"], saved["weights_l2"], saved["cpu"]) == (measured.pages_l2, measured.weights_l2,
