@@ -91,14 +91,24 @@ _SIGNATURES = {
 }
 
 
-def _cpu_flags() -> str:
+def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The first processor's identity and ISA flags (/proc/cpuinfo), for the build's cache key. All of them: the
+    first of these lines alone was "model name", which a VM gives Zen 3 and Zen 4 alike ("AMD EPYC"), so a cache
+    shared by two such hosts would hand an AVX-512 build to the one without."""
+    wanted = ("vendor_id", "cpu family", "model", "model name", "flags", "Features")
+    found: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
-                if line.startswith(("flags", "Features", "model name")):
-                    return line
+                key = line.partition(":")[0].strip()
+                if key in wanted:
+                    found.setdefault(key, line)
+                elif not line.strip() and found:  # the first processor's block ends
+                    break
     except OSError:
         pass
+    if found:
+        return "".join(found[k] for k in wanted if k in found)
     import platform
     return platform.processor() or platform.machine()
 

@@ -524,6 +524,22 @@ def test_build_is_cached_per_cpu_and_source(tmp_path, monkeypatch):
         native.load.cache_clear()
 
 
+def test_the_build_key_tells_cpus_of_one_name_apart(tmp_path):
+    """Two VMs' CPUs both named "AMD EPYC" (Zen 3: AVX2 only; Zen 4: AVX-512) key different builds; only the first
+    processor's lines count."""
+    def cpuinfo(model: str, flags: str) -> str:
+        block = (f"processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: {model}\n"
+                 f"model name\t: AMD EPYC\nflags\t\t: {flags}\n\n")
+        path = tmp_path / f"cpuinfo-{len(list(tmp_path.iterdir()))}"
+        path.write_text(block + block.replace("processor\t: 0", "processor\t: 1").replace(flags, "other"))
+        return str(path)
+
+    zen3, zen4 = cpuinfo("1", "fpu sse avx2 fma f16c"), cpuinfo("17", "fpu sse avx2 fma f16c avx512f avx512bw")
+    assert native._cpu_flags(zen3) != native._cpu_flags(zen4)
+    assert "avx512f" in native._cpu_flags(zen4) and "other" not in native._cpu_flags(zen4)
+    assert native._cpu_flags(cpuinfo("17", "fpu sse avx2 fma f16c")) != native._cpu_flags(zen4)  # flags alone differ
+
+
 def test_no_compiler_means_no_kernels(monkeypatch, tmp_path):
     monkeypatch.setenv("NODESERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
