@@ -29,7 +29,7 @@ from importlib import resources
 
 import torch
 
-from nodeserve.kernels import tuning
+from nodeserve.kernels import cpuinfo, tuning
 
 log = logging.getLogger(__name__)
 
@@ -91,24 +91,13 @@ _SIGNATURES = {
 }
 
 
-def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The first processor's identity and ISA flags (/proc/cpuinfo), for the build's cache key. All of them: the
-    first of these lines alone was "model name", which a VM gives Zen 3 and Zen 4 alike ("AMD EPYC"), so a cache
-    shared by two such hosts would hand an AVX-512 build to the one without."""
-    wanted = ("vendor_id", "cpu family", "model", "model name", "flags", "Features")
-    found: dict[str, str] = {}
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                key = line.partition(":")[0].strip()
-                if key in wanted:
-                    found.setdefault(key, line)
-                elif not line.strip() and found:  # the first processor's block ends
-                    break
-    except OSError:
-        pass
-    if found:
-        return "".join(found[k] for k in wanted if k in found)
+def _cpu_flags(path: str = "/proc/cpuinfo") -> str:
+    """The first processor's identity and ISA flags, for the build's cache key. Both: the model name alone (what
+    the key took before) is "AMD EPYC" on Zen 3 and Zen 4 VMs alike, so a cache two such hosts share would hand an
+    AVX-512 build to the one without."""
+    fields = cpuinfo.first_processor(path)
+    if fields:
+        return f"{cpuinfo.identity(fields)} | {' '.join(sorted(cpuinfo.isa_flags(fields) or ()))}"
     import platform
     return platform.processor() or platform.machine()
 

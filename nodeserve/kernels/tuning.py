@@ -12,7 +12,6 @@ NODESERVE_KERNELS_PREFETCH=l1 or l2 forces both (for A/B runs). The start-up log
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -20,7 +19,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-log = logging.getLogger(__name__)
+from nodeserve.kernels import cpuinfo
 
 FOOTPRINT_BYTES = 96 * 2 ** 20  # each family's synthetic data: past a large L3, so it streams from DRAM
 ROUNDS = 3
@@ -54,21 +53,9 @@ class PrefetchLevels:
 
 
 def cpu_identity() -> str:
-    """Vendor, family, model and model name of this CPU (/proc/cpuinfo's first processor): what a cached choice
-    must match. A VM may name Zen 3 and Zen 4 alike ("AMD EPYC"); family and model tell them apart."""
-    keys = ("vendor_id", "cpu family", "model", "model name")
-    found: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in keys and key.strip() not in found:
-                    found[key.strip()] = value.strip()
-                if not line.strip() and found:
-                    break
-    except OSError:
-        pass
-    return " / ".join(found.get(k, "?") for k in keys)
+    """This CPU's vendor, family, model and model name: what a cached choice must match (a VM may name Zen 3 and
+    Zen 4 alike "AMD EPYC"; family and model tell them apart)."""
+    return cpuinfo.identity(cpuinfo.first_processor())
 
 
 def choose(kernels: TunedKernels, cache_path: str | None,
@@ -90,12 +77,8 @@ def choose(kernels: TunedKernels, cache_path: str | None,
 
 def runs_here(features: frozenset[str]) -> bool:
     """Whether this CPU has every ISA extension a build targets (/proc/cpuinfo's names); True where it cannot tell."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
-    except OSError:
-        return True
-    return flags is None or features <= set(flags)
+    flags = cpuinfo.isa_flags(cpuinfo.first_processor())
+    return flags is None or features <= flags
 
 
 def apply(kernels: TunedKernels, levels: PrefetchLevels) -> None:
