@@ -21,8 +21,9 @@ kernels/csrc/r16_avx2.c's 256-bit kernels elsewhere (AVX-VNNI, or AVX2's vpmaddw
 integer sums. With `model.prompt_activations = "int8"` (use_prompt_activations) a step's prompt rows take int8
 activations instead, as llama.cpp rounds every row: twice vpdpwssd's multiply rate; with "bf16" (AVX512-BF16;
 the default "auto" where the CPU has it), bf16 products over weights dequantized once a call
-(kernels/csrc/bf16_gemm.c: no per-block scaling). Decode rows keep int16 either way, so a decode token never
-depends on what shares its step. NODESERVE_KERNELS=avx2 runs the AVX2 kernels (what an AVX2-only CPU runs) on any
+(kernels/csrc/bf16_gemm.c: no per-block scaling). Decode rows keep int16 either way (or int8 with
+`model.decode_activations = "int8"`, use_decode_activations), so a decode token never depends on what shares its
+step. NODESERVE_KERNELS=avx2 runs the AVX2 kernels (what an AVX2-only CPU runs) on any
 CPU, for A/B measurements.
 """
 
@@ -139,6 +140,7 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.kernels = _kernels()
         self.prompt_flag = 0  # native.ACT8 or native.BF16: how prompt rows are multiplied (use_prompt_activations)
+        self.decode_flag = 0  # native.ACT8: how decode rows are (use_decode_activations); 0: int16
 
     @property
     def quantized(self) -> QuantizedWeight:
@@ -146,7 +148,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
         """prompt_from: x's rows from this one on are prompt tokens (the step's decode rows come first), which
-        take the kernel prompt_flag asks for where it is set; None: every row is computed alike."""
+        take the kernel prompt_flag asks for, the rows before it decode_flag's; None: every row is a decode row."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # [M, in]
         y = self._matmul(x2, None if self._fused_kernel_takes(x2.shape[0]) else self._dense(), prompt_from)
@@ -173,14 +175,14 @@ class QuantLinear(nn.Module):
         if dense is not None:
             return F.linear(x2, dense, self.bias)
         m = x2.shape[0]
-        if self.prompt_flag and prompt_from is not None and prompt_from < m:
+        split = m if prompt_from is None else min(prompt_from, m)  # rows [0, split) decode, [split, m) prompt
+        if 0 < split < m and self.prompt_flag != self.decode_flag:
             y = torch.empty(m, self.out_features, dtype=torch.float32)
-            if prompt_from > 0:
-                self.kernels.linear(self.qtype, self.weight, x2[:prompt_from], self.out_features, y[:prompt_from])
-            self.kernels.linear(self.qtype | self.prompt_flag, self.weight, x2[prompt_from:], self.out_features,
-                                y[prompt_from:])
+            self.kernels.linear(self.qtype | self.decode_flag, self.weight, x2[:split], self.out_features, y[:split])
+            self.kernels.linear(self.qtype | self.prompt_flag, self.weight, x2[split:], self.out_features, y[split:])
         else:
-            y = self.kernels.linear(self.qtype, self.weight, x2, self.out_features)
+            flag = self.decode_flag if split > 0 else self.prompt_flag
+            y = self.kernels.linear(self.qtype | flag, self.weight, x2, self.out_features)
         if self.bias is not None:
             y += self.bias
         return y
@@ -241,6 +243,20 @@ def use_prompt_activations(model: nn.Module, kind: str) -> int:
                 and (m.qtype & 0xff) in types:
             m.prompt_flag = flag
             num += 1
+    return num
+
+
+def use_decode_activations(model: nn.Module, kind: str) -> int:
+    """Decode rows (and verify rows) of repacked Q4_0 / Q4_1 projections take `kind` ("int8": the integer kernels'
+    int8 path, llama.cpp's rounding of every row; "int16": the kernels' own) from now on; not the lm_head, whose rows
+    include prompts' last ones. Returns how many projections take int8. Set before the native decoder is built: it
+    copies each projection's type."""
+    num = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m is not getattr(model, "lm_head", None) and m.qtype & native.R16 \
+                and (m.qtype & 0xff) in (native.Q4_0, native.Q4_1):
+            m.decode_flag = native.ACT8 if kind == "int8" else 0
+            num += kind == "int8"
     return num
 
 

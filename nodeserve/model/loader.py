@@ -101,7 +101,7 @@ def _assembled(dist_name: str) -> str:
 def load_model(path: str, dtype: torch.dtype = torch.float32,
                progress: Callable[[int, int], None] | None = None, quantization: str = "none",
                prompt_activations: str = "int16", tp_degrees: Collection[int] = (),
-               huge_pages: bool = False) -> LoadedModel:
+               huge_pages: bool = False, decode_activations: str = "int16") -> LoadedModel:
     """Loads weights and tokenizer onto the CPU. Raises LoadError with a one-line message on any problem.
     tp_degrees: also each rank's shard for these tensor-parallel degrees (model/tensor_parallel.py), cut from the
     checkpoint's tensors before anything is fused or repacked, then built exactly as the whole model is.
@@ -115,7 +115,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     prompt_activations "int8": prompt rows of the repacked Q4_0 / Q4_1 projections take int8 activations; "bf16":
     prompt rows of every repacked projection take bf16 products, on AVX512-BF16 CPUs
     (block_quant.use_prompt_activations); elsewhere they change nothing, and say so. "auto": bf16 where it
-    applies, int16 (the kernels' own) elsewhere, silently.
+    applies, int16 (the kernels' own) elsewhere, silently. decode_activations "int8": decode rows of the repacked
+    Q4_0 / Q4_1 projections take int8 activations (block_quant.use_decode_activations), else int16.
     """
     from nodeserve.model.quant import supported
 
@@ -181,21 +182,21 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
                  [r.cfg.num_heads for r in ranks], [r.cfg.num_kv_heads for r in ranks],
                  [r.cfg.intermediate_size for r in ranks])
         for shard in ranks:
-            _build(shard, quantization, prompt_activations, bool(blocks), huge_pages, quiet=True)
-    _build(model, quantization, prompt_activations, bool(blocks), huge_pages)
+            _build(shard, quantization, prompt_activations, decode_activations, bool(blocks), huge_pages, quiet=True)
+    _build(model, quantization, prompt_activations, decode_activations, bool(blocks), huge_pages)
     model.eval()
     return LoadedModel(cfg, model, tokenizer, resolved, shards)
 
 
-def _build(model: LlamaModel, quantization: str, prompt_activations: str, has_blocks: bool, huge_pages: bool,
-           quiet: bool = False) -> None:
+def _build(model: LlamaModel, quantization: str, prompt_activations: str, decode_activations: str, has_blocks: bool,
+           huge_pages: bool, quiet: bool = False) -> None:
     """A loaded (or sharded) model made ready to serve: projections fused, blocks repacked for this CPU, native
     kernels and the one-call decode layer where they apply. quiet: a shard's (the whole model says it once)."""
     cfg = model.cfg
     model.fuse()
     if quantization in block_quant.BLOCK_FORMATS:
         _quantize_dense_linears(model, block_quant.BLOCK_FORMATS[quantization])
-    num_prompt = 0  # projections whose prompt rows take prompt_activations (not int16)
+    num_prompt = num_decode = 0  # projections whose prompt / decode rows take prompt_ / decode_activations
     if has_blocks or quantization in block_quant.BLOCK_FORMATS:
         num_repacked = block_quant.repack(model)
         if num_repacked and not quiet:  # the operator sees which GEMM serves (AVX-512 VNNI, AVX-VNNI or AVX2)
@@ -206,6 +207,9 @@ def _build(model: LlamaModel, quantization: str, prompt_activations: str, has_bl
             num_prompt = block_quant.use_prompt_activations(model, kind)
             if num_prompt and not quiet:  # the operator sees which kernels prompts take (auto picks silently)
                 log.info("prompt rows of %d projections take %s activations", num_prompt, kind)
+        num_decode = block_quant.use_decode_activations(model, decode_activations)
+        if num_decode and not quiet:
+            log.info("decode rows of %d projections take int8 activations", num_decode)
         if huge_pages:  # before the native decoder keeps pointers into the weights
             _move_to_huge_pages(model, quiet)
         model.use_kernels(lambda rope: NativeOps(native.load(), rope, cfg.max_position_embeddings))
@@ -219,6 +223,9 @@ def _build(model: LlamaModel, quantization: str, prompt_activations: str, has_bl
         quantize_linears(model, quantization)
     elif huge_pages:
         _move_to_huge_pages(model, quiet)
+    if decode_activations == "int8" and not num_decode and not quiet:
+        log.warning("model.decode_activations = \"int8\" applies to Q4_0/Q4_1 weights in the integer kernels, and "
+                    "this model or CPU has none: decode rows are computed as before")
     if prompt_activations not in ("auto", "int16") and not num_prompt and not quiet:
         where = "Q4_0/Q4_1 weights in the integer kernels" if prompt_activations == "int8" else \
             "block-quantized weights in the AVX-512 VNNI kernels on a CPU with AVX512-BF16"

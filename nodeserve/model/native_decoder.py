@@ -70,8 +70,9 @@ class NativeDecoder:
                 cfg.rms_norm_eps, layer.input_layernorm.weight.data_ptr(),
                 mlp_in_norm.weight.data_ptr(), None if bias is None else bias.data_ptr(),
                 attn.qkv_proj.weight.data_ptr(), attn.o_proj.weight.data_ptr(), mlp.gate_up_proj.weight.data_ptr(),
-                mlp.down_proj.weight.data_ptr(), attn.qkv_proj.qtype, attn.o_proj.qtype, mlp.gate_up_proj.qtype,
-                mlp.down_proj.qtype, cfg.window(i), *(None if n is None else n.weight.data_ptr()
+                mlp.down_proj.weight.data_ptr(), *(m.qtype | m.decode_flag for m in (attn.qkv_proj, attn.o_proj,
+                                                                          mlp.gate_up_proj, mlp.down_proj)),
+                cfg.window(i), *(None if n is None else n.weight.data_ptr()
                                                        for n in (q_norm, k_norm, attn_out, mlp_out)),
                 local_cos_sin_cache.data_ptr() if local else None, int(cfg.hidden_act == "gelu_tanh")))
         self._layer_array = (_Layer * len(self.layers))(*self.layers)

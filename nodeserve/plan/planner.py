@@ -205,7 +205,8 @@ def measure_config(config, budget_s: float) -> CostModel:
     from nodeserve.runtime.profiler import Profiler
 
     loaded = load_model(config.model.path, parse_dtype(config.dtype), quantization=config.quantization,
-                        prompt_activations=config.model.prompt_activations, tp_degrees=config.tp_degrees)
+                        prompt_activations=config.model.prompt_activations, tp_degrees=config.tp_degrees,
+                        decode_activations=config.model.decode_activations)
     engine = Engine(config, loaded)
     loop = asyncio.new_event_loop()  # the workers post results to it; nothing runs on them here
     engine.start(loop)

@@ -223,7 +223,7 @@ async def start_engine(config: Config, state: ServerState, notifier: Notifier, s
         load = in_daemon_thread(loop, lambda: load_model(config.model.path, parse_dtype(config.dtype),
                                                          _Progress(notifier), config.quantization,
                                                          config.model.prompt_activations, config.tp_degrees,
-                                                         config.huge_pages),
+                                                         config.huge_pages, config.model.decode_activations),
                                 "load")
         if not await _unless_stopped(load, stop):
             return None

@@ -139,6 +139,44 @@ def test_prompt_rows_leave_the_decode_rows_as_they_were(gguf_path, one_thread, k
     assert torch.equal(mlp(x, model.ops, prompt_from=3), want)
 
 
+@needs_avx2
+def test_int8_decode_rows_leave_the_prompt_rows_as_they_were(gguf_path, one_thread):
+    """With decode_activations = "int8" the rows before prompt_from (the step's decodes, and verify rows) take the
+    int8 kernel and the prompt rows keep int16, bit for bit; no prompt_from: every row is a decode row. The native
+    decoder (decode-only steps in one call per layer) multiplies with the same types: a decode step through it
+    equals the module path's."""
+    from nodeserve.attention.torch_ref import TorchAttention
+    from nodeserve.kv.pool import KVPool
+    from nodeserve.model.loader import load_model
+    from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
+
+    model = load_model(gguf_path, torch.float32, quantization="auto", prompt_activations="int16",
+                       decode_activations="int8").model
+    gate_up = model.layers[0].mlp.gate_up_proj
+    assert gate_up.decode_flag == native.ACT8 and gate_up.prompt_flag == 0 and not model.lm_head.decode_flag
+    x = torch.randn(12, gate_up.in_features)
+    split = gate_up(x, prompt_from=3)
+    int16 = gate_up.kernels.linear(gate_up.qtype, gate_up.weight, x, gate_up.out_features)
+    int8 = gate_up.kernels.linear(gate_up.qtype | native.ACT8, gate_up.weight, x, gate_up.out_features)
+    assert torch.equal(split[:3], int8[:3]) and torch.equal(split[3:], int16[3:])
+    assert not torch.equal(int8, int16)
+    assert torch.equal(gate_up(x), int8) and torch.equal(gate_up(x, prompt_from=0), int16)
+
+    pools = [KVPool(model.cfg, 16, 16, torch.float32, torch.device("cpu")) for _ in range(2)]
+    runners = [ModelRunner(model, TorchAttention(pool, model.cfg, model.dtype)) for pool in pools]
+    prompts, tables = [[1, 2, 3, 4, 5, 6, 7], [400, 401, 402]], [[0, 1], [2, 3]]
+    decoder, outs = model.native_decoder, []
+    assert decoder is not None
+    for runner, use_native in zip(runners, (True, False)):
+        runner.run([SeqChunk(p, 0, t, is_prompt=True) for p, t in zip(prompts, tables)])
+        model.native_decoder = decoder if use_native else None
+        try:
+            outs.append(runner.run([SeqChunk([7 + i], len(p), t) for i, (p, t) in enumerate(zip(prompts, tables))]))
+        finally:
+            model.native_decoder = decoder
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.slow
 def test_quantized_decode_follows_float32_on_the_same_weights(loaded_auto, loaded_fp32, prompt_ids, one_thread):
     """Batch-1 decode steps (int16 activations, native attention and pointwise kernels) teacher-forced along the

@@ -109,6 +109,20 @@ def test_greedy_tokens_are_the_same_with_speculation(mode, loaded_auto, asks):
     assert 0 < accepted < drafted  # guesses were verified, kept and rejected (rolled back)
 
 
+@pytest.mark.needs_cpu("avx2", "fma", "f16c")
+def test_greedy_with_int8_decode_rows_is_the_same_with_speculation(gguf_path, asks):
+    """model.decode_activations = "int8": verify rows round as decode rows do (int8), so speculation still changes
+    no token."""
+    from nodeserve.kernels import native
+    from nodeserve.model.loader import load_model
+
+    loaded = load_model(gguf_path, torch.float32, quantization="auto", decode_activations="int8")
+    assert loaded.model.layers[0].mlp.gate_up_proj.decode_flag == native.ACT8
+    params = [SamplingParams(max_tokens=64, temperature=0.0)] * len(asks)
+    on, off, (drafted, accepted) = _on_and_off(loaded, asks, params)
+    assert [t for t, _, _ in on] == [t for t, _, _ in off] and 0 < accepted < drafted
+
+
 def test_greedy_on_the_exact_path_is_the_same_with_speculation(loaded_fp32, asks):
     params = [SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)] * 2
     on, off, (drafted, accepted) = _on_and_off(loaded_fp32, asks[:2], params, quantization="none")

@@ -272,23 +272,26 @@ static inline __attribute__((always_inline)) void group_rows_i8(
         const float *cx, __m512 f[MAX_ROWS]) {
     const int64_t rb = r16_block_bytes(type), qo = quant_offset(type);
     const __m512i mask = _mm512_set1_epi8(0x0f);
+    const int C = MT <= MAX_WIDE_TWO_CHAINS ? 2 : 1;  /* chains a row, as group_rows_wide (the sums are exact) */
     for (int i = 0; i < MT; i++) f[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *o = wg + b * rb;
-        __m512i a[MAX_ROWS];
-        for (int i = 0; i < MT; i++) a[i] = _mm512_setzero_si512();
+        prefetch_weights(o + PREFETCH_BYTES, rb);  /* a decode row (decode_activations = "int8") is a GEMV */
+        __m512i a[2 * MAX_WIDE_TWO_CHAINS > MAX_ROWS ? 2 * MAX_WIDE_TWO_CHAINS : MAX_ROWS];  /* [row][chain] */
+        for (int i = 0; i < MT * C; i++) a[i] = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
             const __m512i v = _mm512_loadu_si512((const void *)(o + qo + 64 * j));
             const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
             for (int i = 0; i < MT; i++) {
                 const int32_t *xw = (const int32_t *)(xq + (i * nb + b) * QK);
-                a[i] = _mm512_dpbusd_epi32(a[i], lo, _mm512_set1_epi32(xw[j]));
-                a[i] = _mm512_dpbusd_epi32(a[i], hi, _mm512_set1_epi32(xw[4 + j]));
+                a[i * C] = _mm512_dpbusd_epi32(a[i * C], lo, _mm512_set1_epi32(xw[j]));
+                a[i * C + C - 1] = _mm512_dpbusd_epi32(a[i * C + C - 1], hi, _mm512_set1_epi32(xw[4 + j]));
             }
         }
         const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)o));
         for (int i = 0; i < MT; i++) {
-            const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i]), _mm512_set1_ps(dx[i * nb + b]),
+            const __m512i sum = C == 2 ? _mm512_add_epi32(a[2 * i], a[2 * i + 1]) : a[i];
+            const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dx[i * nb + b]),
                                              _mm512_set1_ps(cx[i * nb + b]));
             f[i] = _mm512_fmadd_ps(vd, t, f[i]);
         }
