@@ -35,10 +35,11 @@ class ModelSection:
     # weights dequantized once a call (AVX512-BF16). auto: bf16 where the CPU has it, else int16. Decode rows
     # take decode_activations
     prompt_activations: str = "auto"
-    # int16 | int8: how the step's decode rows (and speculation's verify rows, which must round alike) multiply on
-    # Q4_0/Q4_1 weights in the integer kernels. int8: llama.cpp's rounding, ~1.2x a batched step on AVX2, less close
-    # to the float32 reference (docs/performance.md "Decode activations")
-    decode_activations: str = "int16"
+    # auto | int16 | int8: how the step's decode rows (and speculation's verify rows, which must round alike)
+    # multiply on Q4_0/Q4_1 weights in the integer kernels. int8: llama.cpp's rounding, ~1.2x a batched step, less
+    # close to the float32 reference than int16 (still closer than llama.cpp). auto: int8 on CPUs whose integer
+    # kernels are AVX2's (no VNNI), int16 elsewhere (docs/performance.md "Decode activations")
+    decode_activations: str = "auto"
     # auto | float32 | bfloat16: the products in prompt tokens' attention on CPU (csrc/prefill_attn.c, with
     # AVX512-BF16; sums and softmax stay float32). bfloat16: that attention ~1.6x, a 2k prompt ~1.14x on one core.
     # auto: bfloat16 with quantized weights where the CPU has AVX512-BF16, float32 on the exact path
@@ -391,8 +392,9 @@ def validate(cfg: Config, check_devices: bool = True) -> None:
     if m.prompt_activations not in ("auto", "int16", "int8", "bf16"):
         raise ConfigError(f"'model.prompt_activations' must be \"auto\", \"int16\", \"int8\" or \"bf16\", "
                           f"got {m.prompt_activations!r}")
-    if m.decode_activations not in ("int16", "int8"):
-        raise ConfigError(f"'model.decode_activations' must be \"int16\" or \"int8\", got {m.decode_activations!r}")
+    if m.decode_activations not in ("auto", "int16", "int8"):
+        raise ConfigError(f"'model.decode_activations' must be \"auto\", \"int16\" or \"int8\", "
+                          f"got {m.decode_activations!r}")
     if m.prompt_attention not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"'model.prompt_attention' must be \"auto\", \"float32\" or \"bfloat16\", "
                           f"got {m.prompt_attention!r}")

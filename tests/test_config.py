@@ -323,10 +323,11 @@ def test_prompt_attention_is_bf16_where_weights_are_quantized_and_float32_on_the
         config_from_dict({"model": {"prompt_attention": "fp8"}}, check_devices=False)
 
 
-def test_decode_activations_take_int16_or_int8():
-    assert config_from_dict({}, check_devices=False).model.decode_activations == "int16"
-    assert config_from_dict({"model": {"decode_activations": "int8"}},
-                            check_devices=False).model.decode_activations == "int8"
+def test_decode_activations_take_auto_int16_or_int8():
+    assert config_from_dict({}, check_devices=False).model.decode_activations == "auto"
+    for kind in ("int16", "int8"):
+        assert config_from_dict({"model": {"decode_activations": kind}},
+                                check_devices=False).model.decode_activations == kind
     with pytest.raises(ConfigError, match=r"model\.decode_activations"):
         config_from_dict({"model": {"decode_activations": "bf16"}}, check_devices=False)
 

@@ -21,9 +21,9 @@ kernels/csrc/r16_avx2.c's 256-bit kernels elsewhere (AVX-VNNI, or AVX2's vpmaddw
 integer sums. With `model.prompt_activations = "int8"` (use_prompt_activations) a step's prompt rows take int8
 activations instead, as llama.cpp rounds every row: twice vpdpwssd's multiply rate; with "bf16" (AVX512-BF16;
 the default "auto" where the CPU has it), bf16 products over weights dequantized once a call
-(kernels/csrc/bf16_gemm.c: no per-block scaling). Decode rows keep int16 either way (or int8 with
-`model.decode_activations = "int8"`, use_decode_activations), so a decode token never depends on what shares its
-step. NODESERVE_KERNELS=avx2 runs the AVX2 kernels (what an AVX2-only CPU runs) on any
+(kernels/csrc/bf16_gemm.c: no per-block scaling). Decode rows take `model.decode_activations` either way
+(use_decode_activations: int16, or int8 by default where the kernels are AVX2's), so a decode token never depends
+on what shares its step. NODESERVE_KERNELS=avx2 runs the AVX2 kernels (what an AVX2-only CPU runs) on any
 CPU, for A/B measurements.
 """
 
@@ -244,6 +244,16 @@ def use_prompt_activations(model: nn.Module, kind: str) -> int:
             m.prompt_flag = flag
             num += 1
     return num
+
+
+def decode_activations_for(setting: str) -> str:
+    """model.decode_activations resolved for this CPU: "auto" is int8 where the integer kernels are AVX2's
+    (vpmaddwd + vpaddd for 16 int16 multiply-adds: AVX2-only CPUs, the class where the batched figures lag), int16
+    where they are VNNI's or there are none; "int16" and "int8" stay."""
+    if setting != "auto":
+        return setting
+    kernels = native.load()
+    return "int8" if kernels is not None and native.r16_kernel(kernels) == "avx2" else "int16"
 
 
 def use_decode_activations(model: nn.Module, kind: str) -> int:

@@ -116,7 +116,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     prompt rows of every repacked projection take bf16 products, on AVX512-BF16 CPUs
     (block_quant.use_prompt_activations); elsewhere they change nothing, and say so. "auto": bf16 where it
     applies, int16 (the kernels' own) elsewhere, silently. decode_activations "int8": decode rows of the repacked
-    Q4_0 / Q4_1 projections take int8 activations (block_quant.use_decode_activations), else int16.
+    Q4_0 / Q4_1 projections take int8 activations (block_quant.use_decode_activations); "int16" the kernels' own;
+    "auto" (block_quant.decode_activations_for): int8 where the integer kernels are AVX2's, else int16.
     """
     from nodeserve.model.quant import supported
 
@@ -207,9 +208,11 @@ def _build(model: LlamaModel, quantization: str, prompt_activations: str, decode
             num_prompt = block_quant.use_prompt_activations(model, kind)
             if num_prompt and not quiet:  # the operator sees which kernels prompts take (auto picks silently)
                 log.info("prompt rows of %d projections take %s activations", num_prompt, kind)
-        num_decode = block_quant.use_decode_activations(model, decode_activations)
-        if num_decode and not quiet:
-            log.info("decode rows of %d projections take int8 activations", num_decode)
+        decode_kind = block_quant.decode_activations_for(decode_activations)
+        num_decode = block_quant.use_decode_activations(model, decode_kind)
+        if num_decode and not quiet:  # the operator sees the rounding decode tokens take (auto picks it per CPU)
+            log.info("decode rows of %d projections take int8 activations%s", num_decode,
+                     " (auto: this CPU's integer kernels are AVX2's)" if decode_activations == "auto" else "")
         if huge_pages:  # before the native decoder keeps pointers into the weights
             _move_to_huge_pages(model, quiet)
         model.use_kernels(lambda rope: NativeOps(native.load(), rope, cfg.max_position_embeddings))

@@ -177,6 +177,22 @@ def test_int8_decode_rows_leave_the_prompt_rows_as_they_were(gguf_path, one_thre
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-4)
 
 
+@needs_avx2
+@pytest.mark.parametrize("forced", [False, True])
+def test_auto_decode_activations_take_int8_where_the_integer_kernels_are_avx2s(gguf_path, monkeypatch, forced):
+    """decode_activations = "auto": int8 decode rows where the R16 kernels are AVX2's (an AVX2-only CPU, or any CPU
+    forced to them with NODESERVE_KERNELS=avx2), int16 where they are VNNI's; prompt rows are left alone."""
+    from nodeserve.model.loader import load_model
+
+    if forced:
+        monkeypatch.setenv("NODESERVE_KERNELS", "avx2")
+    model = load_model(gguf_path, torch.float32, quantization="auto", decode_activations="auto").model
+    gate_up = model.layers[0].mlp.gate_up_proj
+    avx2 = native.r16_kernel(native.load()) == "avx2"
+    assert avx2 or not forced
+    assert gate_up.decode_flag == (native.ACT8 if avx2 else 0) and gate_up.prompt_flag == 0
+
+
 @pytest.mark.slow
 def test_quantized_decode_follows_float32_on_the_same_weights(loaded_auto, loaded_fp32, prompt_ids, one_thread):
     """Batch-1 decode steps (int16 activations, native attention and pointwise kernels) teacher-forced along the
