@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from nodeserve.device.base import Device
+from nodeserve.kernels import cpuinfo
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,7 @@ def has_fast_bf16() -> bool:
     if native.march() != "native":
         kernels = native.load()
         return kernels is not None and bool({"amx_bf16", "avx512_bf16"} & kernels.features)
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = cpuinfo.isa_flags(cpuinfo.first_processor()) or frozenset()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 

@@ -13,16 +13,13 @@ import torch
 
 from nodeserve.device.base import available_devices
 from nodeserve.device.cpu import has_fast_bf16
+from nodeserve.kernels import cpuinfo
 
 NUM_REPEATS = 3  # best of
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
+    return cpuinfo.first_processor().get("model name", "unknown")
 
 
 def cpu_read_bandwidth(num_bytes: int, num_threads: int) -> float:

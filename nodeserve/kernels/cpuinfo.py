@@ -1,5 +1,5 @@
-"""The first processor's fields in /proc/cpuinfo: one reader for what the kernels' build key, their prefetch choice
-and a build's fitness for this CPU ask of it."""
+"""The first processor's fields in /proc/cpuinfo: one reader for what the kernels' build key, their prefetch choice,
+a build's fitness for this CPU, the CPU devices' bf16 check and `nodeserve devices` ask of it."""
 
 from __future__ import annotations
 
