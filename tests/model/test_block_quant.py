@@ -145,10 +145,7 @@ def test_int8_decode_rows_leave_the_prompt_rows_as_they_were(gguf_path, one_thre
     int8 kernel and the prompt rows keep int16, bit for bit; no prompt_from: every row is a decode row. The native
     decoder (decode-only steps in one call per layer) multiplies with the same types: a decode step through it
     equals the module path's."""
-    from nodeserve.attention.torch_ref import TorchAttention
-    from nodeserve.kv.pool import KVPool
     from nodeserve.model.loader import load_model
-    from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
 
     model = load_model(gguf_path, torch.float32, quantization="auto", prompt_activations="int16",
                        decode_activations="int8").model
@@ -162,18 +159,7 @@ def test_int8_decode_rows_leave_the_prompt_rows_as_they_were(gguf_path, one_thre
     assert not torch.equal(int8, int16)
     assert torch.equal(gate_up(x), int8) and torch.equal(gate_up(x, prompt_from=0), int16)
 
-    pools = [KVPool(model.cfg, 16, 16, torch.float32, torch.device("cpu")) for _ in range(2)]
-    runners = [ModelRunner(model, TorchAttention(pool, model.cfg, model.dtype)) for pool in pools]
-    prompts, tables = [[1, 2, 3, 4, 5, 6, 7], [400, 401, 402]], [[0, 1], [2, 3]]
-    decoder, outs = model.native_decoder, []
-    assert decoder is not None
-    for runner, use_native in zip(runners, (True, False)):
-        runner.run([SeqChunk(p, 0, t, is_prompt=True) for p, t in zip(prompts, tables)])
-        model.native_decoder = decoder if use_native else None
-        try:
-            outs.append(runner.run([SeqChunk([7 + i], len(p), t) for i, (p, t) in enumerate(zip(prompts, tables))]))
-        finally:
-            model.native_decoder = decoder
+    outs, _ = _decode_native_and_by_modules(model, [[1, 2, 3, 4, 5, 6, 7], [400, 401, 402]], 16)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-4)
 
 
@@ -230,27 +216,34 @@ def test_quantized_decode_follows_float32_on_the_same_weights(loaded_auto, loade
 def test_native_decoder_is_the_module_path_in_one_call(loaded_auto, one_thread):
     """Decode-only steps through ns_decode_layer give what the per-op path (NativeOps, paged attention, the
     same kernels) gives, row for row, and fill the pool the same way."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [400, 401, 402], [9000] * 40]
+    outs, pools = _decode_native_and_by_modules(loaded_auto.model, prompts, 32)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(pools[0].data, pools[1].data, rtol=1e-6, atol=1e-6)
+
+
+def _decode_native_and_by_modules(model, prompts: list[list[int]], num_pages: int) -> tuple[list, list]:
+    """Each prompt prefilled into two pools, then one decode step over all of them, through the native decoder into
+    the first pool and through the modules into the second: ([logits native, logits modules], pools)."""
     from nodeserve.attention.torch_ref import TorchAttention
     from nodeserve.runtime.model_runner import ModelRunner, SeqChunk
     from nodeserve.kv.pool import KVPool
 
-    model = loaded_auto.model
-    assert model.native_decoder is not None
-    pools = [KVPool(model.cfg, 32, 16, torch.float32, torch.device("cpu")) for _ in range(2)]
-    runners = [ModelRunner(model, TorchAttention(pool, model.cfg, model.dtype)) for pool in pools]
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [400, 401, 402], [9000] * 40]
-    tables = [[list(range(0, 4)), list(range(4, 8)), list(range(8, 12))] for _ in pools]
-    for runner, table in zip(runners, tables):
-        runner.run([SeqChunk(p, 0, t) for p, t in zip(prompts, table)])
-    decoder, outs = model.native_decoder, []
-    for runner, table, use_native in zip(runners, tables, (True, False)):
+    decoder = model.native_decoder
+    assert decoder is not None
+    pools = [KVPool(model.cfg, num_pages, 16, torch.float32, torch.device("cpu")) for _ in range(2)]
+    per_seq = num_pages // len(prompts)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+    outs = []
+    for pool, use_native in zip(pools, (True, False)):
+        runner = ModelRunner(model, TorchAttention(pool, model.cfg, model.dtype))
+        runner.run([SeqChunk(p, 0, t, is_prompt=True) for p, t in zip(prompts, tables)])
         model.native_decoder = decoder if use_native else None
         try:
-            outs.append(runner.run([SeqChunk([7 + i], len(p), t) for i, (p, t) in enumerate(zip(prompts, table))]))
+            outs.append(runner.run([SeqChunk([7 + i], len(p), t) for i, (p, t) in enumerate(zip(prompts, tables))]))
         finally:
             model.native_decoder = decoder
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(pools[0].data, pools[1].data, rtol=1e-6, atol=1e-6)
+    return outs, pools
 
 
 @needs_avx2
