@@ -14,6 +14,7 @@ from typing import Sequence
 
 from nodeserve.core.cost_model import CostModel, StepShape
 from nodeserve.core.load import DeviceLoad, Role, SloTarget, StepLimits
+from nodeserve.core.side_prefill import SidePrefill
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,25 @@ def prefill_steps(cost: CostModel, load: DeviceLoad, limits: StepLimits, num_pro
             t = cost.step_time(load.name, StepShape.of([(n, done if own else 0)], decodes))
             seconds, steps, longest, done = seconds + t, steps + 1, max(longest, t), done + n
     return seconds, steps, longest
+
+
+def side_prefill_seconds(cost: CostModel, load: DeviceLoad, limits: StepLimits, max_side_step_s: float,
+                         num_prompt_tokens: int) -> float:
+    """Seconds until a prompt a decode device prefills itself ends: its queued prompt tokens first, then this one,
+    in the chunks its scheduler adds beside its decode batch (core/side_prefill.py): the requests decoding there
+    and those whose prefill elsewhere ends first, each at the batch's mean context. A decode device with streams
+    prefills far slower than an idle one: its chunks are what keeps their token gaps within max_side_step_s."""
+    batch = load.num_decodes + load.num_incoming
+    contexts = [(load.decode_context + load.incoming_context) / batch] * batch if batch else []
+    budget = max(limits.max_num_batched_tokens - batch, 1)
+    chunk = budget
+    if batch:
+        side = SidePrefill(lambda: cost.devices.get(load.name), max_side_step_s, budget)
+        chunk = side.tokens(contexts, 0, budget)
+    total = load.queued_prefill_tokens + num_prompt_tokens
+    num_full, rest = divmod(total, chunk)
+    full = cost.step_time(load.name, StepShape.of([(chunk, 0)], contexts)) if num_full else 0.0
+    return num_full * full + (cost.step_time(load.name, StepShape.of([(rest, 0)], contexts)) if rest else 0.0)
 
 
 def predict(cost: CostModel, limits: StepLimits, loads: dict[str, DeviceLoad], prefill: str, decode: str,

@@ -21,9 +21,10 @@ from typing import Callable, Protocol, Sequence
 
 from nodeserve.core.cost_model import CostModel
 from nodeserve.core.load import DeviceLoad, Role, SloTarget, StepLimits
-from nodeserve.core.placement import Placement, choose_placement
+from nodeserve.core.placement import Placement, choose_placement, prefill_steps, side_prefill_seconds
 from nodeserve.core.request import Request
 from nodeserve.core.roles import RoleChange, RolePolicy
+from nodeserve.core.side_prefill import usable
 
 
 @dataclass(frozen=True)
@@ -51,14 +52,28 @@ def fits(load: DeviceLoad, num_tokens: int) -> bool:
     return load.free_tokens >= num_tokens
 
 
+@dataclass(frozen=True)
+class SideTiming:
+    """What lets the static placer compare a short prompt's prefill on its decode device, beside the decodes there,
+    with its wait on a prefill device, in seconds: the devices' step models (the start-up profile's, refitted
+    online), the step limits and the longest step a decode device's own prompts may make (SloTarget.max_side_step_s)."""
+
+    cost: Callable[[], CostModel]
+    limits: StepLimits
+    max_side_step_s: float
+
+
 class StaticPlacer:
-    def __init__(self, local_prefill_threshold: int = 0, local_prefill_when_busy: int = 0):
+    def __init__(self, local_prefill_threshold: int = 0, local_prefill_when_busy: int = 0,
+                 timing: SideTiming | None = None):
         """local_prefill_threshold: prompts with fewer new tokens always prefill on their decode device.
-        local_prefill_when_busy: prompts with fewer new tokens prefill there when every prefill device has at least
-        that many prompt tokens queued and the decode device fewer (conditional disaggregation): a short prompt
-        would wait behind a long one longer than its own prefill takes beside the decodes."""
+        local_prefill_when_busy: prompts with fewer new tokens may prefill there when every prefill device has at
+        least that many prompt tokens queued (conditional disaggregation): a short prompt would wait behind a long
+        one longer than its own prefill takes beside the decodes. Whether it would is predicted by `timing`'s step
+        models where they are usable, else by queued tokens (the decode device has fewer queued)."""
         self.local_prefill_threshold = local_prefill_threshold
         self.local_prefill_when_busy = local_prefill_when_busy
+        self.timing = timing
         self.num_busy_local = 0  # prompts local_prefill_when_busy kept on their decode device
 
     def observe(self, now: float, req: Request) -> None:
@@ -79,7 +94,7 @@ class StaticPlacer:
             return Decision(decode.name, decode.name)
         if num_new < self.local_prefill_when_busy:
             ahead = min(x.queued_prefill_tokens - x.cached_tokens for x in prefillers)
-            if ahead >= self.local_prefill_when_busy and decode.queued_prefill_tokens < ahead:
+            if ahead >= self.local_prefill_when_busy and self._sooner_here(decode, prefillers, req, ahead):
                 self.num_busy_local += 1
                 return Decision(decode.name, decode.name)
         # Prefill: the least work ahead, counting what its own cache saves; its prompt pages are taken now.
@@ -88,6 +103,26 @@ class StaticPlacer:
             return Decision(None, None)
         prefill = min(room, key=lambda x: x.queued_prefill_tokens - x.cached_tokens)
         return Decision(prefill.name, decode.name)
+
+    def _sooner_here(self, decode: DeviceLoad, prefillers: list[DeviceLoad], req: Request, ahead: int) -> bool:
+        """Whether req's prefill would end sooner on its decode device than on the least busy prefill device (its
+        KV handoff counted). By queued tokens alone, the decode device took half of a burst of short prompts and
+        then prefilled them 8-19 tokens a step beside its first streams for seconds, while the prefill device,
+        done with its half, idled (AVX2 class, 32 chat streams, four servers: 365-478 tok/s where it did, 530
+        where its first step, before any stream, happened to take its half whole)."""
+        timing = self.timing
+        cost = timing.cost() if timing is not None else None
+        if timing is None or cost is None or not all(usable(cost.devices.get(x.name)) for x in (decode, *prefillers)):
+            return decode.queued_prefill_tokens < ahead
+        limits = timing.limits
+        here = side_prefill_seconds(cost, decode, limits, timing.max_side_step_s,
+                                    req.num_prompt_tokens - decode.cached_tokens)
+
+        def there(x: DeviceLoad) -> float:
+            seconds = prefill_steps(cost, x, limits, req.num_prompt_tokens, min(x.cached_tokens, req.num_prompt_tokens))[0]
+            return seconds + cost.transfer_tail(x.name, decode.name, req.num_prompt_tokens, seconds)
+
+        return here < min(there(x) for x in prefillers)
 
 
 @dataclass

@@ -17,6 +17,11 @@ MIN_TOKENS = 8           # a local prompt always moves: a batch already past the
 MAX_FIT_ERROR = 0.3      # a model off by more (a profile taken on a starved core) is not used: the fixed chunk is
 
 
+def usable(model: StepModel | None) -> bool:
+    """Whether a step model predicts well enough to size work by (fitted, within MAX_FIT_ERROR of its samples)."""
+    return model is not None and model.rel_error is not None and model.rel_error <= MAX_FIT_ERROR
+
+
 @dataclass
 class SidePrefill:
     step_model: Callable[[], StepModel | None]  # the device's model as it stands (None: not measured)
@@ -28,7 +33,7 @@ class SidePrefill:
         prompt with num_cached tokens computed: the most whose predicted step fits max_step_s, at least
         MIN_TOKENS."""
         model = self.step_model()
-        if model is None or model.rel_error is None or model.rel_error > MAX_FIT_ERROR or self.max_step_s <= 0:
+        if model is None or not usable(model) or self.max_step_s <= 0:
             return min(self.fallback, most)
 
         def fits(n: int) -> bool:

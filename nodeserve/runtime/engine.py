@@ -16,7 +16,7 @@ from nodeserve.core.admission import QueueFull, SloAdmission, TooLarge
 from nodeserve.core.cost_model import FEATURES, StepModel
 from nodeserve.core.handoff import MigrationOutcome
 from nodeserve.core.load import SloTarget, StepLimits
-from nodeserve.core.placer import AdaptivePlacer
+from nodeserve.core.placer import AdaptivePlacer, Placer, SideTiming, StaticPlacer
 from nodeserve.core.prefill_order import DeadlineOrder
 from nodeserve.core.side_prefill import SidePrefill
 from nodeserve.core.request import Request, TokenEvent
@@ -178,10 +178,16 @@ class Engine:
         limits = StepLimits(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
         slo = SloTarget(cfg.slo.ttft_s, cfg.slo.tpot_s, cfg.slo.ttft_per_token_s)
         cost = self.cost_model
-        placer = AdaptivePlacer(cost, limits, slo, [w.name for w in self.workers]) \
+        adaptive = AdaptivePlacer(cost, limits, slo, [w.name for w in self.workers]) \
             if cfg.devices.mode == "adaptive" else None
+        placer: Placer | None = adaptive
+        if adaptive is None and cfg.devices.local_prefill_when_busy and cfg.scheduler.decode_prefill_chunk == 0:
+            # a short prompt stays on its decode device while the prefill device is busy only if, by the step
+            # models, it ends sooner there beside the decodes (its chunks sized as below)
+            placer = StaticPlacer(cfg.devices.local_prefill_threshold, cfg.devices.local_prefill_when_busy,
+                                  SideTiming(cost, limits, slo.max_side_step_s))
         self.router.use_policy(SloAdmission(slo, cfg.slo.admission == "reject", cfg.slo.margin, limits, cost,
-                                            cfg.devices.local_prefill_threshold, placer), placer)
+                                            cfg.devices.local_prefill_threshold, adaptive), placer)
         if cfg.scheduler.decode_prefill_chunk == 0:  # auto: sized by each decode device's own step model
             for w in self.workers:
                 if w.scheduler.limits.max_prefill_with_decodes:

@@ -3,8 +3,9 @@ prefill devices are busy; long prompts, and short ones while a prefill device is
 
 from __future__ import annotations
 
-from nodeserve.core.load import DeviceLoad
-from nodeserve.core.placer import StaticPlacer
+from nodeserve.core.cost_model import CostModel, StepModel
+from nodeserve.core.load import DeviceLoad, Role, StepLimits
+from nodeserve.core.placer import SideTiming, StaticPlacer
 from nodeserve.core.request import Request
 from nodeserve.core.sampling_params import SamplingParams
 
@@ -34,3 +35,38 @@ def test_off_by_default_and_the_plain_threshold_still_applies():
     placer = StaticPlacer()
     assert placer.place(0, _loads(5000), _req(100)).prefill == "cpu:0"
     assert StaticPlacer(local_prefill_threshold=200).place(0, _loads(0), _req(100)).prefill == "cpu:1"
+
+
+def _timing(rel_error: float = 0.05) -> SideTiming:
+    # 2 ms a prompt token or a decode row, 5 ms a step: 16 decodes take 37 ms of a 60 ms side budget, so a decode
+    # device beside them prefills 11 tokens a step (~190 tok/s), an idle one 500 tok/s
+    model = StepModel(coef=[0.005, 0.002, 0.0, 0.002, 0.0], rel_error=rel_error)
+    cost = CostModel({"cpu:0": model, "cpu:1": model})
+    return SideTiming(lambda: cost, StepLimits(1024, 64), 0.06)
+
+
+def _busy_loads(decode_queued: int, num_decodes: int, num_incoming: int = 0) -> list[DeviceLoad]:
+    return [DeviceLoad("cpu:0", Role.PREFILL, queued_prefill_tokens=600),
+            DeviceLoad("cpu:1", Role.DECODE, queued_prefill_tokens=decode_queued, num_decodes=num_decodes,
+                       decode_context=num_decodes * 100, num_incoming=num_incoming, incoming_context=num_incoming * 30)]
+
+
+def test_with_step_models_a_busy_time_prompt_stays_only_where_its_prefill_ends_sooner():
+    timed, counted = StaticPlacer(local_prefill_when_busy=512, timing=_timing()), StaticPlacer(local_prefill_when_busy=512)
+    # 200 tokens queued beside 16 decodes: 28 side steps (1.7 s) against the prefill device's 700 tokens (1.4 s);
+    # by tokens alone (200 < 600) it stayed
+    assert counted.place(0, _busy_loads(200, 16), _req(100)).prefill == "cpu:1"
+    assert timed.place(0, _busy_loads(200, 16), _req(100)).prefill == "cpu:0"
+    # ... the same prompt alone beside those decodes: 10 side steps (0.6 s): here
+    assert timed.place(0, _busy_loads(0, 16), _req(100)).prefill == "cpu:1"
+    # requests whose prefill elsewhere ends first join the batch its chunks are sized beside: 8 tokens a step
+    # beside 24 (25 steps, 1.7 s)
+    assert timed.place(0, _busy_loads(100, 0, num_incoming=24), _req(100)).prefill == "cpu:0"
+    # with nothing to decode it prefills whole chunks: 300 tokens, 0.6 s
+    assert timed.place(0, _busy_loads(200, 0), _req(100)).prefill == "cpu:1"
+    assert timed.num_busy_local == 2
+
+
+def test_a_step_model_off_by_too_much_falls_back_to_queued_tokens():
+    placer = StaticPlacer(local_prefill_when_busy=512, timing=_timing(rel_error=0.5))
+    assert placer.place(0, _busy_loads(200, 16), _req(100)).prefill == "cpu:1"
