@@ -336,6 +336,21 @@ def test_an_int8_or_bf16_row_is_the_same_in_any_tile(r16, matrices, flag):
 
 
 @pytest.mark.parametrize("act8", [0, native.ACT8], ids=["int16", "int8"])
+def test_a_prompts_rows_past_an_l2_chunk_are_the_rows_of_a_small_call(r16, matrices, act8):
+    """The 256-bit kernels take a long prompt's rows in chunks whose activations fit L2 (1,024 int16 rows of 96
+    values, 2,048 int8 ones): every row, on either side of a chunk's edge and in the last partial chunk, is what
+    a call with only its neighbours gives."""
+    build, flags = r16
+    torch.manual_seed(2)
+    x = torch.randn(2100, 96)
+    packed = build.repack(native.Q4_1, matrices["Q4_1"], 40, 96)
+    qtype = native.Q4_1 | flags | act8
+    whole = build.linear(qtype, packed, x, 40)
+    for lo, hi in ((0, 8), (1016, 1032), (2040, 2056), (2092, 2100)):
+        assert torch.equal(build.linear(qtype, packed, x[lo:hi], 40), whole[lo:hi]), (lo, hi)
+
+
+@pytest.mark.parametrize("act8", [0, native.ACT8], ids=["int16", "int8"])
 def test_repacked_linear_writes_only_the_columns_asked_for(r16, matrices, act8):
     """n_begin / n_end select whole 16-row groups (the split a helper thread would take); the rest is untouched,
     the 8 columns past the last row (n_end = 37: half a group's lanes masked) too."""

@@ -49,6 +49,7 @@
 #define R_AVXVNNI 0x1000 /* the 256-bit vpdpwssd / vpdpbusd kernels below */
 #define MAX_ROWS_256 4   /* activation rows a pass, both halves: 8 int32 accumulators + 2 weight vectors */
 #define PREFETCH_BYTES_256 8192  /* as vnni_gemm.c's PREFETCH_BYTES: a GEMV reads each weight byte once */
+#define ROWS_L2_BYTES_256 (192 * 1024)  /* activations a row chunk keeps in L2 (Zen 3's is 512 KiB) */
 
 /* Which of these kernels the build has: 1 the AVX2 ones, 2 the 256-bit VNNI ones (ns_r16_supported adds them). */
 int ns_r256_supported(void) { return (NS_R256 ? 1 : 0) | (NS_VNNI256 ? 2 : 0); }
@@ -279,32 +280,40 @@ static inline __attribute__((always_inline)) void linear_groups256(
         const float *sx, const float *cx, float *y, int64_t M, int64_t K, int64_t ldy, int64_t n_begin,
         int64_t n_end) {
     const int64_t nb = K / QK, gbytes = nb * r16_block_bytes(type);
+    /* Every group of 16 outputs passes over all the rows' activations: a prompt's (512 x 1,536 int16: 1.5 MiB)
+     * outgrow L2 and came from L3 once a group. Rows go in chunks whose activations stay in L2 instead, the
+     * weights read once a chunk (a multiple of the tile, so each row's tile and sums are the same). */
+    int64_t mc = ROWS_L2_BYTES_256 / ((act8 ? 1 : (int64_t)sizeof(int16_t)) * K) / MAX_ROWS_256 * MAX_ROWS_256;
+    if (mc < MAX_ROWS_256) mc = MAX_ROWS_256;
     __m256 f[2 * MAX_ROWS_256];
-    for (int64_t g = n_begin / GROUP; g * GROUP < n_end; g++) {
-        const uint8_t *wg = wr + g * gbytes;
-        if ((g + 1) * GROUP < n_end)
-            prefetch_weights(wg + gbytes, gbytes < 4096 ? gbytes : 4096);
-        for (int64_t i0 = 0; i0 < M; i0 += MAX_ROWS_256) {
-            const int64_t mt = M - i0 >= MAX_ROWS_256 ? MAX_ROWS_256 : M - i0;
-            const int16_t *x16 = (const int16_t *)xq + i0 * K;
-            const int8_t *x8 = (const int8_t *)xq + i0 * K;
-            const float *dt = dx + i0 * nb, *st = sx + i0 * nb, *ct = act8 ? cx + i0 * nb : NULL;
-            float *yt = y + i0 * ldy;
-#define NS_PASS(n, nh, h)                                                                                        \
-            if (act8) half_rows_i8(type, vnni, n, nh, wg, h, nb, x8, dt, st, ct, f);                            \
-            else half_rows(type, vnni, n, nh, wg, h, nb, x16, dt, st, f);                                       \
-            store_halves(f, n, nh, g * GROUP + 8 * (h), n_end, yt, ldy);
-#define NS_TILE256(n)                                                                                            \
-            NS_PASS(n, 2, 0)                                                                                     \
-            break;
-            switch (mt) {  /* constant tile sizes unroll fully */
-                case 4: NS_TILE256(4)
-                case 3: NS_TILE256(3)
-                case 2: NS_TILE256(2)
-                default: NS_TILE256(1)
-            }
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t m1 = M - m0 > mc ? m0 + mc : M;
+        for (int64_t g = n_begin / GROUP; g * GROUP < n_end; g++) {
+            const uint8_t *wg = wr + g * gbytes;
+            if ((g + 1) * GROUP < n_end)
+                prefetch_weights(wg + gbytes, gbytes < 4096 ? gbytes : 4096);
+            for (int64_t i0 = m0; i0 < m1; i0 += MAX_ROWS_256) {
+                const int64_t mt = m1 - i0 >= MAX_ROWS_256 ? MAX_ROWS_256 : m1 - i0;
+                const int16_t *x16 = (const int16_t *)xq + i0 * K;
+                const int8_t *x8 = (const int8_t *)xq + i0 * K;
+                const float *dt = dx + i0 * nb, *st = sx + i0 * nb, *ct = act8 ? cx + i0 * nb : NULL;
+                float *yt = y + i0 * ldy;
+#define NS_PASS(n, nh, h)                                                                                    \
+                if (act8) half_rows_i8(type, vnni, n, nh, wg, h, nb, x8, dt, st, ct, f);                            \
+                else half_rows(type, vnni, n, nh, wg, h, nb, x16, dt, st, f);                                       \
+                store_halves(f, n, nh, g * GROUP + 8 * (h), n_end, yt, ldy);
+#define NS_TILE256(n)                                                                                        \
+                NS_PASS(n, 2, 0)                                                                                     \
+                break;
+                switch (mt) {  /* constant tile sizes unroll fully */
+                    case 4: NS_TILE256(4)
+                    case 3: NS_TILE256(3)
+                    case 2: NS_TILE256(2)
+                    default: NS_TILE256(1)
+                }
 #undef NS_TILE256
 #undef NS_PASS
+            }
         }
     }
 }
