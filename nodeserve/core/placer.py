@@ -119,7 +119,8 @@ class StaticPlacer:
                                     req.num_prompt_tokens - decode.cached_tokens)
 
         def there(x: DeviceLoad) -> float:
-            seconds = prefill_steps(cost, x, limits, req.num_prompt_tokens, min(x.cached_tokens, req.num_prompt_tokens))[0]
+            n = req.num_prompt_tokens
+            seconds = prefill_steps(cost, x, limits, n, min(x.cached_tokens, n))[0]
             return seconds + cost.transfer_tail(x.name, decode.name, req.num_prompt_tokens, seconds)
 
         return here < min(there(x) for x in prefillers)
