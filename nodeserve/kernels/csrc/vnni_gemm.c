@@ -42,6 +42,7 @@
  * hardware prefetcher alone a batch-1 decode step took 4.4 ms on the AMD EPYC (Zen 5), 3.3-3.5 with 8 or 16 KB
  * ahead (1-2 KB: no better; bench/kernels.py's step rows). */
 #define PREFETCH_BYTES 8192
+#define ROWS_L2_BYTES (192 * 1024)  /* activations a row chunk of a prompt keeps in L2 */
 
 int ns_r256_supported(void);  /* r16_avx2.c: 1 its AVX2 kernels, 2 its 256-bit VNNI ones */
 int ns_linear_r256(int type, const uint8_t *wr, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
@@ -309,40 +310,47 @@ static inline __attribute__((always_inline)) void linear_groups(
         int type, const int act8, const uint8_t *wr, const void *xq, const float *dx, const float *sx,
         const float *cx, float *y, int64_t M, int64_t K, int64_t ldy, int64_t n_begin, int64_t n_end) {
     const int64_t nb = K / QK, gbytes = nb * r16_block_bytes(type);
+    /* A long prompt's rows in chunks whose activations stay in L2 while every group passes over them (as
+     * r16_avx2.c's linear_groups256; a multiple of the tile, so each row's tile is the same) */
+    int64_t mc = ROWS_L2_BYTES / ((act8 ? 1 : (int64_t)sizeof(int16_t)) * K) / MAX_ROWS * MAX_ROWS;
+    if (mc < MAX_ROWS) mc = MAX_ROWS;
     __m512 f[MAX_ROWS];
-    for (int64_t g = n_begin / GROUP; g * GROUP < n_end; g++) {
-        const uint8_t *wg = wr + g * gbytes;
-        /* the next group's first blocks while this one computes: the hardware prefetcher alone lags a GEMV */
-        if ((g + 1) * GROUP < n_end)
-            prefetch_weights(wg + gbytes, gbytes < 4096 ? gbytes : 4096);
-        const int64_t lo = g * GROUP, hi = lo + GROUP < n_end ? lo + GROUP : n_end;
-        const __mmask16 keep = (__mmask16)((1u << (hi - lo)) - 1);
-        for (int64_t i0 = 0; i0 < M; i0 += MAX_ROWS) {
-            const int64_t mt = M - i0 >= MAX_ROWS ? MAX_ROWS : M - i0;
-            const int16_t *x16 = (const int16_t *)xq + i0 * K;
-            const int8_t *x8 = (const int8_t *)xq + i0 * K;
-            const float *dt = dx + i0 * nb, *st = sx + i0 * nb, *ct = act8 ? cx + i0 * nb : NULL;
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t m1 = M - m0 > mc ? m0 + mc : M;
+        for (int64_t g = n_begin / GROUP; g * GROUP < n_end; g++) {
+            const uint8_t *wg = wr + g * gbytes;
+            /* the next group's first blocks while this one computes: the hardware prefetcher alone lags a GEMV */
+            if ((g + 1) * GROUP < n_end)
+                prefetch_weights(wg + gbytes, gbytes < 4096 ? gbytes : 4096);
+            const int64_t lo = g * GROUP, hi = lo + GROUP < n_end ? lo + GROUP : n_end;
+            const __mmask16 keep = (__mmask16)((1u << (hi - lo)) - 1);
+            for (int64_t i0 = m0; i0 < m1; i0 += MAX_ROWS) {
+                const int64_t mt = m1 - i0 >= MAX_ROWS ? MAX_ROWS : m1 - i0;
+                const int16_t *x16 = (const int16_t *)xq + i0 * K;
+                const int8_t *x8 = (const int8_t *)xq + i0 * K;
+                const float *dt = dx + i0 * nb, *st = sx + i0 * nb, *ct = act8 ? cx + i0 * nb : NULL;
 #define NS_TILE(n)                                                                                               \
-            if (act8) group_rows_i8(type, n, wg, nb, x8, dt, st, ct, f);                                         \
-            else if (n > MAX_NARROW_ROWS) group_rows_wide(type, n, wg, nb, x16, dt, st, f);                       \
-            else group_rows(type, n, wg, nb, x16, dt, st, f);                                                    \
-            break;
-            switch (mt) {  /* constant tile sizes unroll fully */
-                case 12: NS_TILE(12)
-                case 11: NS_TILE(11)
-                case 10: NS_TILE(10)
-                case 9: NS_TILE(9)
-                case 8: NS_TILE(8)
-                case 7: NS_TILE(7)
-                case 6: NS_TILE(6)
-                case 5: NS_TILE(5)
-                case 4: NS_TILE(4)
-                case 3: NS_TILE(3)
-                case 2: NS_TILE(2)
-                default: NS_TILE(1)
-            }
+                if (act8) group_rows_i8(type, n, wg, nb, x8, dt, st, ct, f);                                         \
+                else if (n > MAX_NARROW_ROWS) group_rows_wide(type, n, wg, nb, x16, dt, st, f);                       \
+                else group_rows(type, n, wg, nb, x16, dt, st, f);                                                    \
+                break;
+                switch (mt) {  /* constant tile sizes unroll fully */
+                    case 12: NS_TILE(12)
+                    case 11: NS_TILE(11)
+                    case 10: NS_TILE(10)
+                    case 9: NS_TILE(9)
+                    case 8: NS_TILE(8)
+                    case 7: NS_TILE(7)
+                    case 6: NS_TILE(6)
+                    case 5: NS_TILE(5)
+                    case 4: NS_TILE(4)
+                    case 3: NS_TILE(3)
+                    case 2: NS_TILE(2)
+                    default: NS_TILE(1)
+                }
 #undef NS_TILE
-            for (int64_t i = 0; i < mt; i++) _mm512_mask_storeu_ps(y + (i0 + i) * ldy + lo, keep, f[i]);
+                for (int64_t i = 0; i < mt; i++) _mm512_mask_storeu_ps(y + (i0 + i) * ldy + lo, keep, f[i]);
+            }
         }
     }
 }
