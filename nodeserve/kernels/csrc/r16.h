@@ -17,4 +17,16 @@ static inline int64_t r16_block_bytes(int type) { return type == R_Q4_0 ? 288 : 
 /* Where an R16 block's quants start (after its fp16 d, and m for Q4_1). */
 static inline int64_t quant_offset(int type) { return type == R_Q4_1 ? 64 : 32; }
 
+/* Every group of 16 outputs passes over all of a call's activation rows: a prompt chunk's (512 x 1,536 int16:
+ * 1.5 MiB) outgrow L2 and came from L3 once a group. The integer GEMMs take the rows in chunks of this many
+ * activation bytes instead, the weights read once a chunk. */
+#define ROWS_L2_BYTES (192 * 1024)
+
+/* Rows a chunk (activations of value_bytes each, K a row): a multiple of the tile, so each row's tile, and its
+ * sums, are the same as without chunks. */
+static inline int64_t l2_chunk_rows(int64_t K, int64_t value_bytes, int64_t tile) {
+    const int64_t rows = ROWS_L2_BYTES / (value_bytes * K) / tile * tile;
+    return rows > tile ? rows : tile;
+}
+
 #endif

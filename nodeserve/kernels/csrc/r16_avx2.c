@@ -49,7 +49,6 @@
 #define R_AVXVNNI 0x1000 /* the 256-bit vpdpwssd / vpdpbusd kernels below */
 #define MAX_ROWS_256 4   /* activation rows a pass, both halves: 8 int32 accumulators + 2 weight vectors */
 #define PREFETCH_BYTES_256 8192  /* as vnni_gemm.c's PREFETCH_BYTES: a GEMV reads each weight byte once */
-#define ROWS_L2_BYTES_256 (192 * 1024)  /* activations a row chunk keeps in L2 (Zen 3's is 512 KiB) */
 
 /* Which of these kernels the build has: 1 the AVX2 ones, 2 the 256-bit VNNI ones (ns_r16_supported adds them). */
 int ns_r256_supported(void) { return (NS_R256 ? 1 : 0) | (NS_VNNI256 ? 2 : 0); }
@@ -280,11 +279,7 @@ static inline __attribute__((always_inline)) void linear_groups256(
         const float *sx, const float *cx, float *y, int64_t M, int64_t K, int64_t ldy, int64_t n_begin,
         int64_t n_end) {
     const int64_t nb = K / QK, gbytes = nb * r16_block_bytes(type);
-    /* Every group of 16 outputs passes over all the rows' activations: a prompt's (512 x 1,536 int16: 1.5 MiB)
-     * outgrow L2 and came from L3 once a group. Rows go in chunks whose activations stay in L2 instead, the
-     * weights read once a chunk (a multiple of the tile, so each row's tile and sums are the same). */
-    int64_t mc = ROWS_L2_BYTES_256 / ((act8 ? 1 : (int64_t)sizeof(int16_t)) * K) / MAX_ROWS_256 * MAX_ROWS_256;
-    if (mc < MAX_ROWS_256) mc = MAX_ROWS_256;
+    const int64_t mc = l2_chunk_rows(K, act8 ? 1 : (int64_t)sizeof(int16_t), MAX_ROWS_256);  /* r16.h */
     __m256 f[2 * MAX_ROWS_256];
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
         const int64_t m1 = M - m0 > mc ? m0 + mc : M;

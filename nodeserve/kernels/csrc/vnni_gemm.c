@@ -42,7 +42,6 @@
  * hardware prefetcher alone a batch-1 decode step took 4.4 ms on the AMD EPYC (Zen 5), 3.3-3.5 with 8 or 16 KB
  * ahead (1-2 KB: no better; bench/kernels.py's step rows). */
 #define PREFETCH_BYTES 8192
-#define ROWS_L2_BYTES (192 * 1024)  /* activations a row chunk of a prompt keeps in L2 */
 
 int ns_r256_supported(void);  /* r16_avx2.c: 1 its AVX2 kernels, 2 its 256-bit VNNI ones */
 int ns_linear_r256(int type, const uint8_t *wr, const float *x, float *y, int64_t M, int64_t K, int64_t ldy,
@@ -310,10 +309,7 @@ static inline __attribute__((always_inline)) void linear_groups(
         int type, const int act8, const uint8_t *wr, const void *xq, const float *dx, const float *sx,
         const float *cx, float *y, int64_t M, int64_t K, int64_t ldy, int64_t n_begin, int64_t n_end) {
     const int64_t nb = K / QK, gbytes = nb * r16_block_bytes(type);
-    /* A long prompt's rows in chunks whose activations stay in L2 while every group passes over them (as
-     * r16_avx2.c's linear_groups256; a multiple of the tile, so each row's tile is the same) */
-    int64_t mc = ROWS_L2_BYTES / ((act8 ? 1 : (int64_t)sizeof(int16_t)) * K) / MAX_ROWS * MAX_ROWS;
-    if (mc < MAX_ROWS) mc = MAX_ROWS;
+    const int64_t mc = l2_chunk_rows(K, act8 ? 1 : (int64_t)sizeof(int16_t), MAX_ROWS);  /* r16.h */
     __m512 f[MAX_ROWS];
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
         const int64_t m1 = M - m0 > mc ? m0 + mc : M;
