@@ -293,11 +293,11 @@ static inline __attribute__((always_inline)) void linear_groups256(
                 const int8_t *x8 = (const int8_t *)xq + i0 * K;
                 const float *dt = dx + i0 * nb, *st = sx + i0 * nb, *ct = act8 ? cx + i0 * nb : NULL;
                 float *yt = y + i0 * ldy;
-#define NS_PASS(n, nh, h)                                                                                    \
-                if (act8) half_rows_i8(type, vnni, n, nh, wg, h, nb, x8, dt, st, ct, f);                            \
-                else half_rows(type, vnni, n, nh, wg, h, nb, x16, dt, st, f);                                       \
+#define NS_PASS(n, nh, h)                                                                                            \
+                if (act8) half_rows_i8(type, vnni, n, nh, wg, h, nb, x8, dt, st, ct, f);                             \
+                else half_rows(type, vnni, n, nh, wg, h, nb, x16, dt, st, f);                                        \
                 store_halves(f, n, nh, g * GROUP + 8 * (h), n_end, yt, ldy);
-#define NS_TILE256(n)                                                                                        \
+#define NS_TILE256(n)                                                                                                \
                 NS_PASS(n, 2, 0)                                                                                     \
                 break;
                 switch (mt) {  /* constant tile sizes unroll fully */

@@ -325,9 +325,9 @@ static inline __attribute__((always_inline)) void linear_groups(
                 const int16_t *x16 = (const int16_t *)xq + i0 * K;
                 const int8_t *x8 = (const int8_t *)xq + i0 * K;
                 const float *dt = dx + i0 * nb, *st = sx + i0 * nb, *ct = act8 ? cx + i0 * nb : NULL;
-#define NS_TILE(n)                                                                                               \
+#define NS_TILE(n)                                                                                                   \
                 if (act8) group_rows_i8(type, n, wg, nb, x8, dt, st, ct, f);                                         \
-                else if (n > MAX_NARROW_ROWS) group_rows_wide(type, n, wg, nb, x16, dt, st, f);                       \
+                else if (n > MAX_NARROW_ROWS) group_rows_wide(type, n, wg, nb, x16, dt, st, f);                      \
                 else group_rows(type, n, wg, nb, x16, dt, st, f);                                                    \
                 break;
                 switch (mt) {  /* constant tile sizes unroll fully */
