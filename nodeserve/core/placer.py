@@ -6,9 +6,11 @@ elsewhere. The runtime's router applies it: it reserves the pages, sends the pro
 moves their decodes; the simulator behind `nodeserve plan` applies the same decisions to its virtual devices.
 Nothing here calls back into either.
 
-  StaticPlacer    disaggregated and colocated modes: decode where a seat and the KV are free (longest cached
-                  prefix, then most free KV, then fewest seats taken), prefill on the prefill device with the least
-                  work ahead (its cache counted), or on the decode device itself (colocated, a prompt under
+  StaticPlacer    disaggregated and colocated modes: decode where a seat and the KV are free (where, by the step
+                  models, the request would end soonest: its own prefill there when it would prefill there, its
+                  decode beside that device's batch; without usable models, the longest cached prefix among the
+                  devices with about the fewest seats taken; then most free KV), prefill on the prefill device with
+                  the least work ahead (its cache counted), or on the decode device itself (colocated, a prompt under
                   local_prefill_threshold, or a short one while the prefill devices are busy:
                   local_prefill_when_busy).
   AdaptivePlacer  adaptive mode: choose_placement (placement.py) on the roles RolePolicy (roles.py) keeps.
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
-from nodeserve.core.cost_model import CostModel
+from nodeserve.core.cost_model import CostModel, StepShape
 from nodeserve.core.load import DeviceLoad, Role, SloTarget, StepLimits
 from nodeserve.core.placement import Placement, choose_placement, prefill_steps, side_prefill_seconds
 from nodeserve.core.request import Request
@@ -52,25 +54,32 @@ def fits(load: DeviceLoad, num_tokens: int) -> bool:
     return load.free_tokens >= num_tokens
 
 
+# Without step models: seats taken beyond the least loaded decode device's that a cached prefix may not outweigh
+# (one seat is a row in every step of a request's decode; a short prefix is a few tokens of prefill, once).
+MAX_SEAT_IMBALANCE = 4
+
+
 @dataclass(frozen=True)
-class SideTiming:
-    """What lets the static placer compare a short prompt's prefill on its decode device, beside the decodes there,
-    with its wait on a prefill device, in seconds: the devices' step models (the start-up profile's, refitted
-    online), the step limits and the longest step a decode device's own prompts may make (SloTarget.max_side_step_s)."""
+class StepTiming:
+    """What lets the static placer weigh its choices in seconds: the devices' step models (the start-up profile's,
+    refitted online), the step limits and the longest step a decode device's own prompts may make beside its
+    decodes (SloTarget.max_side_step_s; None where scheduler.decode_prefill_chunk fixes those chunks instead: the
+    busy-time rule then counts tokens)."""
 
     cost: Callable[[], CostModel]
     limits: StepLimits
-    max_side_step_s: float
+    max_side_step_s: float | None
 
 
 class StaticPlacer:
     def __init__(self, local_prefill_threshold: int = 0, local_prefill_when_busy: int = 0,
-                 timing: SideTiming | None = None):
+                 timing: StepTiming | None = None):
         """local_prefill_threshold: prompts with fewer new tokens always prefill on their decode device.
         local_prefill_when_busy: prompts with fewer new tokens may prefill there when every prefill device has at
         least that many prompt tokens queued (conditional disaggregation): a short prompt would wait behind a long
         one longer than its own prefill takes beside the decodes. Whether it would is predicted by `timing`'s step
-        models where they are usable, else by queued tokens (the decode device has fewer queued)."""
+        models where they are usable, else by queued tokens (the decode device has fewer queued). The decode device
+        is chosen by `timing` too (_decode_device)."""
         self.local_prefill_threshold = local_prefill_threshold
         self.local_prefill_when_busy = local_prefill_when_busy
         self.timing = timing
@@ -87,8 +96,8 @@ class StaticPlacer:
                     and fits(x, req.max_total_tokens)]
         if not decoders:
             return Decision(None, None)
-        decode = max(decoders, key=lambda x: (x.cached_tokens, x.free_tokens, x.free_seats))
         prefillers = [x for x in loads if x.role == Role.PREFILL]
+        decode = self._decode_device(decoders, bool(prefillers), req)
         num_new = req.num_prompt_tokens - decode.cached_tokens
         if not prefillers or num_new < self.local_prefill_threshold:
             return Decision(decode.name, decode.name)
@@ -104,6 +113,33 @@ class StaticPlacer:
         prefill = min(room, key=lambda x: x.queued_prefill_tokens - x.cached_tokens)
         return Decision(prefill.name, decode.name)
 
+    def _decode_device(self, decoders: list[DeviceLoad], disaggregated: bool, req: Request) -> DeviceLoad:
+        """Where req would end soonest by the step models: its prefill there (its queued prompts first, its cached
+        prefix saved) when it would prefill there, then max_tokens steps beside the batch there (every seat
+        taken, and this one), then the longest cached prefix, the most free KV. Without usable models, the longest
+        cached prefix among the devices within MAX_SEAT_IMBALANCE seats of the least loaded, then the most free KV. Longest cached prefix first put a 32-stream burst of chat prompts, whose template prefix
+        the first device cached, all on one colocated device, its lent neighbour's core splitting 32-row steps
+        (53 ms) where two devices step 16 rows each (36 ms; AVX2 class, 484 against 600 tok/s)."""
+        if len(decoders) == 1:
+            return decoders[0]
+        timing = self.timing
+        cost = timing.cost() if timing is not None else None
+        if timing is None or cost is None or not all(usable(cost.devices.get(x.name)) for x in decoders):
+            # as SGLang's cache-aware router: the cache decides unless the loads are too far apart
+            most_free = max(x.free_seats for x in decoders)
+            near = [x for x in decoders if x.free_seats >= most_free - MAX_SEAT_IMBALANCE]
+            return max(near, key=lambda x: (x.cached_tokens, x.free_tokens, x.free_seats))
+        limits, n, out = timing.limits, req.num_prompt_tokens, req.max_tokens
+
+        def end(x: DeviceLoad) -> float:
+            local = x.role != Role.DECODE or not disaggregated or n - x.cached_tokens < self.local_prefill_threshold
+            ttft = prefill_steps(cost, x, limits, n, min(x.cached_tokens, n))[0] if local else 0.0
+            batch = limits.max_num_seqs - x.free_seats + 1
+            context = x.decode_context + x.incoming_context + n + out // 2
+            return ttft + out * cost.step_time(x.name, StepShape(num_decodes=batch, decode_context=context))
+
+        return min(decoders, key=lambda x: (end(x), -x.cached_tokens, -x.free_tokens))
+
     def _sooner_here(self, decode: DeviceLoad, prefillers: list[DeviceLoad], req: Request, ahead: int) -> bool:
         """Whether req's prefill would end sooner on its decode device than on the least busy prefill device (its
         KV handoff counted). By queued tokens alone, the decode device took half of a burst of short prompts and
@@ -112,7 +148,8 @@ class StaticPlacer:
         where its first step, before any stream, happened to take its half whole)."""
         timing = self.timing
         cost = timing.cost() if timing is not None else None
-        if timing is None or cost is None or not all(usable(cost.devices.get(x.name)) for x in (decode, *prefillers)):
+        if timing is None or cost is None or timing.max_side_step_s is None or \
+                not all(usable(cost.devices.get(x.name)) for x in (decode, *prefillers)):
             return decode.queued_prefill_tokens < ahead
         limits = timing.limits
         here = side_prefill_seconds(cost, decode, limits, timing.max_side_step_s,

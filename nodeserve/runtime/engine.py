@@ -16,7 +16,7 @@ from nodeserve.core.admission import QueueFull, SloAdmission, TooLarge
 from nodeserve.core.cost_model import FEATURES, StepModel
 from nodeserve.core.handoff import MigrationOutcome
 from nodeserve.core.load import SloTarget, StepLimits
-from nodeserve.core.placer import AdaptivePlacer, Placer, SideTiming, StaticPlacer
+from nodeserve.core.placer import AdaptivePlacer, Placer, StaticPlacer, StepTiming
 from nodeserve.core.prefill_order import DeadlineOrder
 from nodeserve.core.side_prefill import SidePrefill
 from nodeserve.core.request import Request, TokenEvent
@@ -181,11 +181,13 @@ class Engine:
         adaptive = AdaptivePlacer(cost, limits, slo, [w.name for w in self.workers]) \
             if cfg.devices.mode == "adaptive" else None
         placer: Placer | None = adaptive
-        if adaptive is None and cfg.devices.local_prefill_when_busy and cfg.scheduler.decode_prefill_chunk == 0:
-            # a short prompt stays on its decode device while the prefill device is busy only if, by the step
-            # models, it ends sooner there beside the decodes (its chunks sized as below)
+        if adaptive is None:
+            # the decode device is where a request ends soonest by the step models; a short prompt stays on its
+            # decode device while the prefill device is busy only if it ends sooner there beside the decodes (its
+            # chunks sized as below; by tokens where decode_prefill_chunk fixes them)
+            side_step_s = slo.max_side_step_s if cfg.scheduler.decode_prefill_chunk == 0 else None
             placer = StaticPlacer(cfg.devices.local_prefill_threshold, cfg.devices.local_prefill_when_busy,
-                                  SideTiming(cost, limits, slo.max_side_step_s))
+                                  StepTiming(cost, limits, side_step_s))
         self.router.use_policy(SloAdmission(slo, cfg.slo.admission == "reject", cfg.slo.margin, limits, cost,
                                             cfg.devices.local_prefill_threshold, adaptive), placer)
         if cfg.scheduler.decode_prefill_chunk == 0:  # auto: sized by each decode device's own step model

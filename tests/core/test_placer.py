@@ -1,11 +1,12 @@
-"""The static placer's conditional disaggregation: a short prompt prefills beside its decodes only while the
+"""The static placer: its decode device (where a request ends soonest, or the cache within a few seats of the
+least loaded), and its conditional disaggregation: a short prompt prefills beside its decodes only while the
 prefill devices are busy; long prompts, and short ones while a prefill device is free, go to a prefill device."""
 
 from __future__ import annotations
 
 from nodeserve.core.cost_model import CostModel, StepModel
 from nodeserve.core.load import DeviceLoad, Role, StepLimits
-from nodeserve.core.placer import SideTiming, StaticPlacer
+from nodeserve.core.placer import StepTiming, StaticPlacer
 from nodeserve.core.request import Request
 from nodeserve.core.sampling_params import SamplingParams
 
@@ -37,12 +38,12 @@ def test_off_by_default_and_the_plain_threshold_still_applies():
     assert StaticPlacer(local_prefill_threshold=200).place(0, _loads(0), _req(100)).prefill == "cpu:1"
 
 
-def _timing(rel_error: float = 0.05) -> SideTiming:
+def _timing(rel_error: float = 0.05) -> StepTiming:
     # 2 ms a prompt token or a decode row, 5 ms a step: 16 decodes take 37 ms of a 60 ms side budget, so a decode
     # device beside them prefills 11 tokens a step (~190 tok/s), an idle one 500 tok/s
     model = StepModel(coef=[0.005, 0.002, 0.0, 0.002, 0.0], rel_error=rel_error)
     cost = CostModel({"cpu:0": model, "cpu:1": model})
-    return SideTiming(lambda: cost, StepLimits(1024, 64), 0.06)
+    return StepTiming(lambda: cost, StepLimits(1024, 64), 0.06)
 
 
 def _busy_loads(decode_queued: int, num_decodes: int, num_incoming: int = 0) -> list[DeviceLoad]:
@@ -70,3 +71,29 @@ def test_with_step_models_a_busy_time_prompt_stays_only_where_its_prefill_ends_s
 def test_a_step_model_off_by_too_much_falls_back_to_queued_tokens():
     placer = StaticPlacer(local_prefill_when_busy=512, timing=_timing(rel_error=0.5))
     assert placer.place(0, _busy_loads(200, 16), _req(100)).prefill == "cpu:1"
+
+
+def _colocated(cached: tuple[int, int], taken: tuple[int, int]) -> list[DeviceLoad]:
+    return [DeviceLoad(f"cpu:{i}", Role.COLOCATED, free_seats=64 - taken[i], num_decodes=taken[i],
+                       decode_context=taken[i] * 100, cached_tokens=cached[i]) for i in (0, 1)]
+
+
+def test_with_step_models_a_decode_device_is_where_the_request_ends_soonest():
+    placer = StaticPlacer(timing=_timing())
+    # a chat template's 32 cached tokens save 64 ms of prefill once; a 17th row costs every one of 16 steps 2 ms
+    # more than the idle device's first (the burst that stacked on one device)
+    assert placer.place(0, _colocated((32, 0), (16, 0)), _req(100)).decode == "cpu:1"
+    # over 16 tokens the 64 ms are worth one row more there (32 ms), not three (96 ms)
+    assert placer.place(0, _colocated((32, 0), (8, 7)), _req(100)).decode == "cpu:0"
+    assert placer.place(0, _colocated((32, 0), (8, 5)), _req(100)).decode == "cpu:1"
+    # a long cached prefix saves seconds: worth a batch far larger than the other device's
+    assert placer.place(0, _colocated((2000, 0), (16, 0)), _req(2100)).decode == "cpu:0"
+    # equal loads: the cache decides
+    assert placer.place(0, _colocated((0, 32), (4, 4)), _req(100)).decode == "cpu:1"
+
+
+def test_without_step_models_the_cache_decides_within_a_few_seats_of_the_least_loaded():
+    for placer in (StaticPlacer(), StaticPlacer(timing=_timing(rel_error=0.5))):
+        assert placer.place(0, _colocated((32, 0), (4, 0)), _req(100)).decode == "cpu:0"
+        assert placer.place(0, _colocated((32, 0), (5, 0)), _req(100)).decode == "cpu:1"
+        assert placer.place(0, _colocated((2000, 0), (16, 0)), _req(2100)).decode == "cpu:1"
