@@ -13,6 +13,7 @@ the median of the rounds' paired ratios (one server per round and method; every 
 
     python bench/speculative.py --out bench/results/speculative.json
     python bench/speculative.py --cpu-class avx2 --out bench/results/speculative-avx2.json  # the AVX2 class
+    python bench/speculative.py --model-extra 'decode_activations = "int8"'   # int8 decode and verify rows
 """
 
 from __future__ import annotations
@@ -136,10 +137,11 @@ async def workload(url: str, max_tokens: int) -> dict:
 
 
 def serve_workload(mode: str, tmp: str, log: str, max_tokens: int, extra: str = "", devices_extra: str = "",
-                   env: dict[str, str] | None = None) -> dict:
+                   env: dict[str, str] | None = None, model_extra: str = "") -> dict:
     """One server (bench/local_server.py: the default config plus these TOML lines) through workload(), then
     stopped."""
-    proc, url = start_server(mode, "auto", tmp, log, extra=extra, devices_extra=devices_extra, env=env)
+    proc, url = start_server(mode, "auto", tmp, log, extra=extra, devices_extra=devices_extra, env=env,
+                             model_extra=model_extra)
     try:
         return asyncio.run(workload(url, max_tokens))
     finally:
@@ -193,6 +195,8 @@ def main() -> int:
                     help="servers forced to this CPU class's kernels (bench/cpu_class.py; a proxy on a larger CPU)")
     ap.add_argument("--rounds", type=int, default=3, help="off / method servers alternated this many times")
     ap.add_argument("--log-dir", default="", help="keep the servers' logs here (default: a temporary directory)")
+    ap.add_argument("--model-extra", default="", help='more [model] lines for every server, off and on alike, '
+                    'e.g. \'decode_activations = "int8"\'')
     args = ap.parse_args()
     results: dict = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                                  "load_before": os.getloadavg()},
@@ -211,7 +215,7 @@ def main() -> int:
                     runs[method] = serve_workload(mode, tmp, log, args.max_tokens,
                                                   extra=f'[speculative]\nmethod = "{method}"\n'
                                                         f'draft_model = "{args.draft_model}"\n',
-                                                  env=nodeserve_env(args.cpu_class))
+                                                  env=nodeserve_env(args.cpu_class), model_extra=args.model_extra)
                 rounds.append(runs)
             results["modes"][mode] = summarize(rounds, methods)
             for method in methods:

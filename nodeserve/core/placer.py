@@ -114,12 +114,14 @@ class StaticPlacer:
         return Decision(prefill.name, decode.name)
 
     def _decode_device(self, decoders: list[DeviceLoad], disaggregated: bool, req: Request) -> DeviceLoad:
-        """Where req would end soonest by the step models: its prefill there (its queued prompts first, its cached
-        prefix saved) when it would prefill there, then max_tokens steps beside the batch there (every seat
-        taken, and this one), then the longest cached prefix, the most free KV. Without usable models, the longest
-        cached prefix among the devices within MAX_SEAT_IMBALANCE seats of the least loaded, then the most free KV. Longest cached prefix first put a 32-stream burst of chat prompts, whose template prefix
-        the first device cached, all on one colocated device, its lent neighbour's core splitting 32-row steps
-        (53 ms) where two devices step 16 rows each (36 ms; AVX2 class, 484 against 600 tok/s)."""
+        """Where req would end soonest by the step model (the best fitted of the decoders'): its prefill there
+        (its queued prompts first, its cached prefix saved) when it would prefill there, then max_tokens steps
+        beside the batch there (every seat taken, and this one); then the longest cached prefix, the most free
+        KV. Without usable models, the longest cached prefix among the devices within MAX_SEAT_IMBALANCE seats of
+        the least loaded, then the most free KV. Longest cached prefix first put a 32-stream burst of chat
+        prompts, whose template prefix the first device cached, all on one colocated device, its lent
+        neighbour's core splitting 32-row steps (53 ms) where two devices step 16 rows each (36 ms; AVX2 class,
+        484 against 600 tok/s)."""
         if len(decoders) == 1:
             return decoders[0]
         timing = self.timing
@@ -129,14 +131,20 @@ class StaticPlacer:
             most_free = max(x.free_seats for x in decoders)
             near = [x for x in decoders if x.free_seats >= most_free - MAX_SEAT_IMBALANCE]
             return max(near, key=lambda x: (x.cached_tokens, x.free_tokens, x.free_seats))
+        # The devices a static mode balances are alike (one node's cores or GPUs), so one model, the best fitted,
+        # prices them all: the online refits' differences are the shapes each device happened to run. Each its
+        # own, a device that had run verify steps (a sequence's rows, cheaper than as many streams') priced its
+        # rows 40 % lower and took 60 % more of a 32-stream burst.
+        ref = min((cost.devices[x.name] for x in decoders), key=lambda m: m.rel_error or 0.0)
+        alike = CostModel({x.name: ref for x in decoders})
         limits, n, out = timing.limits, req.num_prompt_tokens, req.max_tokens
 
         def end(x: DeviceLoad) -> float:
             local = x.role != Role.DECODE or not disaggregated or n - x.cached_tokens < self.local_prefill_threshold
-            ttft = prefill_steps(cost, x, limits, n, min(x.cached_tokens, n))[0] if local else 0.0
+            ttft = prefill_steps(alike, x, limits, n, min(x.cached_tokens, n))[0] if local else 0.0
             batch = limits.max_num_seqs - x.free_seats + 1
             context = x.decode_context + x.incoming_context + n + out // 2
-            return ttft + out * cost.step_time(x.name, StepShape(num_decodes=batch, decode_context=context))
+            return ttft + out * ref.step_time(StepShape(num_decodes=batch, decode_context=context))
 
         return min(decoders, key=lambda x: (end(x), -x.cached_tokens, -x.free_tokens))
 

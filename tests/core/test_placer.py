@@ -97,3 +97,14 @@ def test_without_step_models_the_cache_decides_within_a_few_seats_of_the_least_l
         assert placer.place(0, _colocated((32, 0), (4, 0)), _req(100)).decode == "cpu:0"
         assert placer.place(0, _colocated((32, 0), (5, 0)), _req(100)).decode == "cpu:1"
         assert placer.place(0, _colocated((2000, 0), (16, 0)), _req(2100)).decode == "cpu:1"
+
+
+def test_one_model_the_best_fitted_prices_every_decode_device():
+    # cpu:0's refits priced its rows at a quarter of cpu:1's (it had run a sequence's verify rows): by its own
+    # model it would take the 11th stream beside cpu:1's 8
+    cheap = StepModel(coef=[0.005, 0.002, 0.0, 0.0005, 0.0], rel_error=0.2)
+    fitted = StepModel(coef=[0.005, 0.002, 0.0, 0.002, 0.0], rel_error=0.05)
+    cost = CostModel({"cpu:0": cheap, "cpu:1": fitted})
+    placer = StaticPlacer(timing=StepTiming(lambda: cost, StepLimits(1024, 64), 0.06))
+    assert placer.place(0, _colocated((0, 0), (10, 8)), _req(100)).decode == "cpu:1"
+    assert placer.place(0, _colocated((0, 0), (8, 10)), _req(100)).decode == "cpu:0"
