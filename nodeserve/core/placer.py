@@ -60,7 +60,7 @@ MAX_SEAT_IMBALANCE = 4
 
 
 @dataclass(frozen=True)
-class StepTiming:
+class PlacerTiming:
     """What lets the static placer weigh its choices in seconds: the devices' step models (the start-up profile's,
     refitted online), the step limits and the longest step a decode device's own prompts may make beside its
     decodes (SloTarget.max_side_step_s; None where scheduler.decode_prefill_chunk fixes those chunks instead: the
@@ -73,7 +73,7 @@ class StepTiming:
 
 class StaticPlacer:
     def __init__(self, local_prefill_threshold: int = 0, local_prefill_when_busy: int = 0,
-                 timing: StepTiming | None = None):
+                 timing: PlacerTiming | None = None):
         """local_prefill_threshold: prompts with fewer new tokens always prefill on their decode device.
         local_prefill_when_busy: prompts with fewer new tokens may prefill there when every prefill device has at
         least that many prompt tokens queued (conditional disaggregation): a short prompt would wait behind a long

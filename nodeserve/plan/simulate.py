@@ -38,7 +38,7 @@ from nodeserve.core.cost_model import CostModel, StepShape
 from nodeserve.core.handoff import (Arrival, FreePages, Handoff, Migrate, Migration, MigrationOutcome, MigrationStep,
                                     next_migration_step)
 from nodeserve.core.load import Role, SloTarget, StepLimits
-from nodeserve.core.placer import AdaptivePlacer, Placer, StaticPlacer, StepTiming
+from nodeserve.core.placer import AdaptivePlacer, Placer, StaticPlacer, PlacerTiming
 from nodeserve.core.prefill_order import DeadlineOrder
 from nodeserve.core.request import Request, TokenEvent
 from nodeserve.core.roles import RoleChange
@@ -187,7 +187,7 @@ class Simulation:
         self.names = sorted(self.roles, key=lambda d: self.roles[d] != Role.PREFILL)
         # as the engine's: decode devices chosen by the step models; with side chunks sized by them, a busy-time
         # local prefill is weighed by them too
-        timing = StepTiming(lambda: cost, limits, slo.max_side_step_s if side_prefill else None)
+        timing = PlacerTiming(lambda: cost, limits, slo.max_side_step_s if side_prefill else None)
         self.placer: Placer = StaticPlacer(local_prefill_threshold, local_prefill_when_busy, timing)
         if Role.ADAPTIVE in self.roles.values():
             self.placer = AdaptivePlacer(lambda: cost, limits, slo, self.names)

@@ -16,7 +16,7 @@ from nodeserve.core.admission import QueueFull, SloAdmission, TooLarge
 from nodeserve.core.cost_model import FEATURES, StepModel
 from nodeserve.core.handoff import MigrationOutcome
 from nodeserve.core.load import SloTarget, StepLimits
-from nodeserve.core.placer import AdaptivePlacer, Placer, StaticPlacer, StepTiming
+from nodeserve.core.placer import AdaptivePlacer, Placer, StaticPlacer, PlacerTiming
 from nodeserve.core.prefill_order import DeadlineOrder
 from nodeserve.core.side_prefill import SidePrefill
 from nodeserve.core.request import Request, TokenEvent
@@ -187,7 +187,7 @@ class Engine:
             # chunks sized as below; by tokens where decode_prefill_chunk fixes them)
             side_step_s = slo.max_side_step_s if cfg.scheduler.decode_prefill_chunk == 0 else None
             placer = StaticPlacer(cfg.devices.local_prefill_threshold, cfg.devices.local_prefill_when_busy,
-                                  StepTiming(cost, limits, side_step_s))
+                                  PlacerTiming(cost, limits, side_step_s))
         self.router.use_policy(SloAdmission(slo, cfg.slo.admission == "reject", cfg.slo.margin, limits, cost,
                                             cfg.devices.local_prefill_threshold, adaptive), placer)
         if cfg.scheduler.decode_prefill_chunk == 0:  # auto: sized by each decode device's own step model

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from nodeserve.core.cost_model import CostModel, StepModel
 from nodeserve.core.load import DeviceLoad, Role, StepLimits
-from nodeserve.core.placer import StepTiming, StaticPlacer
+from nodeserve.core.placer import PlacerTiming, StaticPlacer
 from nodeserve.core.request import Request
 from nodeserve.core.sampling_params import SamplingParams
 
@@ -38,12 +38,12 @@ def test_off_by_default_and_the_plain_threshold_still_applies():
     assert StaticPlacer(local_prefill_threshold=200).place(0, _loads(0), _req(100)).prefill == "cpu:1"
 
 
-def _timing(rel_error: float = 0.05) -> StepTiming:
+def _timing(rel_error: float = 0.05) -> PlacerTiming:
     # 2 ms a prompt token or a decode row, 5 ms a step: 16 decodes take 37 ms of a 60 ms side budget, so a decode
     # device beside them prefills 11 tokens a step (~190 tok/s), an idle one 500 tok/s
     model = StepModel(coef=[0.005, 0.002, 0.0, 0.002, 0.0], rel_error=rel_error)
     cost = CostModel({"cpu:0": model, "cpu:1": model})
-    return StepTiming(lambda: cost, StepLimits(1024, 64), 0.06)
+    return PlacerTiming(lambda: cost, StepLimits(1024, 64), 0.06)
 
 
 def _busy_loads(decode_queued: int, num_decodes: int, num_incoming: int = 0) -> list[DeviceLoad]:
@@ -105,6 +105,6 @@ def test_one_model_the_best_fitted_prices_every_decode_device():
     cheap = StepModel(coef=[0.005, 0.002, 0.0, 0.0005, 0.0], rel_error=0.2)
     fitted = StepModel(coef=[0.005, 0.002, 0.0, 0.002, 0.0], rel_error=0.05)
     cost = CostModel({"cpu:0": cheap, "cpu:1": fitted})
-    placer = StaticPlacer(timing=StepTiming(lambda: cost, StepLimits(1024, 64), 0.06))
+    placer = StaticPlacer(timing=PlacerTiming(lambda: cost, StepLimits(1024, 64), 0.06))
     assert placer.place(0, _colocated((0, 0), (10, 8)), _req(100)).decode == "cpu:1"
     assert placer.place(0, _colocated((0, 0), (8, 10)), _req(100)).decode == "cpu:0"
