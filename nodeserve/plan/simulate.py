@@ -38,7 +38,7 @@ from nodeserve.core.cost_model import CostModel, StepShape
 from nodeserve.core.handoff import (Arrival, FreePages, Handoff, Migrate, Migration, MigrationOutcome, MigrationStep,
                                     next_migration_step)
 from nodeserve.core.load import Role, SloTarget, StepLimits
-from nodeserve.core.placer import AdaptivePlacer, Placer, StaticPlacer, PlacerTiming
+from nodeserve.core.placer import AdaptivePlacer, Placer, PlacerTiming, StaticPlacer
 from nodeserve.core.prefill_order import DeadlineOrder
 from nodeserve.core.request import Request, TokenEvent
 from nodeserve.core.roles import RoleChange

@@ -16,7 +16,7 @@ from nodeserve.core.admission import QueueFull, SloAdmission, TooLarge
 from nodeserve.core.cost_model import FEATURES, StepModel
 from nodeserve.core.handoff import MigrationOutcome
 from nodeserve.core.load import SloTarget, StepLimits
-from nodeserve.core.placer import AdaptivePlacer, Placer, StaticPlacer, PlacerTiming
+from nodeserve.core.placer import AdaptivePlacer, Placer, PlacerTiming, StaticPlacer
 from nodeserve.core.prefill_order import DeadlineOrder
 from nodeserve.core.side_prefill import SidePrefill
 from nodeserve.core.request import Request, TokenEvent
