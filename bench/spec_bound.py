@@ -39,7 +39,7 @@ from cpu_class import nodeserve_env  # noqa: E402
 from speculative import CHAT, REPETITION, one  # noqa: E402
 
 from nodeserve.config import SpeculativeSection  # noqa: E402
-from nodeserve.core.cost_model import StepModel, StepShape  # noqa: E402
+from nodeserve.core.cost_model import StepModel  # noqa: E402
 from nodeserve.core.request import Request  # noqa: E402
 from nodeserve.core.sampling_params import SamplingParams  # noqa: E402
 from nodeserve.core.speculation import SeqSpeculation, Speculator  # noqa: E402
