@@ -158,6 +158,13 @@ class Profiler:
                 self._seen[w.name] = records[-1].end
                 m = self.model.devices[w.name]
                 for r in records:
+                    # Not steps that verified guesses: their rows are one sequence's (its KV read once for all of
+                    # them), mostly at one stream with the other core lent. Fitted as decode rows of as many
+                    # streams, after bench/speculative.py's repetition prompts they priced a decode row at 0.30 ms
+                    # (and 3.35 a pass of 8) where plain steps' fits say 1.6-1.9 ms (SmolLM2, Zen 4), and the
+                    # 32-stream burst after them was priced by that.
+                    if r.num_guess_rows:
+                        continue
                     m.add(StepShape(r.num_prefill_tokens, r.prefill_pairs, r.num_decodes, r.decode_context),
                           r.end - r.start, online=True)
                 m.refit()

@@ -80,6 +80,7 @@ class StepRecord:
     decode_context: int = 0      # tokens the decode rows attend, in total
     prefill_pairs: float = 0.0   # query-key pairs the prefill chunks attend (cost_model.StepShape)
     num_decode_tokens: int = -1  # tokens the decode rows made (a verify step's: fewer than its rows); -1: one a row
+    num_guess_rows: int = 0      # of the decode rows, those that verified guesses (core/speculation.py)
 
 
 class Worker:
@@ -350,7 +351,8 @@ class Worker:
                                        sum(len(c.token_ids) * c.start_pos + c.num_draft_tokens * (c.num_draft_tokens + 1) // 2
                                            for c in decodes),
                                        sum(len(c.token_ids) * (c.start_pos + len(c.token_ids) / 2) for c in prefills),
-                                       sum(len(o) if isinstance(o, list) else 1 for o in outcomes[:batch.num_decodes])))
+                                       sum(len(o) if isinstance(o, list) else 1 for o in outcomes[:batch.num_decodes]),
+                                       sum(c.num_draft_tokens for c in decodes)))
         self._finish(self.scheduler.postprocess(batch, outcomes, end))
 
     def _count_failed_step(self, failed: bool, error: BaseException | None) -> None:

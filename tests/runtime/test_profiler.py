@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 import pytest
 
@@ -68,6 +70,26 @@ def test_profile_measures_every_device_and_refines_online(loaded_fp32):
         assert contexts and all(40 <= c <= 46 for c in contexts)
         return True
     assert _run(_config(), loaded_fp32, body)
+
+
+def test_steps_that_verified_guesses_are_not_fitted_online(loaded_fp32):
+    async def body(engine: Engine):
+        decoder = next(w for w in engine.profiler.workers if w.name == "cpu:1")
+        model = engine.profiler.model.devices["cpu:1"]
+        before, seen = len(model.online_samples), time.monotonic()
+        ids = list(range(1000, 1012)) * 4  # a repeating prompt: prompt lookup finds guesses at every step
+        stream = engine.add_request(ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        assert await _drain(stream) == 12
+        engine.profiler.refine()
+        guessed = [r for r in decoder.records.since(seen) if r.num_guess_rows]
+        assert guessed and all(r.num_decodes == 1 + r.num_guess_rows for r in guessed)  # one stream's rows
+        # one stream: a plain decode step has one row; a verify step's rows must not enter the fit as decodes
+        assert all(f[3] <= 1 for f, _ in list(model.online_samples)[before:])
+        return True
+    config = _config()
+    config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative, method="prompt_lookup",
+                                                                          adaptive=False))
+    assert _run(config, loaded_fp32, body)
 
 
 def test_admission_rejects_a_request_whose_predicted_ttft_misses(loaded_fp32):
