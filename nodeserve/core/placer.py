@@ -132,9 +132,10 @@ class StaticPlacer:
             near = [x for x in decoders if x.free_seats >= most_free - MAX_SEAT_IMBALANCE]
             return max(near, key=lambda x: (x.cached_tokens, x.free_tokens, x.free_seats))
         # The devices a static mode balances are alike (one node's cores or GPUs), so one model, the best fitted,
-        # prices them all: the online refits' differences are the shapes each device happened to run. Each its
-        # own, a device that had run verify steps (a sequence's rows, cheaper than as many streams') priced its
-        # rows 40 % lower and took 60 % more of a 32-stream burst.
+        # prices them all: the online refits' differences are the shapes each device happened to run (steps with
+        # the other core lent or not; verify steps, which skewed them most, no longer enter them: runtime/
+        # profiler.py). Each its own, a device that had run verify steps priced its rows 40 % lower and took 60 %
+        # more of a 32-stream burst.
         ref = min((cost.devices[x.name] for x in decoders), key=lambda m: m.rel_error or 0.0)
         alike = CostModel({x.name: ref for x in decoders})
         limits, n, out = timing.limits, req.num_prompt_tokens, req.max_tokens

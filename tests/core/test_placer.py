@@ -100,7 +100,7 @@ def test_without_step_models_the_cache_decides_within_a_few_seats_of_the_least_l
 
 
 def test_one_model_the_best_fitted_prices_every_decode_device():
-    # cpu:0's refits priced its rows at a quarter of cpu:1's (it had run a sequence's verify rows): by its own
+    # cpu:0's refits priced its rows at a quarter of cpu:1's (steps its refits saw and cpu:1's did not): by its own
     # model it would take the 11th stream beside cpu:1's 8
     cheap = StepModel(coef=[0.005, 0.002, 0.0, 0.0005, 0.0], rel_error=0.2)
     fitted = StepModel(coef=[0.005, 0.002, 0.0, 0.002, 0.0], rel_error=0.05)
