@@ -105,6 +105,7 @@ class Engine:
         self._refined = 0.0
         self.tiers: KVTiers | None = None  # the host and disk tiers and the loaders (prefix_cache on)
         self._prefix_retry_armed = False
+        self._room_due = False  # a _room call is scheduled on the loop
         self.kv_events: KVEventPublisher | None = None  # [kv_events]
         self.lending: CoreLending | None = None         # devices.lend_idle_cores
 
@@ -115,7 +116,7 @@ class Engine:
         node = build_node(self.config, self.loaded, self.max_model_len, NodeEvents(
             self._emit_batch_threadsafe, self._released_threadsafe, self._migrated_threadsafe, self.on_transfer,
             self.on_migration or (lambda outcome, downtime, num_pages: None), self._arm_prefix_retry,
-            self._placement_failed), self.draft)
+            self._placement_failed, self._room_threadsafe), self.draft)
         self.prefill_workers, self.decode_workers, self.transfers = node.prefill_workers, node.decode_workers, \
             node.transfers
         self.router, self.tiers, self.kv_events, self.lending = node.router, node.tiers, node.kv_events, node.lending
@@ -327,6 +328,20 @@ class Engine:
         self._prefix_retry_armed = False
         if self.router.waiting_for_prefix:
             self.router.dispatch()  # arms the timer again if a request still waits
+
+    def _room_threadsafe(self) -> None:
+        if not self._room_due and self._loop is not None and not self._loop.is_closed():
+            self._room_due = True  # a burst of frees (one a copied prompt) asks for one dispatch
+            self._loop.call_soon_threadsafe(self._room)
+
+    def _room(self) -> None:
+        """A device has room that no ended request made: prompts it prefilled left its queue, or its copied pages
+        came back. A request waiting for that (a prefill device's pages; in adaptive mode a decode seat, which a
+        prefill device with nothing queued gives back: core/roles.py free_a_seat) is placed now, not at the next
+        request's end, which under long decodes came ~45 s later while the prefill device idled."""
+        self._room_due = False
+        if self.router.num_pending:
+            self.router.dispatch()
 
     def _released(self, requests: list[Request]) -> None:
         for req in requests:

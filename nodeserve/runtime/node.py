@@ -60,8 +60,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class NodeEvents:
     """What the engine hears from the node: from worker threads, a batch of token events, requests whose decode
-    pages are back, a move that ended; from transfer threads, a handed-off request's copy; from the router (event
-    loop), a move's outcome, a request put off for a prefix, a placement that raised."""
+    pages are back, a move that ended, a device with room no ended request made; from transfer threads, a
+    handed-off request's copy; from the router (event loop), a move's outcome, a request put off for a prefix, a
+    placement that raised."""
 
     emit_batch: Callable[[list[tuple[Request, TokenEvent]]], None]
     released: Callable[[list[Request]], None]
@@ -70,6 +71,7 @@ class NodeEvents:
     on_migration: Callable[[str, float, int], None]
     on_prefix_wait: Callable[[], None]
     on_placement_failed: Callable[[Request], None]
+    room: Callable[[], None] = lambda: None
 
 
 @dataclass
@@ -149,7 +151,7 @@ def build_node(config: Config, loaded: LoadedModel, max_model_len: int, events: 
             loaded.tokenizer.eos_token_ids, s.limits, events.emit_batch, events.released, events.migrated,
             inboxes[s.name], transfers.get(s.name), tiers.loaders[s.name] if tiers is not None else None,
             SlackLending(backlog_of(workers[borrower]), LEND_GAP_SHARE * cfg.slo.tpot_s)
-            if borrower is not None else None)
+            if borrower is not None else None, on_room=events.room)
     if cfg.speculative.method != "off":
         for s in starts:
             if s.role is not Role.PREFILL:  # decodes nothing

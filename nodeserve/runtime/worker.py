@@ -90,9 +90,12 @@ class Worker:
                  on_released: Callable[[list[Request]], None],
                  on_migrated: Callable[[Request, MigrationOutcome, float, int], None] = lambda *args: None,
                  inbox: queue.SimpleQueue | None = None, transfers: Mapping[str, KVTransfer] | None = None,
-                 loader: KVLoader | None = None, slack_lending: SlackLending | None = None):
-        """emit_batch(events), on_released(requests whose decode pages are given back) and on_migrated(request,
-        outcome, downtime seconds, pages copied) of a move that ended are called from this worker's thread.
+                 loader: KVLoader | None = None, slack_lending: SlackLending | None = None,
+                 on_room: Callable[[], None] = lambda: None):
+        """emit_batch(events), on_released(requests whose decode pages are given back), on_migrated(request,
+        outcome, downtime seconds, pages copied) of a move that ended, and on_room() (this device has room it had
+        not, with no request ended: prompts it prefilled for others left its queue, or their copied pages came
+        back) are called from this worker's thread.
 
         inbox: where send() puts messages, made before this worker when others (its transfers, its loader) must
         reach it; transfers: by target device name, on a worker that prefills for others; loader: fills pages from
@@ -105,6 +108,7 @@ class Worker:
         self.limits = limits
         self.scheduler = Scheduler(self.kv, limits, eos_token_ids, free=self._give_back)
         self._emit_batch, self._on_released, self._on_migrated = emit_batch, on_released, on_migrated
+        self._on_room = on_room
         self.transfers = dict(transfers or {})
         self.loader, self.slack_lending = loader, slack_lending
         self._loads: dict[Seq, LoadJob] = {}           # requests here whose pages are being filled
@@ -212,6 +216,7 @@ class Worker:
                     self._give_back(msg.pages)
                     if msg.window is not None:
                         msg.window.release()
+                    self._on_room()
                 elif isinstance(msg, Arrival):
                     self._receive(msg)
                 elif isinstance(msg, Migrate):
@@ -494,6 +499,8 @@ class Worker:
                 self.num_outstanding_prefill_tokens -= out.num_prompt_tokens_done
         for seq in out.handoffs:
             self._hand_off(seq)
+        if out.handoffs:  # a request waiting for a seat may go now: see Engine._room
+            self._on_room()
         if out.events:
             self._emit_batch(out.events)
         for seq in out.migrations_ended:

@@ -74,3 +74,61 @@ def test_tokens_match_transformers_while_devices_change_role(loaded_fp32, prompt
     assert num_moved > 0  # and the dedicated device's decodes moved to the other, mid-generation
     assert all(s.whole for s in stats)
     assert sum(s.num_role_changes for s in stats) == len(changes)
+
+
+@pytest.mark.slow
+def test_a_request_waiting_for_a_seat_is_placed_once_the_prefill_device_has_nothing_queued(loaded_fp32, prompt_ids,
+                                                                                           hf_greedy):
+    """Two seats a device, one request decoding on each. A long prompt dedicates one device to its prefill and
+    takes the other's last seat; a short prompt then finds no seat and waits. Once the long prompt is prefilled and
+    sent, the prefill device has nothing queued and goes back to decoding (core/roles.py: for want of seats, or here,
+    the demand having faded, for want of long prompts), and the short prompt is placed there then (Engine._room),
+    not when a decode ends: before, nothing dispatched the router until one did, and the prefill device idled."""
+    cfg = config_from_dict({"model": {"dtype": "float32"}, "devices": {"mode": "adaptive",
+                                                                        "devices": ["cpu:0", "cpu:1"]},
+                            "kv": {"memory_gib": 0.25, "page_size": 16},
+                            "scheduler": {"max_num_batched_tokens": 48, "max_num_seqs": 2}})
+    lengths = sorted(len(p) for p in prompt_ids)
+    short = [i for i, p in enumerate(prompt_ids) if len(p) == lengths[0]][0]
+    background = [i for i in range(len(prompt_ids)) if i != short][:2]
+    long_prompt = (prompt_ids[6] * 40)[:400]  # 9 chunks of 48
+
+    async def main():
+        engine = Engine(cfg, loaded_fp32)
+        engine.start(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        try:
+            _install_placer(engine, long_from=len(long_prompt))
+            ends: list[float] = []
+
+            async def until_end(stream):
+                out = await _tokens(stream)
+                ends.append(loop.time())
+                return out
+
+            async def first_token(stream):
+                async for ev in stream:
+                    return loop.time(), [ev.token_id] + (await _tokens(stream))[0]
+
+            held = [asyncio.create_task(until_end(engine.add_request(prompt_ids[i], _greedy(120))))
+                    for i in background]
+            await asyncio.sleep(0.3)  # both decoding, one on each device
+            seats = sorted(w.name for w in engine.router.placements.values())
+            long = asyncio.create_task(until_end(engine.add_request(long_prompt, _greedy(120))))
+            await asyncio.sleep(0.05)
+            waited = engine.router.num_pending
+            first, tokens = await first_token(engine.add_request(prompt_ids[short], _greedy()))
+            results = [await t for t in held] + [await long]
+            await _wait_pools_whole(engine)
+            return seats, waited, first, min(ends), tokens, results, list(engine.router.role_changes), \
+                engine.pool_stats()
+        finally:
+            engine.stop()
+
+    seats, waited, first, first_end, tokens, results, changes, stats = asyncio.run(main())
+    assert seats == ["cpu:0", "cpu:1"] and waited == 0
+    assert [(c.device, c.role) for c in changes][:2] == [("cpu:0", "prefill"), ("cpu:0", "adaptive")]
+    assert first < first_end  # the short prompt went before any decode ended
+    assert tokens == hf_greedy[short]
+    assert [r[0][:32] for r in results[:2]] == [hf_greedy[i] for i in background]
+    assert all(r[1] == "length" for r in results) and all(s.whole for s in stats)
