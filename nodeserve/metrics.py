@@ -15,6 +15,8 @@ Exposed names (histograms add _bucket/_count/_sum, counters add _total):
               nodeserve:kv_transfer_bytes,
               nodeserve:ttft_prediction_error_seconds (actual - predicted)         {model_name}
   counters    nodeserve:prompt_tokens_total, nodeserve:generation_tokens_total      {model_name}
+              (as tokens are made, as vLLM counts per step: a prompt at its first token, each output
+              token as it comes; at a request's end a 1,000-token answer read 0 tok/s for its whole run)
               nodeserve:request_success_total                        {model_name, finished_reason}
               nodeserve:request_rejected_total                       {model_name, reason}
   gauges      nodeserve:num_requests_running, nodeserve:num_requests_waiting   {model_name, device, role}
@@ -424,10 +426,10 @@ class Metrics:
                                        _TOKEN_BUCKETS, VLLM)
         self.vllm_generation_tokens = hist("request_generation_tokens", "Generated tokens per finished request.",
                                            _TOKEN_BUCKETS, VLLM)
-        self.vllm_prompt_tokens_total = Counter(VLLM + "prompt_tokens", "Prompt tokens of finished requests.", m,
+        self.vllm_prompt_tokens_total = Counter(VLLM + "prompt_tokens", "Number of prefill tokens processed.", m,
                                                 registry=reg).labels(model_name)
-        self.vllm_generation_tokens_total = Counter(VLLM + "generation_tokens", "Generated tokens.", m,
-                                                    registry=reg).labels(model_name)
+        self.vllm_generation_tokens_total = Counter(VLLM + "generation_tokens", "Number of generation tokens "
+                                                    "processed.", m, registry=reg).labels(model_name)
 
         self.time_to_first_token = hist("time_to_first_token_seconds", "Time to first token in seconds.",
                                         _LATENCY_BUCKETS)
@@ -511,8 +513,6 @@ class Metrics:
         self.vllm_e2e.observe(max(e2e, 0.0))
         self.vllm_prompt_tokens.observe(max(prompt_tokens, 0))
         self.vllm_generation_tokens.observe(max(completion_tokens, 0))
-        self.vllm_prompt_tokens_total.inc(max(prompt_tokens, 0))
-        self.vllm_generation_tokens_total.inc(max(completion_tokens, 0))
         if first_token is not None:
             ttft = first_token - arrival
             self.time_to_first_token.observe(max(ttft, 0.0))
@@ -530,10 +530,17 @@ class Metrics:
             self.prefill_time.observe(max(prefill_time, 0.0))
         if decode_time is not None:
             self.decode_time.observe(max(decode_time, 0.0))
-        self.prompt_tokens.inc(max(prompt_tokens, 0))
-        self.generation_tokens.inc(max(completion_tokens, 0))
         # Unknown reasons fold into "error" so a caller's typo can't grow label cardinality.
         self._success_by.get(finish_reason, self._success_by["error"]).inc()
+
+    def observe_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
+        """Tokens as they are made: a request's prompt with its first token, then each output token (the token
+        counters; observe_request records the rest at its end)."""
+        for counters, n in (((self.prompt_tokens, self.vllm_prompt_tokens_total), prompt_tokens),
+                            ((self.generation_tokens, self.vllm_generation_tokens_total), generation_tokens)):
+            if n > 0:
+                for c in counters:
+                    c.inc(n)
 
     def observe_transfer(self, seconds: float, num_bytes: int, num_saved_bytes: int = 0) -> None:
         """One request's KV copy between devices (callable from the transfer thread); num_saved_bytes: the part

@@ -82,6 +82,8 @@ class Generation:
             if event.token_id is not None:
                 self.token_times.append(time.monotonic())
                 self.num_completion_tokens += 1
+                if self.metrics is not None:
+                    self.metrics.observe_tokens(self.num_prompt_tokens if self.num_completion_tokens == 1 else 0, 1)
                 text = self.detok.add(event.token_id)
                 if self.want_logprobs and event.logprob is not None:
                     pending_lp.append((self.tokenizer.token_text(event.token_id), event.logprob,

@@ -160,6 +160,16 @@ def test_api_key_and_metrics_agree_with_traffic(make_server):
                     assert r.status == 200
                     await r.read()
                     sent.append(n)
+            # The token counters count tokens as they come, not when their request ends (vLLM counts per step).
+            body = {"prompt": "Say 3", "max_tokens": 40, "ignore_eos": True, "stream": True}
+            async with s.post(server.url + "/v1/completions", json=body, headers=good) as r:
+                chunks = 0
+                async for line in r.content:
+                    chunks += line.startswith(b"data: {")
+                    if chunks == 4:
+                        async with s.get(server.url + "/metrics") as m:
+                            midway = await m.text()
+                sent.append(40)
             async with s.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": -1},
                               headers=good) as r:
                 assert r.status == 400
@@ -167,8 +177,8 @@ def test_api_key_and_metrics_agree_with_traffic(make_server):
                 health = r.status
             async with s.get(server.url + "/metrics") as r:
                 metrics = await r.text()
-            return no_key, wrong_key, health, sent, metrics
-    no_key, wrong_key, health, sent, metrics = asyncio.run(main())
+            return no_key, wrong_key, health, sent, metrics, midway
+    no_key, wrong_key, health, sent, metrics, midway = asyncio.run(main())
     assert no_key[0] == 401 and no_key[1]["error"]["type"] == "AuthenticationError"
     assert wrong_key == 401 and health == 200
     samples = {}
@@ -176,11 +186,16 @@ def test_api_key_and_metrics_agree_with_traffic(make_server):
         for sample in family.samples:
             samples[(sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name")))] = \
                 sample.value
-    assert samples[("nodeserve:generation_tokens_total", ())] == sum(sent)
-    assert samples[("nodeserve:request_success_total", (("finished_reason", "length"),))] == 3
-    assert samples[("nodeserve:time_to_first_token_seconds_count", ())] == 3
+    assert samples[("nodeserve:generation_tokens_total", ())] == samples[("vllm:generation_tokens_total", ())] \
+        == sum(sent)
+    done = sum(sent[:-1])  # the streamed 40-token request had sent 4 chunks: 4 tokens or more, not all 40
+    counted = [s.value for f in text_string_to_metric_families(midway) for s in f.samples
+               if s.name in ("nodeserve:generation_tokens_total", "vllm:generation_tokens_total")]
+    assert len(counted) == 2 and all(done + 4 <= c < done + 40 for c in counted), (done, counted)
+    assert samples[("nodeserve:request_success_total", (("finished_reason", "length"),))] == len(sent)
+    assert samples[("nodeserve:time_to_first_token_seconds_count", ())] == len(sent)
     assert samples[("nodeserve:inter_token_latency_seconds_count", ())] == sum(n - 1 for n in sent)
     assert samples[("nodeserve:request_rejected_total", (("reason", "unauthorized"),))] == 2
     assert samples[("nodeserve:request_rejected_total", (("reason", "bad_request"),))] == 1
-    assert samples[("nodeserve:kv_transfer_time_seconds_count", ())] == 3
+    assert samples[("nodeserve:kv_transfer_time_seconds_count", ())] == len(sent)
     assert samples[("nodeserve:kv_pages_used", (("device", "cpu:1"),))] == 0
