@@ -38,7 +38,8 @@ class WorkerLimits:
     max_num_batched_tokens: int
     max_model_len: int
     # Prompt tokens a step may add to a batch that is decoding (0: up to max_num_batched_tokens). A disaggregated
-    # decode device's own prefills (short prompts) then slow its streams' steps a little at a time.
+    # decode device's own prefills (short prompts) then slow its streams' steps a little at a time; an adaptive
+    # device's too, while another device prefills for it (Scheduler.caps_prefill_with_decodes).
     max_prefill_with_decodes: int = 0
 
 
@@ -133,6 +134,9 @@ class Scheduler:
         # prompt tokens a step of decodes may add, by the device's step model (core/side_prefill.py); None: the
         # fixed limits.max_prefill_with_decodes
         self.side_prefill: SidePrefill | None = None
+        # whether limits.max_prefill_with_decodes applies now (the router turns it off on an adaptive device
+        # while no device is dedicated to prefill: runtime/router.py cap_prompts_beside_decodes)
+        self.caps_prefill_with_decodes = True
 
     def use_side_prefill(self, side: SidePrefill) -> None:
         """Size the prompt tokens beside decodes by `side` (only where limits.max_prefill_with_decodes caps them)."""
@@ -157,7 +161,7 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         decodes = self.running[:self.limits.max_num_seqs]
         budget = self.limits.max_num_batched_tokens - len(decodes)
-        if decodes and self.limits.max_prefill_with_decodes:
+        if decodes and self.limits.max_prefill_with_decodes and self.caps_prefill_with_decodes:
             cap = self.limits.max_prefill_with_decodes
             if self.side_prefill is not None:
                 first = next((s for s in self.waiting if s.ready), None)

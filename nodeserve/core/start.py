@@ -40,11 +40,11 @@ def start_roles(config: Config) -> list[tuple[str, Role]]:
 
 
 def start_plan(config: Config, max_model_len: int) -> list[DeviceStart]:
-    """start_roles, with each device's step limits: the scheduler's, and on a disaggregated decode device a cap on
-    the prompt tokens a step beside its decodes may take (its own short prompts then slow its streams a little at
-    a time)."""
+    """start_roles, with each device's step limits: the scheduler's, and on a disaggregated decode device (and an
+    adaptive one, for while another device prefills for it) a cap on the prompt tokens a step beside its decodes
+    may take (its own short prompts then slow its streams a little at a time)."""
     s = config.scheduler
     limits = WorkerLimits(s.max_num_seqs, s.max_num_batched_tokens, max_model_len)
     return [DeviceStart(name, role, replace(limits, max_prefill_with_decodes=decode_prefill_chunk(
-                s, name.strip().lower().split(":")[0])) if role is Role.DECODE else limits)
+                s, name.strip().lower().split(":")[0])) if role in (Role.DECODE, Role.ADAPTIVE) else limits)
             for name, role in start_roles(config)]

@@ -227,12 +227,13 @@ class Simulation:
                                    self.limits, requests) for n in self.names}
         wl = WorkerLimits(self.limits.max_num_seqs, self.limits.max_num_batched_tokens, MAX_MODEL_LEN)
         decode_wl = replace(wl, max_prefill_with_decodes=self.decode_prefill_chunk)  # as the engine's decode workers
-        self.devices = {n: SimDevice(self, n, self.roles[n], decode_wl if self.roles[n] == Role.DECODE else wl,
+        self.devices = {n: SimDevice(self, n, self.roles[n], decode_wl if self.roles[n] in (Role.DECODE,
+                                                                                        Role.ADAPTIVE) else wl,
                                      num_pages[n]) for n in self.names}
         workers = list(self.devices.values())
         if self.side_prefill:
             for d in workers:
-                if d.role == Role.DECODE:
+                if d.role in (Role.DECODE, Role.ADAPTIVE):
                     d.scheduler.use_side_prefill(SidePrefill(partial(self.cost.devices.get, d.name),
                                                              self.slo.max_side_step_s, self.decode_prefill_chunk))
         if self.prefill_order == "deadline":

@@ -81,6 +81,7 @@ class Router:
         self.num_prefix_queried_tokens = 0  # prompt tokens placed, and of them those any cache tier held
         self.num_prefix_hit_tokens = 0
         self.waiting_for_prefix = False  # some request was put off so at the last dispatch: retry as pages publish
+        self.cap_prompts_beside_decodes()
 
     def use_policy(self, admission: SloAdmission | None, placer: Placer | None = None) -> None:
         """The policy measured at start-up (the profile): SLO admission and, in adaptive mode, the placer."""
@@ -239,10 +240,23 @@ class Router:
             self.role_changes.append(c)
             self.num_role_changes[c.device] += 1
             log.info("adaptive: %s -> %s (%s)", c.device, c.role, c.reason)
+        if decision.role_changes:
+            self.cap_prompts_beside_decodes()
         for name in decision.moves_from:
             moved = self.move_decodes(self.workers[name])
             if moved:
                 log.info("adaptive: %d requests move from %s to decode elsewhere", moved, name)
+
+    def cap_prompts_beside_decodes(self) -> None:
+        """An adaptive device caps the prompt tokens a step of its decodes takes (its limits', sized by its step
+        model) while another device is dedicated to prefill: it then decodes for it as a disaggregated decode device
+        does, and its short prompts, mixed in whole, stalled every stream there (bimodal chat at concurrency 16,
+        forced AVX2: steps of 124-949 prompt tokens beside 16 decodes, 0.3-2.7 s). With none dedicated it serves
+        as colocated mode does, prompts in whole steps."""
+        dedicated = any(w.role is Role.PREFILL for w in self.workers.values())
+        for w in self.workers.values():
+            if w.role is Role.ADAPTIVE:
+                w.scheduler.caps_prefill_with_decodes = dedicated
 
     def move_decodes(self, source: ServingUnit) -> int:
         """`source` was just dedicated to prefill: every request holding a decode seat there moves to an adaptive

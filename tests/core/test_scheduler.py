@@ -52,6 +52,9 @@ def test_a_decoding_batch_takes_at_most_max_prefill_with_decodes_prompt_tokens_a
     sizes = [[len(c.token_ids) for c in _step(s, {})[0].chunks] for _ in range(4)]
     assert sizes == [[1, 3], [1, 3], [1, 3], [1, 1]]                # beside a's decode: 3 prompt tokens a step
     assert a.req.num_computed_tokens == 14
+    s.caps_prefill_with_decodes = False  # an adaptive device with no prefill device beside it: no cap
+    _local(s, 10)
+    assert [len(c.token_ids) for c in _step(s, {})[0].chunks] == [1, 1, 10]
 
 
 def test_decodes_go_first_and_prefills_share_what_the_budget_leaves():

@@ -23,7 +23,7 @@ def test_colocated_and_adaptive_devices_all_start_in_that_role():
         [("cpu:0", Role.ADAPTIVE), ("cpu:1", Role.ADAPTIVE)]
 
 
-def test_only_a_disaggregated_decode_device_caps_its_prompt_tokens_beside_decodes():
+def test_a_decode_device_and_an_adaptive_one_cap_their_prompt_tokens_beside_decodes():
     cfg = _config({"mode": "disaggregated", "prefill": ["cpu:0"], "decode": ["cpu:1", "cuda:0"]},
                   {"max_num_seqs": 8, "max_num_batched_tokens": 512})
     plan = start_plan(cfg, max_model_len=4096)
@@ -33,6 +33,9 @@ def test_only_a_disaggregated_decode_device_caps_its_prompt_tokens_beside_decode
                for s in plan)
     colocated = start_plan(_config({"mode": "colocated", "devices": ["cpu:0"]}), 4096)
     assert colocated[0].limits.max_prefill_with_decodes == 0
+    # adaptive: for while another device prefills for it (the router switches the cap: test_router)
+    adaptive = start_plan(_config({"mode": "adaptive", "devices": ["cpu:0", "cpu:1"]}), 4096)
+    assert [s.limits.max_prefill_with_decodes for s in adaptive] == [32, 32]
 
 
 def test_a_set_decode_prefill_chunk_wins_over_the_device_default():

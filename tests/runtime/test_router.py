@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from nodeserve.core.handoff import Handoff, Migrate, MigrationOutcome
 from nodeserve.core.load import Role
 from nodeserve.core.placer import Decision
+from nodeserve.core.roles import RoleChange
 from nodeserve.core.pending import MAX_OVERTAKES
 from nodeserve.runtime.router import QueueFull, Router, TooLarge
 from nodeserve.runtime.records import RecordLog
@@ -195,6 +196,31 @@ def test_move_decodes_reserves_on_the_target_and_holds_both_seats_until_the_sour
     router.release(reqs[1])  # ended while moving: both its seats go
     assert router.num_seats_taken[a] == 1 and router.num_seats_taken[b] == 1
     assert router.num_migrations == {MigrationOutcome.MOVED: 1} and list(router.migration_downtimes) == [0.02]
+
+
+class RolePlacerStub(PlacerStub):
+    """Places every request on the first device and makes the role changes queued in `changes`."""
+
+    def __init__(self, device: StubWorker):
+        super().__init__(device, device)
+        self.changes: list[RoleChange] = []
+
+    def place(self, now, loads, req: Request) -> Decision:
+        changes, self.changes = tuple(self.changes), []
+        return Decision(self.pair[0].name, self.pair[1].name, changes)
+
+
+def test_adaptive_devices_cap_prompts_beside_decodes_only_while_another_device_prefills_for_them():
+    (a, b, c), router = _adaptive(20, 20, 20)
+    router.placer = placer = RolePlacerStub(a)
+    assert [w.scheduler.caps_prefill_with_decodes for w in (a, b, c)] == [False] * 3  # colocated mode's way
+    placer.changes = [RoleChange(0.0, "cpu:2", Role.PREFILL, "long prompts")]
+    router.admit(_req("r1", 40))
+    assert c.role is Role.PREFILL and [a.scheduler.caps_prefill_with_decodes, b.scheduler.caps_prefill_with_decodes] \
+        == [True, True]  # a disaggregated decode device's way
+    placer.changes = [RoleChange(1.0, "cpu:2", Role.ADAPTIVE, "no long prompt")]
+    router.admit(_req("r2", 40))
+    assert [w.scheduler.caps_prefill_with_decodes for w in (a, b, c)] == [False] * 3
 
 
 def test_a_move_of_a_request_whose_kv_is_in_flight_leaves_its_seat_and_frees_the_target_seat():
