@@ -44,7 +44,9 @@ class ServingUnit(Protocol):
     pages: the router reserves there, the unit frees them), `scheduler` (its running and waiting sequences, for load
     snapshots), `records` (its recent steps), `num_outstanding_prefill_tokens` (prompt tokens sent, not yet
     prefilled), `failure` (why it is taken for dead, or None). Done to it: add_prefill (a placed prompt) and send (a
-    move elsewhere). Both return at once; the unit acts on them between its steps, on its own thread or clock."""
+    move elsewhere). Both return at once; the unit acts on them between its steps, on its own thread or clock. In
+    adaptive mode the router also switches its scheduler's cap on prompt tokens beside decodes with the roles
+    (Router.cap_prompts_beside_decodes), read at its next step."""
 
     @property
     def name(self) -> str: ...

@@ -292,6 +292,11 @@ class Simulation:
         except TooLarge:  # it can never fit a device's KV
             r.refused = True
 
+    def _room(self) -> None:
+        """What the engine does when a worker has room no ended request made (Engine._room)."""
+        if self._router.num_pending:
+            self._router.dispatch()
+
     def _release(self, reqs: Sequence[Request]) -> None:
         """What the engine does when a worker reports requests released: Router.release each, then dispatch."""
         for req in reqs:
@@ -360,6 +365,8 @@ class Simulation:
             self._on_migrated(seq.req, MigrationOutcome.FINISHED)
         if out.released:
             self._release(out.released)
+        elif out.handoffs:
+            self._room()
 
     def _hand_off(self, d: SimDevice, seq: Seq, delay: float, migrated_at: float | None = None) -> None:
         """Worker._hand_off: after `delay` the KV is on the target, and its pages here are given back."""
@@ -372,6 +379,7 @@ class Simulation:
                  migrated_at: float | None) -> None:
         """Worker._receive: it decodes here from now; one that ended meanwhile gives its pages here back."""
         source.kv.free(src_pages)
+        self._room()  # the source's FreePages
         if not req.finished:
             d.scheduler.start_decode(Seq(req, h.pages, num_published=h.num_cached_pages), self.now)
             self._sim[req.request_id].decode_dev = d.name

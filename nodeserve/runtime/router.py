@@ -151,8 +151,14 @@ class Router:
         now = self.clock()
         try:
             decision = self.placer.place(now, self.loads(now, req), req)
-            self._apply_roles(decision)
-            return decision.placed and self._reserve(req, decision)
+            try:
+                # Its seat first: the placer chose it on the loads before any move, and the moves the decision
+                # starts (a newly dedicated device's decodes) then take only the seats left. Moves first took the
+                # seat it was given, and its decode device ran one request more than max_num_seqs: the last one
+                # waited ~45 s for a step to take it.
+                return decision.placed and self._reserve(req, decision)
+            finally:
+                self._apply_roles(decision)
         except Exception:  # a fault met by one request fails that request, not every request queued behind it
             log.exception("placing request %s failed; it ends with an error", req.request_id)
             self.on_placement_failed(req)

@@ -266,3 +266,19 @@ def test_each_device_may_have_its_own_pool():
         sim, (big, small) = _sim(SPLIT, [(100, 4), (10, 4)], [0.0, 0.0], capacity_tokens=pools)
         assert [d.kv.num_pages for d in sim.devices.values()] == [pools["a"] // PAGE_SIZE, pools["b"] // PAGE_SIZE]
         assert big.refused == refused and small.end is not None
+
+
+def test_a_request_waiting_for_a_seat_goes_when_the_prefill_device_is_done_as_in_the_engine():
+    """tests/runtime/test_adaptive.py's case on the virtual clock: two seats a device, one decode on each; a long
+    prompt dedicates one device and takes the other's last seat; a short prompt waits. The router places it when
+    the long prompt is handed off (Engine._room), not when the first decode ends."""
+    adaptive = candidate_modes(["a", "b"])[-1]
+    limits = StepLimits(max_num_batched_tokens=1024, max_num_seqs=2)
+    sim = Simulation(cost(CPU), adaptive, limits, SLO)
+    held = [SimRequest(0.0, 20, 400), SimRequest(0.01, 20, 400)]
+    long, short = SimRequest(1.0, 1000, 400), SimRequest(1.1, 20, 10)
+    sim.run([*held, long, short])
+    assert sorted(r.decode_dev for r in held) == ["a", "b"] and long.prefill_dev != long.decode_dev
+    assert [c.role for c in sim.role_changes][:1] == ["prefill"]
+    assert long.first_token is not None and short.first_token is not None
+    assert long.first_token < short.first_token < min(r.end for r in [*held, long] if r.end is not None)

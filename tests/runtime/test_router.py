@@ -205,9 +205,12 @@ class RolePlacerStub(PlacerStub):
         super().__init__(device, device)
         self.changes: list[RoleChange] = []
 
+        self.moves_from: tuple[str, ...] = ()
+
     def place(self, now, loads, req: Request) -> Decision:
         changes, self.changes = tuple(self.changes), []
-        return Decision(self.pair[0].name, self.pair[1].name, changes)
+        moves, self.moves_from = self.moves_from, ()
+        return Decision(self.pair[0].name, self.pair[1].name, changes, moves)
 
 
 def test_adaptive_devices_cap_prompts_beside_decodes_only_while_another_device_prefills_for_them():
@@ -221,6 +224,24 @@ def test_adaptive_devices_cap_prompts_beside_decodes_only_while_another_device_p
     placer.changes = [RoleChange(1.0, "cpu:2", Role.ADAPTIVE, "no long prompt")]
     router.admit(_req("r2", 40))
     assert [w.scheduler.caps_prefill_with_decodes for w in (a, b, c)] == [False] * 3
+
+
+def test_a_request_placed_as_its_prefill_device_is_dedicated_keeps_the_seat_the_moves_would_take():
+    """Two seats a device, one request decoding on each; a long prompt dedicates cpu:0 and is to decode on cpu:1.
+    Its seat is taken before cpu:0's decode moves, so that one finds no seat and stays (decoding beside the
+    prefills) instead of pushing cpu:1 to three requests, one more than a step takes."""
+    a, b = StubWorker("cpu:0", 40, max_num_seqs=2, role=Role.ADAPTIVE), StubWorker("cpu:1", 40, max_num_seqs=2,
+                                                                                 role=Role.ADAPTIVE)
+    router = Router([], [a, b], local_prefill_threshold=0, max_waiting=8, max_queued_tokens=10_000)
+    router.placer = placer = RolePlacerStub(a)
+    router.admit(_req("on-a", 20))
+    placer.pair = (b, b)
+    router.admit(_req("on-b", 20))
+    placer.pair, placer.changes, placer.moves_from = (a, b), [RoleChange(0.0, "cpu:0", Role.PREFILL, "long")], \
+        ("cpu:0",)
+    router.admit(_req("long", 100))
+    assert router.placements["long"] is b and a.sent == [] and router.moving == {}
+    assert router.num_seats_taken[b] == 2 and router.num_seats_taken[a] == 1
 
 
 def test_a_move_of_a_request_whose_kv_is_in_flight_leaves_its_seat_and_frees_the_target_seat():
