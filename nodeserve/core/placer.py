@@ -2,7 +2,9 @@
 
 A Decision names the device that prefills a request and the one that decodes it (the same one when it is
 colocated), and the role changes the policy made on the way, with the devices whose decodes must now move
-elsewhere. The runtime's router applies it: it reserves the pages, sends the prompt, changes the workers' roles and
+elsewhere and those given back, which take a share of the others' decodes. `roles(now, loads)` is a Decision
+with no request: what the policy changes as time passes (the runtime asks every ROLE_TICK_S, core/roles.py).
+The runtime's router applies it: it reserves the pages, sends the prompt, changes the workers' roles and
 moves their decodes; the simulator behind `nodeserve plan` applies the same decisions to its virtual devices.
 Nothing here calls back into either.
 
@@ -36,6 +38,7 @@ class Decision:
     role_changes: tuple[RoleChange, ...] = ()
     moves_from: tuple[str, ...] = ()        # devices just dedicated to prefill: their decodes go elsewhere
     prediction: Placement | None = None     # adaptive mode: what the cost model predicts for it
+    moves_to: tuple[str, ...] = ()          # devices just given back: they take a share of the others' decodes
 
     @property
     def placed(self) -> bool:
@@ -49,10 +52,18 @@ class Placer(Protocol):
     def place(self, now: float, loads: Sequence[DeviceLoad], req: Request) -> Decision:
         """Where `req` goes, on `loads`: every device as this request sees it (its cached prefix there)."""
 
+    def roles(self, now: float, loads: Sequence[DeviceLoad]) -> Decision:
+        """The role changes due now with no request to place (a Decision that places nothing)."""
+
 
 def fits(load: DeviceLoad, num_tokens: int) -> bool:
     return load.free_tokens >= num_tokens
 
+
+# Adaptive mode: decodes a device's batch may have beyond another's before some move to it (core/placer.py
+# AdaptivePlacer.roles): a step of 16 rows against one of 12 on the 2-core CPUs costs ~10 ms more than even ones,
+# for as long as they decode; a move costs a copy of the request's KV and, live, a pause of a few milliseconds.
+MIN_BALANCE = 4
 
 # Without step models: seats taken beyond the least loaded decode device's that a cached prefix may not outweigh
 # (one seat is a row in every step of a request's decode; a short prefix is a few tokens of prefill, once).
@@ -87,6 +98,9 @@ class StaticPlacer:
 
     def observe(self, now: float, req: Request) -> None:
         pass
+
+    def roles(self, now: float, loads: Sequence[DeviceLoad]) -> Decision:
+        return Decision(None, None)  # static modes: roles never change
 
     def place(self, now: float, loads: Sequence[DeviceLoad], req: Request) -> Decision:
         # Decode: a device with a free seat in its batch (so its own short prefills always find one and nothing it
@@ -194,6 +208,28 @@ class AdaptivePlacer:
         room = [x if fits(x, req.max_total_tokens) else replace(x, free_seats=0) for x in loads]
         return self.policy.request_loads(room, self.policy.is_long(req.num_prompt_tokens))
 
+    def roles(self, now: float, loads: Sequence[DeviceLoad]) -> Decision:
+        """A device whose demand ended goes back on time, not at the next placement: a burst of short requests
+        all placed while a device was still dedicated leaves it idle until one of them ends (a 32-stream burst
+        just after long prompts: given back 8-13 s after the last one instead of 4, the other device decoding
+        all 32 meanwhile)."""
+        self.policy.cost = self.cost()
+        decision = self._decision(None, None, self.policy.update(now, loads), None)
+        if decision.role_changes:
+            return decision
+        # Nothing due: the adaptive devices' batches are evened out once they differ by MIN_BALANCE (the requests
+        # a device was prefilling when it got one back decode there, and a burst's requests end at different
+        # times); the lightest one takes from the others (plan_balance).
+        adaptive = [x for x in loads if x.name not in self.policy.prefill and x.role != Role.PREFILL]
+        if len(adaptive) < 2:
+            return decision
+        batch = {x.name: x.num_decodes + x.num_incoming for x in adaptive}
+        lightest = min((x for x in adaptive if not x.queued_prefill_tokens), key=lambda x: batch[x.name],
+                       default=None)
+        if lightest is None or max(batch.values()) - batch[lightest.name] < MIN_BALANCE:
+            return decision
+        return replace(decision, moves_to=(lightest.name,))
+
     def place(self, now: float, loads: Sequence[DeviceLoad], req: Request) -> Decision:
         self.policy.cost = self.cost()
         changes = self.policy.update(now, loads)
@@ -210,7 +246,8 @@ class AdaptivePlacer:
     def _decision(self, prefill: str | None, decode: str | None, changes: list[RoleChange],
                   pl: Placement | None) -> Decision:
         dedicated = tuple(c.device for c in changes if c.role == Role.PREFILL and c.device in self.policy.prefill)
-        return Decision(prefill, decode, tuple(changes), dedicated, pl)
+        returned = tuple(c.device for c in changes if c.role == Role.ADAPTIVE and c.device not in self.policy.prefill)
+        return Decision(prefill, decode, tuple(changes), dedicated, pl, returned)
 
 
 @dataclass(frozen=True)
@@ -219,6 +256,7 @@ class Seated:
 
     request_id: str
     num_tokens: int   # KV tokens it may ever need (prompt + max_tokens - 1)
+    num_left: int = 0  # output tokens it may still decode (max_tokens - those it has)
 
 
 def plan_moves(seated: Sequence[Seated], targets: Sequence[DeviceLoad]) -> list[tuple[str, str]]:
@@ -234,4 +272,27 @@ def plan_moves(seated: Sequence[Seated], targets: Sequence[DeviceLoad]) -> list[
         free[target][0] -= 1
         free[target][1] -= s.num_tokens
         out.append((s.request_id, target))
+    return out
+
+
+def plan_balance(target: DeviceLoad, seated: dict[str, Sequence[Seated]]) -> list[tuple[str, str]]:
+    """(request id, target device) for the moves that even out decode batches between `target`, an adaptive
+    device just given back with none or few, and the other adaptive devices (`seated`: each one's requests that can
+    move): one at a time from the device with the most, while it has at least two more than the target, within
+    the target's free seats and KV. A device's requests with the most output left go first: a move costs a copy,
+    and it buys a smaller batch for as many steps as the request has left."""
+    counts = {name: len(reqs) for name, reqs in seated.items()}
+    queues = {name: sorted(reqs, key=lambda s: -s.num_left) for name, reqs in seated.items()}
+    num_here, seats, tokens = target.num_decodes + target.num_incoming, target.free_seats, target.free_tokens
+    out: list[tuple[str, str]] = []
+    while seats > 0 and counts:
+        source = max(counts, key=lambda name: counts[name])
+        if counts[source] < num_here + 2 or not queues[source]:
+            break
+        s = queues[source].pop(0)
+        if s.num_tokens > tokens:
+            continue
+        counts[source] -= 1
+        out.append((s.request_id, target.name))
+        num_here, seats, tokens = num_here + 1, seats - 1, tokens - s.num_tokens
     return out

@@ -4,7 +4,8 @@ engine's router (through core/placer.py) and the simulator behind `nodeserve pla
 Every device starts *adaptive*: it decodes, prefills what it decodes (chunks mixed into its decode steps), and may
 prefill for another device and send it the KV. A prompt is *long* when prefilling it alone takes more than
 LONG_PREFILL_TPOTS times the TPOT target: mixed into a decode batch, that one prompt alone would add a whole TPOT
-to every request of LONG_PREFILL_TPOTS output tokens decoding there. The policy keeps the predicted prefill seconds
+to every request of LONG_PREFILL_TPOTS output tokens decoding there, and a short request sees several such
+prompts in its life. The policy keeps the predicted prefill seconds
 of the long prompts admitted in the last WINDOW_S; that demand (device-seconds per second) divided by
 PREFILL_UTILIZATION, rounded up, is how many devices to dedicate (at most all but one). Short prompts are always
 colocated (placed among the non-prefill devices as the rule picks), so uniform short traffic is served as colocated
@@ -14,7 +15,9 @@ stay colocated on the adaptive devices. Roles change between placements, never i
 as soon as demand asks for it. Demand counts only while long prompts keep coming: once none has been admitted for
 IDLE_S it asks for none. A prefill device goes back once demand has asked for fewer for HOLD_S and it has no prompt
 queued (a device with a queue would stall the decodes it takes), or at once when no adaptive device has a decode
-seat and it has no prompt queued. So a role follows demand within seconds; the 30 s window only sets how many
+seat and it has no prompt queued; a device given back takes a share of the others' decodes (core/placer.py
+plan_balance), and the runtime asks for these changes every ROLE_TICK_S, not only when it places a request.
+So a role follows demand within seconds; the 30 s window only sets how many
 devices a steady stream of long prompts needs. A device given back for want of seats is not dedicated again for
 SEAT_HOLD_S, doubled each time that happens again within MAX_SEAT_HOLD_S (up to it): the shortage that sent it
 back outlasts the next long prompt, and re-dedicating at once moved its decodes back and forth every second
@@ -33,13 +36,18 @@ from nodeserve.core.load import DeviceLoad, Role, SloTarget, StepLimits
 from nodeserve.core.placement import prefill_steps
 
 ADAPTIVE, PREFILL = Role.ADAPTIVE, Role.PREFILL
-LONG_PREFILL_TPOTS = 32
+# 32 let every prompt of bimodal chat's 1,500-3,000 tokens mix whole into the decode steps on a CPU that prefills
+# one in under 3.2 s (the AVX-512 Zen 4: ~1,000 prompt tok/s a core): a short request then met several stalls of
+# 1.5-3 s in its life, and 4-6 of 48 missed a TPOT of 100 ms at concurrency 16 where the disaggregated mode
+# missed none (docs/adaptive.md)
+LONG_PREFILL_TPOTS = 16
 WINDOW_S = 30.0
 PREFILL_UTILIZATION = 0.8
 HOLD_S = 1.0
 IDLE_S = 3.0  # no long prompt for this long: demand asks for no prefill device
 SEAT_HOLD_S = 5.0  # after a give-back for want of seats, no new dedication for this long (doubling, see above)
 MAX_SEAT_HOLD_S = 60.0
+ROLE_TICK_S = 0.5  # how often the runtime asks for the changes due with no request to place (Placer.roles)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from nodeserve.core.load import Role, SloTarget, StepLimits
 from nodeserve.core.placer import AdaptivePlacer, Placer, PlacerTiming, StaticPlacer
 from nodeserve.core.prefill_order import DeadlineOrder
 from nodeserve.core.request import Request, TokenEvent
-from nodeserve.core.roles import RoleChange
+from nodeserve.core.roles import ROLE_TICK_S, RoleChange
 from nodeserve.core.sampling_params import SamplingParams
 from nodeserve.core.scheduler import Batch, PageLoad, Scheduler, Seq, StepOutput, WorkerLimits
 from nodeserve.core.side_prefill import SidePrefill
@@ -246,6 +246,8 @@ class Simulation:
                              [w for w in workers if w.role != Role.PREFILL], self.threshold,
                              max_waiting=len(requests) + 1, max_queued_tokens=1 << 62, placer=self.placer,
                              clock=lambda: self.now)
+        if isinstance(self.placer, AdaptivePlacer):  # as the engine's role tick
+            self._at(ROLE_TICK_S, self._role_tick)
         reqs = []
         for i, r in enumerate(requests):
             req = r.request = Request(str(i), [1] * r.prompt_len,
@@ -296,6 +298,13 @@ class Simulation:
         """What the engine does when a worker has room no ended request made (Engine._room)."""
         if self._router.num_pending:
             self._router.dispatch()
+
+    def _role_tick(self) -> None:
+        """What the engine does every ROLE_TICK_S in adaptive mode (Engine._role_tick), while the run has events
+        left, or requests waiting that a device given back could take."""
+        dedicated = self._router.update_roles()
+        if self._events or (dedicated and self._router.num_pending):
+            self._at(self.now + ROLE_TICK_S, self._role_tick)
 
     def _release(self, reqs: Sequence[Request]) -> None:
         """What the engine does when a worker reports requests released: Router.release each, then dispatch."""

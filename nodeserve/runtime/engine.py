@@ -18,6 +18,7 @@ from nodeserve.core.handoff import MigrationOutcome
 from nodeserve.core.load import SloTarget, StepLimits
 from nodeserve.core.placer import AdaptivePlacer, Placer, PlacerTiming, StaticPlacer
 from nodeserve.core.prefill_order import DeadlineOrder
+from nodeserve.core.roles import ROLE_TICK_S
 from nodeserve.core.side_prefill import SidePrefill
 from nodeserve.core.request import Request, TokenEvent
 from nodeserve.metrics import PoolStats
@@ -106,6 +107,7 @@ class Engine:
         self.tiers: KVTiers | None = None  # the host and disk tiers and the loaders (prefix_cache on)
         self._prefix_retry_armed = False
         self._room_due = False  # a _room call is scheduled on the loop
+        self._stopped = False
         self.kv_events: KVEventPublisher | None = None  # [kv_events]
         self.lending: CoreLending | None = None         # devices.lend_idle_cores
 
@@ -122,6 +124,8 @@ class Engine:
         self.router, self.tiers, self.kv_events, self.lending = node.router, node.tiers, node.kv_events, node.lending
         self.warnings = node.warnings
         node.start()
+        if self.config.devices.mode == "adaptive":
+            loop.call_later(ROLE_TICK_S, self._role_tick)
 
     def warmup(self) -> None:
         """Before serving: FP8 KV scales for every FP8 pool, then on CUDA one prefill and decode per device
@@ -218,6 +222,7 @@ class Engine:
     def stop(self, join_timeout: float = STOP_JOIN_S) -> None:
         """Stops every thread, all joined within join_timeout s together; then, with a disk tier, writes the pages
         cached on the devices there (a restart finds them) within kv.stop_flush_timeout."""
+        self._stopped = True
         deadline = time.monotonic() + join_timeout
 
         def left() -> float:
@@ -342,6 +347,17 @@ class Engine:
         self._room_due = False
         if self.router.num_pending:
             self.router.dispatch()
+
+    def _role_tick(self) -> None:
+        """Adaptive mode: the role changes due with no request to place (a dedicated device given back once its
+        demand ended, taking a share of the decodes), every ROLE_TICK_S while the engine runs."""
+        if self._stopped or self._loop is None or self._loop.is_closed() or self.router is None:
+            return
+        try:
+            self.router.update_roles()
+        except Exception:  # a policy fault must not stop the ticks; placements still run the policy
+            log.exception("updating adaptive roles failed")
+        self._loop.call_later(ROLE_TICK_S, self._role_tick)
 
     def _released(self, requests: list[Request]) -> None:
         for req in requests:

@@ -21,7 +21,7 @@ from nodeserve.core.admission import QueueFull, SloAdmission, TooLarge
 from nodeserve.core.handoff import Handoff, Migrate, MigrationOutcome
 from nodeserve.core.load import DeviceLoad, Role
 from nodeserve.core.pending import PendingQueue
-from nodeserve.core.placer import Decision, Placer, Seated, StaticPlacer, plan_moves
+from nodeserve.core.placer import Decision, Placer, Seated, StaticPlacer, plan_balance, plan_moves
 from nodeserve.core.prefix import wait_for_prefix
 from nodeserve.core.request import Request
 from nodeserve.core.roles import RoleChange
@@ -252,6 +252,20 @@ class Router:
             moved = self.move_decodes(self.workers[name])
             if moved:
                 log.info("adaptive: %d requests move from %s to decode elsewhere", moved, name)
+        for name in decision.moves_to:
+            moved = self.balance_decodes(self.workers[name])
+            if moved:
+                log.info("adaptive: %d requests move to %s, given back, from the other devices", moved, name)
+
+    def update_roles(self) -> bool:
+        """Applies the role changes due now with no request to place (Placer.roles), then places what waits.
+        Returns whether some device is dedicated to prefill (in adaptive mode: ask again later)."""
+        decision = self.placer.roles(self.clock(), self.loads(self.clock()))
+        if decision.role_changes or (decision.moves_to and not self.moving):  # moves under way: their batches
+            self._apply_roles(decision)                                       # are not settled yet
+            self.dispatch()
+        return any(w.role is Role.PREFILL for w in self.workers.values()) and \
+            any(w.role is Role.ADAPTIVE for w in self.workers.values())
 
     def cap_prompts_beside_decodes(self) -> None:
         """An adaptive device caps the prompt tokens a step of its decodes takes (its limits', sized by its step
@@ -272,6 +286,23 @@ class Router:
                   and not self.placed[rid].finished and not self.placed[rid].aborted]
         moves = plan_moves(seated, self.loads(self.clock()))
         return sum(self.migrate(self.placed[rid], self.workers[target]) for rid, target in moves)
+
+    def balance_decodes(self, target: ServingUnit) -> int:
+        """`target` was just given back to adaptive: requests decoding on the other adaptive devices move to it
+        until the batches are about even (core.placer.plan_balance), live. Without that it decoded only what
+        arrived after, while a burst placed during its dedication kept the other device's steps twice as large
+        until it ended. Returns how many moves started."""
+        seated: dict[str, list[Seated]] = {}
+        for rid, w in self.placements.items():
+            req = self.placed[rid]
+            if w is target or w.role is not Role.ADAPTIVE or rid in self.moving or req.finished or req.aborted \
+                    or not req.output_ids:  # one not decoding yet has nothing to gain from a move
+                continue
+            seated.setdefault(w.name, []).append(Seated(rid, w.kv.pages_for(req.max_total_tokens) * self.page_size,
+                                                        req.max_tokens - len(req.output_ids)))
+        load = next(x for x in self.loads(self.clock()) if x.name == target.name)
+        moves = plan_balance(load, seated)
+        return sum(self.migrate(self.placed[rid], self.workers[name]) for rid, name in moves)
 
     def migrate(self, req: Request, target: ServingUnit, live: bool = True) -> bool:
         """Starts moving a placed request's decode to `target`, whose pages for it are reserved now. Its source

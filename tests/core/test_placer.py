@@ -5,8 +5,10 @@ prefill devices are busy; long prompts, and short ones while a prefill device is
 from __future__ import annotations
 
 from nodeserve.core.cost_model import CostModel, StepModel
-from nodeserve.core.load import DeviceLoad, Role, StepLimits
-from nodeserve.core.placer import PlacerTiming, StaticPlacer
+from nodeserve.core.load import DeviceLoad, Role, SloTarget, StepLimits
+from nodeserve.core.placer import (MIN_BALANCE, AdaptivePlacer, Decision, PlacerTiming, Seated, StaticPlacer,
+                                   plan_balance)
+from nodeserve.core.roles import HOLD_S, IDLE_S
 from nodeserve.core.request import Request
 from nodeserve.core.sampling_params import SamplingParams
 
@@ -108,3 +110,58 @@ def test_one_model_the_best_fitted_prices_every_decode_device():
     placer = StaticPlacer(timing=PlacerTiming(lambda: cost, StepLimits(1024, 64), 0.06))
     assert placer.place(0, _colocated((0, 0), (10, 8)), _req(100)).decode == "cpu:1"
     assert placer.place(0, _colocated((0, 0), (8, 10)), _req(100)).decode == "cpu:0"
+
+
+# ---- a device given back takes a share of the decodes -----------------------------------------------------------
+
+def _seated(prefix: str, lefts: list[int], num_tokens: int = 100) -> list[Seated]:
+    return [Seated(f"{prefix}{i}", num_tokens, left) for i, left in enumerate(lefts)]
+
+
+def test_a_device_given_back_takes_decodes_until_the_batches_are_about_even():
+    target = DeviceLoad("cpu:0", Role.ADAPTIVE, free_seats=64)
+    moves = plan_balance(target, {"cpu:1": _seated("b", [10, 200, 50, 120, 5, 90, 30, 60])})
+    # 8 against 0: four move, the ones with the most output left first; 4 against 4 stays
+    assert moves == [("b1", "cpu:0"), ("b3", "cpu:0"), ("b5", "cpu:0"), ("b7", "cpu:0")]
+    # from the device with the most, one at a time: 6 and 3 against 1 -> 4, 3 against 3
+    target = DeviceLoad("cpu:0", Role.ADAPTIVE, num_decodes=1, free_seats=64)
+    moves = plan_balance(target, {"cpu:1": _seated("b", [1] * 6), "cpu:2": _seated("c", [1] * 3)})
+    assert [name for name, _ in moves] == ["b0", "b1"]
+    assert plan_balance(DeviceLoad("cpu:0", Role.ADAPTIVE, num_decodes=3), {"cpu:1": _seated("b", [1] * 4)}) == []
+
+
+def test_a_device_given_back_takes_no_more_than_its_seats_and_kv_hold():
+    target = DeviceLoad("cpu:0", Role.ADAPTIVE, free_seats=2)
+    assert len(plan_balance(target, {"cpu:1": _seated("b", [1] * 10)})) == 2
+    target = DeviceLoad("cpu:0", Role.ADAPTIVE, free_seats=64, free_tokens=250)
+    big = [Seated("big", 1000, 500)] + _seated("b", [1] * 9)
+    assert [rid for rid, _ in plan_balance(target, {"cpu:1": big})] == ["b0", "b1"]  # the big one does not fit
+
+
+def test_the_adaptive_placer_gives_a_device_back_with_no_request_to_place():
+    cost = CostModel({d: StepModel([0.0, 0.001, 0.0, 0.004, 0.0]) for d in ("cpu:0", "cpu:1")})
+    placer = AdaptivePlacer(lambda: cost, StepLimits(2048, 64), SloTarget(2.5, 0.1), ["cpu:0", "cpu:1"])
+    loads = [DeviceLoad("cpu:0", Role.ADAPTIVE), DeviceLoad("cpu:1", Role.ADAPTIVE, num_decodes=8)]
+    placer.observe(0.0, _req(3000))  # 3 s of prefill: long
+    first = placer.place(0.0, loads, _req(3000))
+    assert first.moves_from == ("cpu:0",) and first.prefill == "cpu:0"
+    loads[0] = DeviceLoad("cpu:0", Role.PREFILL)
+    assert placer.roles(1.0, loads).role_changes == ()  # demand still asks for it
+    assert placer.roles(IDLE_S + 0.1, loads).role_changes == ()  # demand asks for none from now: the hold starts
+    decision = placer.roles(IDLE_S + HOLD_S + 0.2, loads)  # ... and has passed, with nothing queued
+    assert [(c.device, c.role) for c in decision.role_changes] == [("cpu:0", Role.ADAPTIVE)]
+    assert decision.moves_to == ("cpu:0",) and not decision.placed
+    assert StaticPlacer().roles(0.0, loads) == Decision(None, None)
+
+
+def test_with_nothing_due_the_lightest_adaptive_device_takes_decodes_once_batches_differ_by_min_balance():
+    cost = CostModel({d: StepModel([0.0, 0.001, 0.0, 0.004, 0.0]) for d in ("cpu:0", "cpu:1", "cpu:2")})
+    placer = AdaptivePlacer(lambda: cost, StepLimits(2048, 64), SloTarget(2.5, 0.1), ["cpu:0", "cpu:1", "cpu:2"])
+
+    def loads(*batches, queued=(0, 0, 0)):
+        return [DeviceLoad(f"cpu:{i}", Role.ADAPTIVE, q, n) for i, (n, q) in enumerate(zip(batches, queued))]
+
+    assert placer.roles(0.0, loads(10, 10 - MIN_BALANCE + 1, 10)).moves_to == ()
+    assert placer.roles(0.0, loads(10, 10 - MIN_BALANCE, 9)).moves_to == ("cpu:1",)
+    # a device prefilling its own prompts is not where decodes go to even out
+    assert placer.roles(0.0, loads(10, 2, 6, queued=(0, 500, 0))).moves_to == ("cpu:2",)

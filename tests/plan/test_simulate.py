@@ -282,3 +282,23 @@ def test_a_request_waiting_for_a_seat_goes_when_the_prefill_device_is_done_as_in
     assert [c.role for c in sim.role_changes][:1] == ["prefill"]
     assert long.first_token is not None and short.first_token is not None
     assert long.first_token < short.first_token < min(r.end for r in [*held, long] if r.end is not None)
+
+
+def test_a_device_given_back_on_the_role_tick_takes_half_of_a_burst_placed_while_it_was_dedicated():
+    """As the engine's role tick (Engine._role_tick): a long prompt dedicates a; sixteen short requests arrive
+    while it prefills (5 s) and all decode on b. Demand ends 3 s after the long prompt; a goes back at the first tick
+    after its prefill, not when the first short request ends (~17 s on), and the batches are evened out
+    (AdaptivePlacer.roles)."""
+    adaptive = candidate_modes(["a", "b"])[-1]
+    work = [(1000, 4)] + [(100, 200)] * 16
+    at = [0.0] + [2.0] * 16
+    sim = Simulation(cost(CPU), adaptive, LIMITS, SLO)
+    done = sim.run([SimRequest(t, p, m) for (p, m), t in zip(work, at)])
+    [back] = [c for c in sim.role_changes if c.role == "adaptive"]
+    assert sim.role_changes[0].role == "prefill" and back.device == "a" and 5.0 < back.time <= 5.5
+    assert back.time < min(r.end for r in done[1:])
+    # 3 move at once (7 decoding on b, 10 still prefilling there), 5 more on later ticks once those decode (14
+    # against 3): even batches, so the sixteen equal requests end together (without the moves: 16.7 s to 25.5 s)
+    assert sim.num_migrations[MigrationOutcome.MOVED] == 8
+    ends = [r.end for r in done[1:]]
+    assert max(ends) - min(ends) < 1.0

@@ -244,6 +244,33 @@ def test_a_request_placed_as_its_prefill_device_is_dedicated_keeps_the_seat_the_
     assert router.num_seats_taken[b] == 2 and router.num_seats_taken[a] == 1
 
 
+class TickPlacerStub(RolePlacerStub):
+    """... and makes them between placements too (Placer.roles), a device given back taking decodes."""
+
+    def roles(self, now, loads) -> Decision:
+        changes, self.changes = tuple(self.changes), []
+        return Decision(None, None, changes, moves_to=tuple(c.device for c in changes if c.role == Role.ADAPTIVE))
+
+
+def test_a_device_given_back_between_placements_takes_a_share_of_the_other_devices_decodes():
+    """A burst placed while cpu:0 was dedicated all decodes on cpu:1; cpu:0, given back by the role tick with no
+    request to place, takes the requests with the most output left until the batches are about even."""
+    (a, b), router = _adaptive(40, 40)
+    router.placer = placer = TickPlacerStub(b)
+    a.role = Role.PREFILL
+    reqs = [_req(str(i), 20, max_tokens=10 + i) for i in range(6)]
+    for r in reqs:
+        router.admit(r)
+    for r in reqs[:5]:
+        r.output_ids.append(1)  # decoding; the last one is still prefilling and stays
+    assert router.update_roles() and a.sent == b.sent == []  # nothing due: cpu:0 stays dedicated
+    placer.changes = [RoleChange(5.0, "cpu:0", Role.ADAPTIVE, "no long prompt")]
+    assert not router.update_roles()  # no device dedicated any more
+    assert a.role is Role.ADAPTIVE and [m.req for m in b.sent] == [reqs[4], reqs[3]]
+    assert all(isinstance(m, Migrate) and m.live and m.handoff.target is a for m in b.sent)
+    assert router.num_seats_taken[a] == 2 and router.num_seats_taken[b] == 6  # both held until the moves end
+
+
 def test_a_move_of_a_request_whose_kv_is_in_flight_leaves_its_seat_and_frees_the_target_seat():
     """Race: moving a request not decoding on its source yet (its KV on its way there) moved its placement and
     seat at once; it then decoded on the source uncounted (over max_num_seqs) and skewed admission."""
