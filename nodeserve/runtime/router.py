@@ -255,7 +255,7 @@ class Router:
         for name in decision.moves_to:
             moved = self.balance_decodes(self.workers[name])
             if moved:
-                log.info("adaptive: %d requests move to %s, given back, from the other devices", moved, name)
+                log.info("adaptive: %d requests move to %s from the other devices (batches evened out)", moved, name)
 
     def update_roles(self) -> bool:
         """Applies the role changes due now with no request to place (Placer.roles), then places what waits.
@@ -288,10 +288,10 @@ class Router:
         return sum(self.migrate(self.placed[rid], self.workers[target]) for rid, target in moves)
 
     def balance_decodes(self, target: ServingUnit) -> int:
-        """`target` was just given back to adaptive: requests decoding on the other adaptive devices move to it
-        until the batches are about even (core.placer.plan_balance), live. Without that it decoded only what
-        arrived after, while a burst placed during its dedication kept the other device's steps twice as large
-        until it ended. Returns how many moves started."""
+        """`target` was just given back to adaptive, or has the lightest batch: requests decoding on the other
+        adaptive devices move to it until the batches are about even (core.placer.plan_balance), live. Without
+        that a device given back decoded only what arrived after, while a burst placed during its dedication kept
+        the other device's steps twice as large until it ended. Returns how many moves started."""
         seated: dict[str, list[Seated]] = {}
         for rid, w in self.placements.items():
             req = self.placed[rid]
