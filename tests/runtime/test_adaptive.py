@@ -132,3 +132,42 @@ def test_a_request_waiting_for_a_seat_is_placed_once_the_prefill_device_has_noth
     assert tokens == hf_greedy[short]
     assert [r[0][:32] for r in results[:2]] == [hf_greedy[i] for i in background]
     assert all(r[1] == "length" for r in results) and all(s.whole for s in stats)
+
+
+@pytest.mark.slow
+def test_a_device_given_back_on_the_role_tick_takes_decodes_and_their_tokens_stay_exact(loaded_fp32, prompt_ids,
+                                                                                        hf_greedy):
+    """A long prompt dedicates cpu:0; every short request that arrives meanwhile decodes on cpu:1. With no other
+    request arriving or ending, the role tick (Engine._role_tick) gives cpu:0 back once the demand fades and moves
+    about half of cpu:1's decodes to it, live, mid-generation: the moved requests' tokens are still
+    transformers', and every page comes back."""
+    cfg = config_from_dict({"model": {"dtype": "float32"}, "devices": {"mode": "adaptive",
+                                                                        "devices": ["cpu:0", "cpu:1"]},
+                            "kv": {"memory_gib": 0.25, "page_size": 16}, "scheduler": {"max_num_batched_tokens": 48}})
+    long_prompt = (prompt_ids[6] * 40)[:400]
+    short = [i for i, p in enumerate(prompt_ids) if len(p) < len(long_prompt)][:6]
+
+    async def main():
+        engine = Engine(cfg, loaded_fp32)
+        engine.start(asyncio.get_running_loop())
+        try:
+            _install_placer(engine, long_from=len(long_prompt))
+            long = engine.add_request(long_prompt, _greedy(4))
+            await asyncio.sleep(0.05)
+            streams = {i: engine.add_request(prompt_ids[i], _greedy(160)) for i in short}
+            await asyncio.sleep(0.1)
+            seats = sorted(w.name for w in engine.router.placements.values())
+            results = {i: await _tokens(s) for i, s in streams.items()}
+            await _tokens(long)
+            await _wait_pools_whole(engine)
+            return seats, results, list(engine.router.role_changes), engine.router.num_migrations["moved"], \
+                engine.pool_stats()
+        finally:
+            engine.stop()
+
+    seats, results, changes, num_moved, stats = asyncio.run(main())
+    assert seats == ["cpu:1"] * (len(short) + 1)  # the long one decodes there too
+    assert [(c.device, c.role) for c in changes][:2] == [("cpu:0", "prefill"), ("cpu:0", "adaptive")]
+    assert num_moved >= len(short) // 2 - 1
+    assert [results[i][0][:len(hf_greedy[i])] for i in short] == [hf_greedy[i] for i in short]
+    assert all(s.whole for s in stats)
