@@ -38,7 +38,7 @@ from nodeserve.core.placement import prefill_steps
 ADAPTIVE, PREFILL = Role.ADAPTIVE, Role.PREFILL
 # 32 let every prompt of bimodal chat's 1,500-3,000 tokens mix whole into the decode steps on a CPU that prefills
 # one in under 3.2 s (the AVX-512 Zen 4: ~1,000 prompt tok/s a core): a short request then met several stalls of
-# 1.5-3 s in its life, and 4-6 of 48 missed a TPOT of 100 ms at concurrency 16 where the disaggregated mode
+# 1.5-3 s in its life, and 2-16 of 48 missed a TPOT of 100 ms at concurrency 16 where the disaggregated mode
 # missed none (docs/adaptive.md)
 LONG_PREFILL_TPOTS = 16
 WINDOW_S = 30.0
