@@ -260,7 +260,8 @@ class Router:
     def update_roles(self) -> bool:
         """Applies the role changes due now with no request to place (Placer.roles), then places what waits.
         Returns whether some device is dedicated to prefill (in adaptive mode: ask again later)."""
-        decision = self.placer.roles(self.clock(), self.loads(self.clock()))
+        now = self.clock()
+        decision = self.placer.roles(now, self.loads(now))
         if decision.role_changes or (decision.moves_to and not self.moving):  # moves under way: their batches
             self._apply_roles(decision)                                       # are not settled yet
             self.dispatch()
@@ -281,10 +282,7 @@ class Router:
     def move_decodes(self, source: ServingUnit) -> int:
         """`source` was just dedicated to prefill: every request holding a decode seat there moves to an adaptive
         device with a seat and room for it (core.placer.plan_moves), live. Returns how many moves started."""
-        seated = [Seated(rid, source.kv.pages_for(self.placed[rid].max_total_tokens) * self.page_size)
-                  for rid, w in self.placements.items() if w is source and rid not in self.moving
-                  and not self.placed[rid].finished and not self.placed[rid].aborted]
-        moves = plan_moves(seated, self.loads(self.clock()))
+        moves = plan_moves(self._movable(source), self.loads(self.clock()))
         return sum(self.migrate(self.placed[rid], self.workers[target]) for rid, target in moves)
 
     def balance_decodes(self, target: ServingUnit) -> int:
@@ -292,17 +290,24 @@ class Router:
         adaptive devices move to it until the batches are about even (core.placer.plan_balance), live. Without
         that a device given back decoded only what arrived after, while a burst placed during its dedication kept
         the other device's steps twice as large until it ended. Returns how many moves started."""
-        seated: dict[str, list[Seated]] = {}
-        for rid, w in self.placements.items():
-            req = self.placed[rid]
-            if w is target or w.role is not Role.ADAPTIVE or rid in self.moving or req.finished or req.aborted \
-                    or not req.output_ids:  # one not decoding yet has nothing to gain from a move
-                continue
-            seated.setdefault(w.name, []).append(Seated(rid, w.kv.pages_for(req.max_total_tokens) * self.page_size,
-                                                        req.max_tokens - len(req.output_ids)))
+        # only requests decoding already: one still prefilling has nothing to gain from a move
+        seated = {w.name: self._movable(w, decoding=True) for w in self.workers.values()
+                  if w is not target and w.role is Role.ADAPTIVE}
         load = next(x for x in self.loads(self.clock()) if x.name == target.name)
         moves = plan_balance(load, seated)
         return sum(self.migrate(self.placed[rid], self.workers[name]) for rid, name in moves)
+
+    def _movable(self, source: ServingUnit, decoding: bool = False) -> list[Seated]:
+        """The requests holding a decode seat on `source` that a move could take (not moving, not ended; with
+        `decoding`, only those that have started to decode)."""
+        out = []
+        for rid, w in self.placements.items():
+            req = self.placed[rid]
+            if w is source and rid not in self.moving and not req.finished and not req.aborted and \
+                    (req.output_ids or not decoding):
+                out.append(Seated(rid, source.kv.pages_for(req.max_total_tokens) * self.page_size,
+                                  req.max_tokens - len(req.output_ids)))
+        return out
 
     def migrate(self, req: Request, target: ServingUnit, live: bool = True) -> bool:
         """Starts moving a placed request's decode to `target`, whose pages for it are reserved now. Its source
