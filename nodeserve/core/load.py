@@ -39,6 +39,8 @@ class DeviceLoad:
     num_incoming: int = 0            # requests with a decode seat here, not decoding yet (their prefill is ahead)
     incoming_context: int = 0        # their prompt tokens, in total
     cached_tokens: int = 0           # the placed request's prompt tokens this device's prefix cache holds
+    queued_prompts: tuple[int, ...] = ()  # prompt tokens left of each prompt waiting in its scheduler
+    caps_prefill: bool = False       # its prompt tokens beside decodes are capped (core/side_prefill.py)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from nodeserve.core.cost_model import CostModel, StepShape
 from nodeserve.core.load import DeviceLoad, Role, SloTarget, StepLimits
-from nodeserve.core.side_prefill import SidePrefill
+from nodeserve.core.side_prefill import SidePrefill, usable
 
 
 @dataclass(frozen=True)
@@ -76,10 +76,12 @@ def side_prefill_seconds(cost: CostModel, load: DeviceLoad, limits: StepLimits, 
 
 
 def predict(cost: CostModel, limits: StepLimits, loads: dict[str, DeviceLoad], prefill: str, decode: str,
-            num_prompt_tokens: int, max_tokens: int) -> Placement:
+            num_prompt_tokens: int, max_tokens: int, max_side_step_s: float | None = None) -> Placement:
     """What placing a request (num_prompt_tokens, max_tokens) with prefill on `prefill` and decode on `decode`
     would give. The others' TPOT spreads the mixed steps' extra time over max_tokens tokens (this request's
-    length stands in for theirs)."""
+    length stands in for theirs). A prompt prefilled where it decodes, on a device that caps the prompt tokens
+    beside its decodes (caps_prefill), takes the chunks that cap allows (side_prefill_seconds; max_side_step_s:
+    the cap's step limit)."""
     p, d = loads[prefill], loads[decode]
     ttft, steps, longest = prefill_steps(cost, p, limits, num_prompt_tokens)
     out = max(max_tokens - 1, 1)
@@ -88,6 +90,8 @@ def predict(cost: CostModel, limits: StepLimits, loads: dict[str, DeviceLoad], p
         alone = cost.step_time(p.name, StepShape(num_decodes=p.num_decodes, decode_context=p.decode_context))
         mixed_extra = ttft - steps * alone
         others = alone + mixed_extra / max(out, steps)
+    if prefill == decode and p.caps_prefill and max_side_step_s is not None and usable(cost.devices.get(p.name)):
+        ttft = side_prefill_seconds(cost, p, limits, max_side_step_s, num_prompt_tokens)
     transfer = cost.transfer_tail(prefill, decode, num_prompt_tokens, ttft) if prefill != decode else 0.0
     # Its own decode steps: the batch it joins (what decodes there now and what holds a seat there and will,
     # as its prefill ends first), with its context half-way through its output, slowed by the prefill chunks
@@ -143,7 +147,7 @@ def choose_placement(cost: CostModel, limits: StepLimits, slo: SloTarget, loads:
     by_name = {x.name: x for x in loads}
     best, best_key = None, None
     for p, d in candidates(loads, num_prompt_tokens, local_prefill_threshold):
-        pl = predict(cost, limits, by_name, p, d, num_prompt_tokens, max_tokens)
+        pl = predict(cost, limits, by_name, p, d, num_prompt_tokens, max_tokens, slo.max_side_step_s)
         key = (pl.num_misses(slo, num_prompt_tokens), max(pl.violation(slo, num_prompt_tokens), 1.0),
                p != d, -by_name[d].free_tokens, -by_name[d].free_seats, pl.ttft)
         if best_key is None or key < best_key:

@@ -59,10 +59,12 @@ def worker_load(w: ServingUnit, now: float, seated: Sequence[Request], req: Requ
     incoming = [r for r in seated if r.request_id not in decoding and not r.finished]
     cached = len(w.kv.lookup(req.page_hashes, req.num_prompt_tokens)) * w.kv.page_size if req is not None else 0
     dead = w.failure is not None  # nothing more is placed on a device taken for dead
+    waiting = list(w.scheduler.waiting)  # one C-level copy: the worker thread may change the deque meanwhile
     return DeviceLoad(w.name, w.role, w.num_outstanding_prefill_tokens, len(running),
                       sum(s.req.num_computed_tokens for s in running), 0 if dead else w.limits.max_num_seqs - len(seated),
                       prefill_share(w.records, now), 0 if dead else w.kv.num_free * w.kv.page_size,
-                      len(incoming), sum(r.num_prompt_tokens for r in incoming), cached)
+                      len(incoming), sum(r.num_prompt_tokens for r in incoming), cached,
+                      tuple(s.req.num_prompt_tokens - s.req.num_computed_tokens for s in waiting))
 
 
 def snapshot(workers: Iterable[ServingUnit], seats: Iterable[tuple[ServingUnit, Request]], now: float,

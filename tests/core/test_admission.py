@@ -34,7 +34,7 @@ def _log(records) -> RecordLog:
 
 def worker(name, role, queued=0, records=()):
     return _Worker(name=name, role=role, num_outstanding_prefill_tokens=queued, failure=None,
-                   scheduler=SimpleNamespace(running=[]), limits=WorkerLimits(64, 1024, 8192),
+                   scheduler=SimpleNamespace(running=[], waiting=[]), limits=WorkerLimits(64, 1024, 8192),
                    records=_log(records), kv=SimpleNamespace(num_free=1000, page_size=16))
 
 

@@ -3,6 +3,8 @@ is given back, and the roles one request's placement sees."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from nodeserve.core.cost_model import CostModel, StepModel
@@ -83,6 +85,25 @@ def test_request_roles_long_prompts_prefill_on_a_prefill_device_short_ones_stay_
     assert long.prefill == "d1" and long.decode in ("d0", "d2")
     short = choose_placement(p.cost, limits, slo, p.request_loads(_loads(decodes=(3, 1, 2)), long=False), 100, 64)
     assert short.prefill == short.decode and short.decode != "d1"  # a prefill device takes no new decodes
+
+
+def test_a_short_prompt_prefills_on_the_prefill_device_when_its_own_queue_would_miss_the_ttft():
+    """While d1 is dedicated, a short prompt behind 1,000 queued prompt tokens on each decoding device (4.2 s)
+    prefills on d1 instead: it waits there for the running chunk of d1's long prompt (512 tokens), not for all
+    of it (deadline order sets the long prompt aside), and decodes on another device. With nothing queued where
+    it decodes it stays colocated."""
+    p = _policy()
+    p.observe(0.0, 2000)
+    p.update(0.0, _loads())
+    assert p.prefill == {"d1"}
+    slo, limits = p.slo, p.limits
+    busy = [replace(x, queued_prompts=(q,) if q else ()) for x, q in zip(_loads(queued=(1000, 2000, 1000)),
+                                                                           (1000, 2000, 1000))]
+    short = choose_placement(p.cost, limits, slo, p.request_loads(busy, long=False), 50, 64)
+    assert short.prefill == "d1" and short.decode in ("d0", "d2") and short.ttft < slo.ttft_s
+    idle = [replace(x, queued_prompts=(2000,) if x.name == "d1" else ()) for x in _loads(queued=(0, 2000, 0))]
+    short = choose_placement(p.cost, limits, slo, p.request_loads(idle, long=False), 50, 64)
+    assert short.prefill == short.decode and short.decode != "d1"
 
 
 @pytest.mark.parametrize("queued", [(0, 0, 0), (0, 5000, 0)])

@@ -25,7 +25,7 @@ class StubWorker:
     def __init__(self, name: str, num_pages: int, max_num_seqs: int = 64, role: Role = Role.DECODE):
         self.name, self.role = name, role
         self.kv = KVManager(num_pages, 16)
-        self.scheduler = SimpleNamespace(running=[])
+        self.scheduler = SimpleNamespace(running=[], waiting=[])
         self.records = RecordLog(StepRecord, 100)
         self.sent = []
         self.send = self.sent.append
