@@ -9,7 +9,8 @@
  * one pass over a group's blocks, one activation broadcast for both: 8 int32 accumulators and 2 weight vectors in
  * registers (the float accumulators, touched once a block, may live in L1). Tiles of 6 rows a pass per half (a
  * broadcast per vpmaddwd) were 7-8 % slower on prompt rows (x86-64-v3 build on Zen 4: 48-49 -> 52 GMAC/s int16,
- * 70-71 -> 76 int8, one layer's projections at 256 rows) and on 3-row verify steps (10.4 -> 9.2 ms a step).
+ * 70-71 -> 76 int8, one layer's projections at 256 rows) and on 3-row verify steps (10.4 -> 9.2 ms a step),
+ * measured while the accumulators still spilled (NS_KEEP below): not measured again since.
  *
  * int16 activations (decode, and prompt rows by default): vpmaddwd multiplies 2 int16 weights of 8 rows by the
  * same 2 activations and adds the pair: vpdpwssd without its accumulate, so one vpaddd more (AVX-VNNI: one
