@@ -97,8 +97,7 @@ def test_a_short_prompt_prefills_on_the_prefill_device_when_its_own_queue_would_
     p.update(0.0, _loads())
     assert p.prefill == {"d1"}
     slo, limits = p.slo, p.limits
-    busy = [replace(x, queued_prompts=(q,) if q else ()) for x, q in zip(_loads(queued=(1000, 2000, 1000)),
-                                                                           (1000, 2000, 1000))]
+    busy = [replace(x, queued_prompts=(x.queued_prefill_tokens,)) for x in _loads(queued=(1000, 2000, 1000))]
     short = choose_placement(p.cost, limits, slo, p.request_loads(busy, long=False), 50, 64)
     assert short.prefill == "d1" and short.decode in ("d0", "d2") and short.ttft < slo.ttft_s
     idle = [replace(x, queued_prompts=(2000,) if x.name == "d1" else ()) for x in _loads(queued=(0, 2000, 0))]
