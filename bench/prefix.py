@@ -7,6 +7,7 @@ Per target and workload: TTFT p50/p99 of first turns and of later turns, prompt 
 second) at a fixed client concurrency.
 
     python bench/prefix.py [--conversations 8] [--agents 4] [--calls 4] [--concurrency 4]
+    python bench/prefix.py --modes adaptive --cache on --no-llama [--cpu-class avx2]   # adaptive's role changes
 Results: bench/results/prefix/prefix.json, prefix.md and prefix_ttft.png.
 """
 
@@ -24,6 +25,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from outputs import out_path  # noqa: E402
+from cpu_class import CPU_CLASS_ENV, nodeserve_env  # noqa: E402
 import llama_server as L  # noqa: E402
 import local_server  # noqa: E402
 import serve  # noqa: E402
@@ -56,7 +58,7 @@ def scrape(url: str) -> dict[str, dict[str, float]]:
         text = r.read().decode()
     out: dict[str, dict[str, float]] = {}
     for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "kv_transfer_bytes_sum",
-                 "kv_transfer_saved_bytes_total", "prompt_tokens_total"):
+                 "kv_transfer_saved_bytes_total", "prompt_tokens_total", "device_role_changes_total"):
         for labels, value in re.findall(rf"^nodeserve:{name}{{([^}}]*)}} (\S+)$", text, re.M):
             device = re.search(r'device="([^"]*)"', labels)
             out.setdefault(name, {})[device.group(1) if device else ""] = float(value)
@@ -101,8 +103,8 @@ def run_workload(url: str, model: str, requests: list[W.Request], concurrency: i
 
 def table(results: dict) -> str:
     rows = ["| workload | target | TTFT p50 / p99 turn 1 (ms) | TTFT p50 / p99 later turns (ms) | prompt tokens "
-            "computed | KV bytes transferred | saved | SLO met | goodput (req/s) | /metrics hits = client's cached |",
-            "|---" * 10 + "|"]
+            "computed | KV bytes transferred | saved | SLO met | goodput (req/s) | /metrics hits = client's cached | role "
+            "changes |", "|---" * 11 + "|"]
 
     def ms(d: dict, q: str) -> str:
         return "-" if d.get(q) is None else f"{d[q] * 1000:.0f}"
@@ -112,6 +114,7 @@ def table(results: dict) -> str:
             server = r.get("server") or {}
             sent = sum(server.get("kv_transfer_bytes_sum", {}).values())
             saved = sum(server.get("kv_transfer_saved_bytes_total", {}).values())
+            changes = int(sum(server.get("device_role_changes_total", {}).values())) if server else "-"
             comp = "-" if r["computed_tokens"] is None else f"{r['computed_tokens']:,} of {r['prompt_tokens']:,}"
             mib = [("-" if not v else f"{v / 2**20:.1f} MiB") for v in (sent, saved)]
             met = "-" if r["attainment"] is None else f"{r['attainment'] * 100:.0f} %"
@@ -119,7 +122,7 @@ def table(results: dict) -> str:
             first, later = r["ttft_first_turn"], r["ttft_later_turns"]
             rows.append(f"| {wl} | {target} | {ms(first, 'p50')} / {ms(first, 'p99')} | {ms(later, 'p50')} / "
                         f"{ms(later, 'p99')} | {comp} | {mib[0]} | {mib[1]} | {met} | {good} | "
-                        f"{ {True: 'yes', False: 'NO', None: '-'}[r.get('metrics_agree')] } |")
+                        f"{ {True: 'yes', False: 'NO', None: '-'}[r.get('metrics_agree')] } | {changes} |")
     return "\n".join(rows)
 
 
@@ -154,6 +157,9 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--no-llama", action="store_true", help="skip llama-server")
+    ap.add_argument("--modes", default="disaggregated,colocated", help="nodeserve modes, comma-separated")
+    ap.add_argument("--cache", choices=("both", "on", "off"), default="both", help="nodeserve's prefix cache")
+    ap.add_argument("--cpu-class", choices=sorted(CPU_CLASS_ENV), help="nodeserve forced to a CPU class's kernels")
     ap.add_argument("--out", default=OUT_DIR)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -161,11 +167,12 @@ def main() -> int:
                  "agent loop": agent_loop(args.agents, args.calls)}
     results: dict = {"machine": serve.machine(), "args": vars(args), "workloads": {w: {} for w in workloads}}
     targets = [(f"nodeserve {mode}, cache {'on' if on else 'off'}", mode, on)
-               for mode in ("disaggregated", "colocated") for on in (True, False)]
+               for mode in args.modes.split(",") for on in (True, False) if args.cache in ("both", "on" if on else "off")]
     with tempfile.TemporaryDirectory() as tmp:
         for name, mode, on in targets:
             proc, url = local_server.start_server(mode, "auto", tmp, os.path.join(args.out, "server.log"),
-                                                  kv_extra=f"prefix_cache = {'true' if on else 'false'}")
+                                                  kv_extra=f"prefix_cache = {'true' if on else 'false'}",
+                                                  env=nodeserve_env(args.cpu_class))
             try:
                 model = serve.default_model(url, {})
                 for wl, reqs in workloads.items():

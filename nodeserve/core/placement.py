@@ -81,9 +81,10 @@ def predict(cost: CostModel, limits: StepLimits, loads: dict[str, DeviceLoad], p
     would give. The others' TPOT spreads the mixed steps' extra time over max_tokens tokens (this request's
     length stands in for theirs). A prompt prefilled where it decodes, on a device that caps the prompt tokens
     beside its decodes (caps_prefill), takes the chunks that cap allows (side_prefill_seconds; max_side_step_s:
-    the cap's step limit)."""
+    the cap's step limit). The prefill device computes only what its prefix cache does not hold (cached_tokens)."""
     p, d = loads[prefill], loads[decode]
-    ttft, steps, longest = prefill_steps(cost, p, limits, num_prompt_tokens)
+    cached = min(p.cached_tokens, num_prompt_tokens)  # the prefix the prefill device's cache holds is not computed
+    ttft, steps, longest = prefill_steps(cost, p, limits, num_prompt_tokens, cached)
     out = max(max_tokens - 1, 1)
     others = 0.0
     if p.num_decodes:
@@ -91,7 +92,7 @@ def predict(cost: CostModel, limits: StepLimits, loads: dict[str, DeviceLoad], p
         mixed_extra = ttft - steps * alone
         others = alone + mixed_extra / max(out, steps)
     if prefill == decode and p.caps_prefill and max_side_step_s is not None and usable(cost.devices.get(p.name)):
-        ttft = side_prefill_seconds(cost, p, limits, max_side_step_s, num_prompt_tokens)
+        ttft = side_prefill_seconds(cost, p, limits, max_side_step_s, num_prompt_tokens - cached)
     transfer = cost.transfer_tail(prefill, decode, num_prompt_tokens, ttft) if prefill != decode else 0.0
     # Its own decode steps: the batch it joins (what decodes there now and what holds a seat there and will,
     # as its prefill ends first), with its context half-way through its output, slowed by the prefill chunks

@@ -46,8 +46,8 @@ class Decision:
 
 
 class Placer(Protocol):
-    def observe(self, now: float, req: Request) -> None:
-        """A request was admitted (before it is placed)."""
+    def observe(self, now: float, loads: Sequence[DeviceLoad], req: Request) -> None:
+        """A request was admitted (before it is placed), on `loads` as place's (its cached prefix on each device)."""
 
     def place(self, now: float, loads: Sequence[DeviceLoad], req: Request) -> Decision:
         """Where `req` goes, on `loads`: every device as this request sees it (its cached prefix there)."""
@@ -58,6 +58,13 @@ class Placer(Protocol):
 
 def fits(load: DeviceLoad, num_tokens: int) -> bool:
     return load.free_tokens >= num_tokens
+
+
+def num_uncached(loads: Sequence[DeviceLoad], req: Request) -> int:
+    """The prompt tokens req would compute where its prefix is cached longest: what makes it long (core/roles.py).
+    By its whole length, a multi-turn prompt of 3,000 tokens, all but the last turn cached, dedicated a device to
+    prefill the few tokens it had left and moved that device's decodes away."""
+    return req.num_prompt_tokens - max((min(x.cached_tokens, req.num_prompt_tokens) for x in loads), default=0)
 
 
 # Adaptive mode: decodes a device's batch may have beyond another's before some move to it (AdaptivePlacer.roles).
@@ -97,7 +104,7 @@ class StaticPlacer:
         self.timing = timing
         self.num_busy_local = 0  # prompts local_prefill_when_busy kept on their decode device
 
-    def observe(self, now: float, req: Request) -> None:
+    def observe(self, now: float, loads: Sequence[DeviceLoad], req: Request) -> None:
         pass
 
     def roles(self, now: float, loads: Sequence[DeviceLoad]) -> Decision:
@@ -198,16 +205,16 @@ class AdaptivePlacer:
     def __post_init__(self) -> None:
         self.policy = RolePolicy(self.cost(), self.limits, self.slo, list(self.devices))
 
-    def observe(self, now: float, req: Request) -> None:
+    def observe(self, now: float, loads: Sequence[DeviceLoad], req: Request) -> None:
         """A long prompt adds to the demand for prefill devices."""
         self.policy.cost = self.cost()
-        self.policy.observe(now, req.num_prompt_tokens)
+        self.policy.observe(now, num_uncached(loads, req))
 
     def view(self, loads: Sequence[DeviceLoad], req: Request) -> list[DeviceLoad]:
         """Every device as this request's placement sees it: the role the policy gives it, and no seat where its
         KV does not fit now."""
         room = [x if fits(x, req.max_total_tokens) else replace(x, free_seats=0) for x in loads]
-        return self.policy.request_loads(room, self.policy.is_long(req.num_prompt_tokens))
+        return self.policy.request_loads(room, self.policy.is_long(num_uncached(loads, req)))
 
     def roles(self, now: float, loads: Sequence[DeviceLoad]) -> Decision:
         """A device whose demand ended goes back on time, not at the next placement: a burst of short requests

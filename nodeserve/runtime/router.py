@@ -128,9 +128,10 @@ class Router:
             raise QueueFull(f"{self.num_queued_tokens} prompt tokens are already queued")
         req.page_hashes = hash_pages(req.prompt_ids, self.page_size)
         now = self.clock()
-        self.placer.observe(now, req)
+        loads = self.loads(now, req)
+        self.placer.observe(now, loads, req)
         if self.admission is not None:
-            self.admission.check(self.loads(now, req), req, sum(r.num_prompt_tokens for r in self.pending))
+            self.admission.check(loads, req, sum(r.num_prompt_tokens for r in self.pending))
         self.pending.append(req)
         self.dispatch()
 

@@ -3,6 +3,8 @@ prompts, roles respected, and predictions that follow the cost model by hand."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from nodeserve.core.cost_model import CostModel, StepModel, StepShape
@@ -57,6 +59,21 @@ def test_long_prompt_goes_to_a_dedicated_prefill_device():
     # The same prompt prefilled on d1 would stall its 12 decodes: predicted, and why it was not chosen.
     on_d1 = predict(cost(), LIMITS, {x.name: x for x in loads}, "d1", "d1", 2800, 128)
     assert on_d1.others_tpot > SLO.tpot_s and on_d1.num_misses(SLO, 2800) >= 12
+
+
+def test_a_prompt_mostly_cached_on_a_device_is_predicted_and_placed_by_what_is_left_to_compute():
+    # The same long prompt, but d1's prefix cache holds all of it except its last turn: 100 tokens to compute there.
+    loads = [load("d0", queued=2500, prefill_share=0.9), replace(load("d1", decodes=12), cached_tokens=2700)]
+    by_name = {x.name: x for x in loads}
+    on_d1 = predict(cost(), LIMITS, by_name, "d1", "d1", 2800, 128)
+    assert on_d1.ttft == pytest.approx(prefill_steps(cost(), loads[1], LIMITS, 2800, 2700)[0])
+    assert on_d1.ttft < predict(cost(), LIMITS, {**by_name, "d1": load("d1", decodes=12)}, "d1", "d1", 2800, 128).ttft / 10
+    pl = choose_placement(cost(), LIMITS, SLO, loads, num_prompt_tokens=2800, max_tokens=128)
+    assert (pl.prefill, pl.decode) == ("d1", "d1") and pl.num_misses(SLO, 2800) == 0
+    # a cache on the device that does not prefill it saves nothing: d0 prefills all of it for d1
+    d0_cached = [load("d0", queued=2500, prefill_share=0.9), load("d1", decodes=12)]
+    assert predict(cost(), LIMITS, {x.name: x for x in d0_cached}, "d0", "d1", 2800, 128).ttft == pytest.approx(
+        prefill_steps(cost(), d0_cached[0], LIMITS, 2800)[0])
 
 
 def test_long_prompt_stalls_the_fewest_decodes():

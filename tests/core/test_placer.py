@@ -142,7 +142,7 @@ def test_the_adaptive_placer_gives_a_device_back_with_no_request_to_place():
     cost = CostModel({d: StepModel([0.0, 0.001, 0.0, 0.004, 0.0]) for d in ("cpu:0", "cpu:1")})
     placer = AdaptivePlacer(lambda: cost, StepLimits(2048, 64), SloTarget(2.5, 0.1), ["cpu:0", "cpu:1"])
     loads = [DeviceLoad("cpu:0", Role.ADAPTIVE), DeviceLoad("cpu:1", Role.ADAPTIVE, num_decodes=8)]
-    placer.observe(0.0, _req(3000))  # 3 s of prefill: long
+    placer.observe(0.0, loads, _req(3000))  # 3 s of prefill: long
     first = placer.place(0.0, loads, _req(3000))
     assert first.moves_from == ("cpu:0",) and first.prefill == "cpu:0"
     loads[0] = DeviceLoad("cpu:0", Role.PREFILL)
@@ -152,6 +152,22 @@ def test_the_adaptive_placer_gives_a_device_back_with_no_request_to_place():
     assert [(c.device, c.role) for c in decision.role_changes] == [("cpu:0", Role.ADAPTIVE)]
     assert decision.moves_to == ("cpu:0",) and not decision.placed
     assert StaticPlacer().roles(0.0, loads) == Decision(None, None)
+
+
+def test_a_long_prompt_mostly_cached_is_not_long_for_the_adaptive_placer():
+    # A multi-turn prompt of 3,000 tokens whose first 2,960 cpu:1 caches: 40 tokens to compute, so no device is
+    # dedicated and it stays where its prefix is.
+    cost = CostModel({d: StepModel([0.0, 0.001, 0.0, 0.004, 0.0]) for d in ("cpu:0", "cpu:1")})
+    placer = AdaptivePlacer(lambda: cost, StepLimits(2048, 64), SloTarget(2.5, 0.1), ["cpu:0", "cpu:1"])
+    loads = [DeviceLoad("cpu:0", Role.ADAPTIVE), DeviceLoad("cpu:1", Role.ADAPTIVE, num_decodes=8, cached_tokens=2960)]
+    placer.observe(0.0, loads, _req(3000))
+    decision = placer.place(0.0, loads, _req(3000))
+    assert decision.role_changes == () and (decision.prefill, decision.decode) == ("cpu:1", "cpu:1")
+    assert not placer.policy.demand
+    # uncached, the same prompt is long: demand, and a device dedicated to it
+    cold = [DeviceLoad("cpu:0", Role.ADAPTIVE), DeviceLoad("cpu:1", Role.ADAPTIVE, num_decodes=8)]
+    placer.observe(1.0, cold, _req(3000))
+    assert placer.place(1.0, cold, _req(3000)).moves_from == ("cpu:0",)
 
 
 def test_with_nothing_due_the_lightest_adaptive_device_takes_decodes_once_batches_differ_by_min_balance():

@@ -171,3 +171,38 @@ def test_a_device_given_back_on_the_role_tick_takes_decodes_and_their_tokens_sta
     assert num_moved >= len(short) // 2 - 1
     assert [results[i][0][:len(hf_greedy[i])] for i in short] == [hf_greedy[i] for i in short]
     assert all(s.whole for s in stats)
+
+
+@pytest.mark.slow
+def test_a_follow_up_turn_whose_prefix_is_cached_is_not_a_long_prompt(loaded_fp32):
+    """A 400-token prompt is long (a device is dedicated to it); the next turn of that conversation, the same 400
+    tokens and its answer plus a few new ones, finds all but its last pages cached and is not: no demand, no
+    dedication, no decodes moved. Judged by its whole length, it dedicated a device to prefill the few tokens it had
+    left and moved that device's decodes away."""
+    cfg = config_from_dict({"model": {"dtype": "float32"}, "devices": {"mode": "adaptive",
+                                                                        "devices": ["cpu:0", "cpu:1"]},
+                            "kv": {"memory_gib": 0.25, "page_size": 16}, "scheduler": {"max_num_batched_tokens": 48}})
+    first_turn = [(7 * i) % 2000 + 100 for i in range(400)]
+
+    async def main():
+        engine = Engine(cfg, loaded_fp32)
+        engine.start(asyncio.get_running_loop())
+        try:
+            placer = _install_placer(engine, long_from=200)
+            answer, _ = await _tokens(engine.add_request(first_turn, _greedy(8)))
+            await asyncio.sleep(1.0)  # the demand fades and the role tick gives the device back
+            before = list(engine.router.role_changes), placer.policy.last_long
+            stream = engine.add_request(first_turn + answer + [300, 301, 302, 303], _greedy(8))
+            tokens, _ = await _tokens(stream)
+            after = list(engine.router.role_changes), placer.policy.last_long
+            await _wait_pools_whole(engine)
+            return before, after, stream.request.num_cached_tokens, tokens, engine.pool_stats()
+        finally:
+            engine.stop()
+
+    before, after, num_cached, tokens, stats = asyncio.run(main())
+    roles = [(c.device, c.role) for c in before[0]]
+    assert [r for _, r in roles] == ["prefill", "adaptive"]  # the first turn was long; its device came back
+    assert num_cached >= 400 and len(tokens) == 8  # the follow-up reused its prefix ...
+    assert after == before  # ... and was not long: no demand, no role change
+    assert all(s.whole for s in stats)

@@ -133,7 +133,7 @@ class PlacerStub:
     def __init__(self, prefill: StubWorker, decode: StubWorker):
         self.pair, self.observed = (prefill, decode), []
 
-    def observe(self, now, req: Request) -> None:
+    def observe(self, now, loads, req: Request) -> None:
         self.observed.append(req.request_id)
 
     def place(self, now, loads, req: Request) -> Decision:
