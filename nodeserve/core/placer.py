@@ -61,10 +61,11 @@ def fits(load: DeviceLoad, num_tokens: int) -> bool:
 
 
 def num_uncached(loads: Sequence[DeviceLoad], req: Request) -> int:
-    """The prompt tokens req would compute where its prefix is cached longest: what makes it long (core/roles.py).
-    By its whole length, a multi-turn prompt of 3,000 tokens, all but the last turn cached, dedicated a device to
-    prefill the few tokens it had left and moved that device's decodes away."""
-    return req.num_prompt_tokens - max((min(x.cached_tokens, req.num_prompt_tokens) for x in loads), default=0)
+    """The prompt tokens req would compute on the device with room for it whose cache holds the most of its prefix:
+    what makes it long (core/roles.py). By its whole length, a multi-turn prompt of 3,000 tokens, all but the last
+    turn cached, dedicated a device to prefill the few tokens it had left and moved that device's decodes away."""
+    n = req.num_prompt_tokens
+    return n - max((min(x.cached_tokens, n) for x in loads if fits(x, n)), default=0)
 
 
 # Adaptive mode: decodes a device's batch may have beyond another's before some move to it (AdaptivePlacer.roles).

@@ -7,7 +7,7 @@ from __future__ import annotations
 from nodeserve.core.cost_model import CostModel, StepModel
 from nodeserve.core.load import DeviceLoad, Role, SloTarget, StepLimits
 from nodeserve.core.placer import (MIN_BALANCE, AdaptivePlacer, Decision, PlacerTiming, Seated, StaticPlacer,
-                                   plan_balance)
+                                   num_uncached, plan_balance)
 from nodeserve.core.roles import HOLD_S, IDLE_S
 from nodeserve.core.request import Request
 from nodeserve.core.sampling_params import SamplingParams
@@ -164,6 +164,10 @@ def test_a_long_prompt_mostly_cached_is_not_long_for_the_adaptive_placer():
     decision = placer.place(0.0, loads, _req(3000))
     assert decision.role_changes == () and (decision.prefill, decision.decode) == ("cpu:1", "cpu:1")
     assert not placer.policy.demand
+    assert num_uncached(loads, _req(3000)) == 40
+    # where the prefix is cached there is no room for the prompt: it is computed whole elsewhere, and long
+    full = [loads[0], DeviceLoad("cpu:1", Role.ADAPTIVE, num_decodes=8, cached_tokens=2960, free_tokens=1000)]
+    assert num_uncached(full, _req(3000)) == 3000
     # uncached, the same prompt is long: demand, and a device dedicated to it
     cold = [DeviceLoad("cpu:0", Role.ADAPTIVE), DeviceLoad("cpu:1", Role.ADAPTIVE, num_decodes=8)]
     placer.observe(1.0, cold, _req(3000))
