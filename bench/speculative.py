@@ -110,10 +110,10 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
-async def workload(url: str, max_tokens: int) -> dict:
+async def workload(url: str, max_tokens: int, repetition: list[str] = REPETITION) -> dict:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
         await one(s, url, CHAT[0], 8)  # warm
-        rep = [await one(s, url, p, max_tokens) for p in REPETITION]
+        rep = [await one(s, url, p, max_tokens) for p in repetition]
         chat1 = [await one(s, url, p, 128) for p in CHAT]
         t0 = time.monotonic()
         chat32 = await asyncio.gather(*(one(s, url, CHAT[i % len(CHAT)] + f" (#{i})", 128) for i in range(32)))
@@ -137,13 +137,14 @@ async def workload(url: str, max_tokens: int) -> dict:
 
 
 def serve_workload(mode: str, tmp: str, log: str, max_tokens: int, extra: str = "", devices_extra: str = "",
-                   env: dict[str, str] | None = None, model_extra: str = "") -> dict:
+                   env: dict[str, str] | None = None, model_extra: str = "",
+                   repetition: list[str] = REPETITION) -> dict:
     """One server (bench/local_server.py: the default config plus these TOML lines) through workload(), then
     stopped."""
     proc, url = start_server(mode, "auto", tmp, log, extra=extra, devices_extra=devices_extra, env=env,
                              model_extra=model_extra)
     try:
-        return asyncio.run(workload(url, max_tokens))
+        return asyncio.run(workload(url, max_tokens, repetition))
     finally:
         proc.terminate()
         proc.wait(60)
@@ -155,7 +156,7 @@ SPEEDUPS = {"repetition_1": ("repetition", "tok_s"), "repetition_1_decode": ("re
             "chat_1": ("chat_1", "tok_s"), "chat_32": ("chat_32", "tok_s")}
 
 
-def summarize(rounds: list[dict], methods: list[str]) -> dict:
+def summarize(rounds: list[dict], methods: list[str], num_repetition: int = len(REPETITION)) -> dict:
     """Per method, each figure's median over the rounds (and every round's value); per compared method, each
     speedup as the median of the rounds' paired ratios (this machine's speed drifts by 10-20 % between minutes:
     a ratio within one round compares servers run back to back), and its outputs against off's, every round."""
@@ -173,7 +174,7 @@ def summarize(rounds: list[dict], methods: list[str]) -> dict:
         out[method] = row
     for method in methods:
         same = [a == b for r in rounds for a, b in zip(r["off"]["texts"], r[method]["texts"])]
-        parts = ["repetition"] * len(REPETITION) + ["chat_1"] * len(CHAT) + ["chat_32"] * 32  # workload's order
+        parts = ["repetition"] * num_repetition + ["chat_1"] * len(CHAT) + ["chat_32"] * 32  # workload's order
         differing = [{"round": i // len(parts), "part": parts[i % len(parts)], "index": i % len(parts)}
                      for i, ok in enumerate(same) if not ok]
         ratios = {name: [r[method][part][key] / r["off"][part][key] for r in rounds]
@@ -197,7 +198,13 @@ def main() -> int:
     ap.add_argument("--log-dir", default="", help="keep the servers' logs here (default: a temporary directory)")
     ap.add_argument("--model-extra", default="", help='more [model] lines for every server, off and on alike, '
                     'e.g. \'decode_activations = "int8"\'')
+    ap.add_argument("--repetition", default="", help="a JSON file: a list of prompts to use as the repetition "
+                    "workload instead of this script's (e.g. bench/prompts/repetition-unseen.json)")
     args = ap.parse_args()
+    repetition = REPETITION
+    if args.repetition:
+        with open(args.repetition) as f:
+            repetition = json.load(f)
     results: dict = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                                  "load_before": os.getloadavg()},
                      "command": " ".join(["python"] + sys.argv), "modes": {}}
@@ -215,9 +222,10 @@ def main() -> int:
                     runs[method] = serve_workload(mode, tmp, log, args.max_tokens,
                                                   extra=f'[speculative]\nmethod = "{method}"\n'
                                                         f'draft_model = "{args.draft_model}"\n',
-                                                  env=nodeserve_env(args.cpu_class), model_extra=args.model_extra)
+                                                  env=nodeserve_env(args.cpu_class), model_extra=args.model_extra,
+                                                  repetition=repetition)
                 rounds.append(runs)
-            results["modes"][mode] = summarize(rounds, methods)
+            results["modes"][mode] = summarize(rounds, methods, len(repetition))
             for method in methods:
                 row = results["modes"][mode][method]
                 print(mode, method, json.dumps(row["speedup"]), "gap p99 ms off/on:",
