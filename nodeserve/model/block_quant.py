@@ -237,13 +237,16 @@ def use_prompt_activations(model: nn.Module, kind: str) -> int:
         flag, types = native.BF16, (native.Q4_0, native.Q4_1, native.Q8_0)
     else:
         return 0
-    num = 0
-    for m in model.modules():
-        if isinstance(m, QuantLinear) and m is not getattr(model, "lm_head", None) and m.qtype & native.R16 \
-                and (m.qtype & 0xff) in types:
-            m.prompt_flag = flag
-            num += 1
-    return num
+    projections = repacked_projections(model, types)
+    for m in projections:
+        m.prompt_flag = flag
+    return len(projections)
+
+
+def repacked_projections(model: nn.Module, types: tuple[int, ...]) -> list[QuantLinear]:
+    """The model's projections repacked to R16 with one of these ggml types, but its lm_head."""
+    return [m for m in model.modules() if isinstance(m, QuantLinear) and m is not getattr(model, "lm_head", None)
+            and m.qtype & native.R16 and (m.qtype & 0xff) in types]
 
 
 def decode_activations_for(setting: str) -> str:
@@ -261,13 +264,10 @@ def use_decode_activations(model: nn.Module, kind: str) -> int:
     int8 path, llama.cpp's rounding of every row; "int16": the kernels' own) from now on; not the lm_head, whose rows
     include prompts' last ones. Returns how many projections take int8. Set before the native decoder is built: it
     copies each projection's type."""
-    num = 0
-    for m in model.modules():
-        if isinstance(m, QuantLinear) and m is not getattr(model, "lm_head", None) and m.qtype & native.R16 \
-                and (m.qtype & 0xff) in (native.Q4_0, native.Q4_1):
-            m.decode_flag = native.ACT8 if kind == "int8" else 0
-            num += kind == "int8"
-    return num
+    projections = repacked_projections(model, (native.Q4_0, native.Q4_1))
+    for m in projections:
+        m.decode_flag = native.ACT8 if kind == "int8" else 0
+    return len(projections) if kind == "int8" else 0
 
 
 class QuantEmbedding(nn.Module):
