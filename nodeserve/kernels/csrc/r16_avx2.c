@@ -10,7 +10,9 @@
  * registers (the float accumulators, touched once a block, may live in L1). Tiles of 6 rows a pass per half (a
  * broadcast per vpmaddwd) were 7-8 % slower on prompt rows (x86-64-v3 build on Zen 4: 48-49 -> 52 GMAC/s int16,
  * 70-71 -> 76 int8, one layer's projections at 256 rows) and on 3-row verify steps (10.4 -> 9.2 ms a step),
- * measured while the accumulators still spilled (NS_KEEP below): not measured again since.
+ * measured while the accumulators still spilled (NS_KEEP below); again without spills (2026-11-30, all of
+ * SmolLM2's layer projections, one core, alternated twice): 6-10 % slower at 8, 32 and 512 rows, int16 and int8
+ * (512 rows 800 -> 849 ms int16, 538 -> 574 ms int8).
  *
  * int16 activations (decode, and prompt rows by default): vpmaddwd multiplies 2 int16 weights of 8 rows by the
  * same 2 activations and adds the pair: vpdpwssd without its accumulate, so one vpaddd more (AVX-VNNI: one
