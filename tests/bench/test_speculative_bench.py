@@ -37,3 +37,23 @@ def test_ratios_are_medians_of_paired_rounds_and_differing_outputs_are_named(S):
     assert (on["outputs_identical"], on["outputs"]) == (3 * n - 1, 3 * n)
     assert on["differing"] == [{"round": 1, "part": "chat_32", "index": len(S.REPETITION) + len(S.CHAT) + 3}]
     assert on["spec_counters"]["vllm:spec_decode_num_draft_tokens_total"] == 30.0
+
+
+def test_another_repetition_set_names_its_differing_outputs_by_its_own_length(S):
+    # --repetition with 2 prompts: the third text is the first chat answer
+    n = 2 + len(S.CHAT) + 32
+    same = [f"t{i}" for i in range(n)]
+    other = list(same)
+    other[2] = "changed"
+    rounds = [{"off": _run(S, 100.0, 500.0, 70.0, same), "prompt_lookup": _run(S, 150.0, 500.0, 70.0, other)}]
+    on = S.summarize(rounds, ["prompt_lookup"], num_repetition=2)["prompt_lookup"]
+    assert on["differing"] == [{"round": 0, "part": "chat_1", "index": 2}]
+    assert (on["outputs_identical"], on["outputs"]) == (n - 1, n)
+
+
+def test_the_unseen_repetition_set_is_a_list_of_prompts():
+    import json
+    import pathlib
+    prompts = json.loads((pathlib.Path(__file__).resolve().parents[2] / "bench" / "prompts" /
+                          "repetition-unseen.json").read_text())
+    assert len(prompts) >= 5 and all(isinstance(p, str) and len(p) > 200 for p in prompts)
